@@ -1,0 +1,43 @@
+# The README's two commands: `make demo` (set up, then run the main job on a small CPU
+# default) and `make test` (set up, then run the test suite). Both are idempotent: the
+# set-up steps are file targets, so a second run skips what is done.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+OUT    ?= out
+
+.PHONY: demo test setup bench clean
+
+setup: $(STAMP) dot
+
+# torch first, pinned: the CPU build lies on this machine's disk; an unpinned torch
+# would pull a multi-GB CUDA build. pyproject's torch range admits 2.13.0, so the
+# package install afterwards adds nothing to it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# graphviz's `dot` renders the schedule graph; Debian's package provides it.
+.PHONY: dot
+dot:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq graphviz >/dev/null; \
+	  else echo "graphviz's 'dot' is missing: run 'sudo apt-get install -y graphviz'" >&2; exit 1; fi; }
+
+demo: setup
+	OUT=$(OUT) PY=$(PY) bash examples/demo.sh
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/planner.py
+	$(PY) benchmarks/runtime.py
+
+clean:
+	rm -rf $(VENV) $(OUT) *.egg-info

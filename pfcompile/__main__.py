@@ -1,0 +1,5 @@
+import sys
+
+from pfcompile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,186 @@
+"""The op vocabulary: one list, used by planner, plan file, renderer and runtime.
+
+An `Op` is the unit a rank executes. It is plain data (hashable, ordered) with a compact
+text form in the spirit of torch.distributed.pipelining's actions:
+
+| op          | text             | fields                                   |
+|-------------|------------------|------------------------------------------|
+| fwd         | F3.5             | stage 3, micro-batch 5                   |
+| bwd         | B3.5             |                                          |
+| send_act    | SA3.5>2          | activation made by stage 3, mb 5, to rank 2   |
+| recv_act    | RA3.5<0          | activation made by stage 3, mb 5, from rank 0 |
+| send_grad   | SG3.5>1          | input-gradient made by stage 3, mb 5, to rank 1 |
+| recv_grad   | RG3.5<1          |                                          |
+| curv_a      | CA7.5            | factor A of K-FAC layer 7, micro-batch 5 |
+| curv_b      | CB7.5            | factor B of K-FAC layer 7, micro-batch 5 |
+| sync_curv   | YC7.A            | all-reduce factor A of layer 7 between the stage's replicas |
+| inv         | I7.A             | invert factor A of layer 7 (on this rank) |
+| bcast_inv   | BI7.A<2          | broadcast inverse of A of layer 7 from rank 2 to the stage's replicas |
+| sync_grad   | YG3              | all-reduce stage 3's gradients between replicas |
+| precond     | P7               | precondition layer 7's gradient          |
+| step        | U3               | optimizer update of stage 3              |
+
+Conventions that every consumer relies on:
+- `stage` is the model stage (0..S-1, S = stages × virtual chunks); `mb` is the global
+  micro-batch index within one training step (0..M-1, M = all micro-batches of all
+  replicas), so (stage, mb) names one forward exactly and the data slice is mb's.
+- send and recv of one message carry the same key (kind, stage, mb): `stage` is always
+  the *producing* stage (for send_grad/recv_grad the stage whose backward made the
+  input-gradient). `peer` is the other rank.
+- `layer` is an index into the plan's list of K-FAC layers; `factor` is "A" or "B".
+- sync_curv, bcast_inv and sync_grad are collectives over the ranks that hold a replica
+  of the stage: every member lists the op, in the same order relative to its other
+  collectives on that group. `peer` on bcast_inv is the source rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# kind -> (text prefix, fields that must be set)
+OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fwd": ("F", ("stage", "mb")),
+    "bwd": ("B", ("stage", "mb")),
+    "send_act": ("SA", ("stage", "mb", "peer")),
+    "recv_act": ("RA", ("stage", "mb", "peer")),
+    "send_grad": ("SG", ("stage", "mb", "peer")),
+    "recv_grad": ("RG", ("stage", "mb", "peer")),
+    "curv_a": ("CA", ("layer", "mb")),
+    "curv_b": ("CB", ("layer", "mb")),
+    "sync_curv": ("YC", ("layer", "factor")),
+    "inv": ("I", ("layer", "factor")),
+    "bcast_inv": ("BI", ("layer", "factor", "peer")),
+    "sync_grad": ("YG", ("stage",)),
+    "precond": ("P", ("layer",)),
+    "step": ("U", ("stage",)),
+}
+PIPELINE_KINDS = frozenset({"fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad"})
+P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
+COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad"})
+KFAC_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv", "precond"})
+FACTORS = ("A", "B")
+
+_FIELDS = ("stage", "mb", "layer", "factor", "peer")
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    kind: str
+    stage: int | None = None
+    mb: int | None = None
+    layer: int | None = None
+    factor: str | None = None
+    peer: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in OP_KINDS:
+            raise ValueError(f"unknown op {self.kind!r} (known: {', '.join(OP_KINDS)})")
+        need = OP_KINDS[self.kind][1]
+        for f in _FIELDS:
+            v = getattr(self, f)
+            if f in need and v is None:
+                raise ValueError(f"op {self.kind} needs field {f!r}")
+            if f not in need and v is not None:
+                raise ValueError(f"op {self.kind} takes no field {f!r}")
+            if f == "factor" and v is not None and v not in FACTORS:
+                raise ValueError(f"factor must be 'A' or 'B', got {v!r}")
+            if f != "factor" and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"field {f!r} must be a non-negative int, got {v!r}")
+
+    # --- text form -------------------------------------------------------------------
+    def __str__(self) -> str:
+        prefix = OP_KINDS[self.kind][0]
+        k = self.kind
+        if k in ("fwd", "bwd"):
+            return f"{prefix}{self.stage}.{self.mb}"
+        if k in ("send_act", "send_grad"):
+            return f"{prefix}{self.stage}.{self.mb}>{self.peer}"
+        if k in ("recv_act", "recv_grad"):
+            return f"{prefix}{self.stage}.{self.mb}<{self.peer}"
+        if k in ("curv_a", "curv_b"):
+            return f"{prefix}{self.layer}.{self.mb}"
+        if k in ("sync_curv", "inv"):
+            return f"{prefix}{self.layer}.{self.factor}"
+        if k == "bcast_inv":
+            return f"{prefix}{self.layer}.{self.factor}<{self.peer}"
+        if k in ("sync_grad", "step"):
+            return f"{prefix}{self.stage}"
+        return f"{prefix}{self.layer}"  # precond
+
+    @property
+    def text(self) -> str:
+        return str(self)
+
+    # --- dict form (the plan file) ------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": self.kind}
+        for f in _FIELDS:
+            v = getattr(self, f)
+            if v is not None:
+                d[f] = v
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Op":
+        """Build from a plan-file dict; extra keys (start, end, ...) are ignored. Raises ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected an object, got {type(d).__name__}")
+        kind = d.get("op")
+        if not isinstance(kind, str):
+            raise ValueError("missing 'op'")
+        return Op(kind, **{f: d.get(f) for f in _FIELDS})
+
+    @property
+    def is_kfac(self) -> bool:
+        return self.kind in KFAC_KINDS
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.kind in P2P_KINDS
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVE_KINDS
+
+    def message_key(self) -> tuple:
+        """The key shared by a send and its receive (kind without direction, stage, mb)."""
+        assert self.is_p2p
+        return ("act" if self.kind.endswith("act") else "grad", self.stage, self.mb)
+
+
+_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|F|B|I|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
+_BY_PREFIX = {prefix: kind for kind, (prefix, _) in OP_KINDS.items()}
+
+
+def parse_op(text: str) -> Op:
+    """Inverse of str(op). Raises ValueError on anything else."""
+    m = _TEXT.match(text.strip())
+    if not m:
+        raise ValueError(f"not an op: {text!r}")
+    prefix, a, b, arrow, peer = m.groups()
+    kind = _BY_PREFIX[prefix]
+    a = int(a)
+    peer_i = int(peer) if peer is not None else None
+    if kind in ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad"):
+        if b is None or not b.isdigit():
+            raise ValueError(f"not an op: {text!r}")
+        if (kind.startswith("send") and arrow != ">") or (kind.startswith("recv") and arrow != "<"):
+            raise ValueError(f"not an op: {text!r}")
+        return Op(kind, stage=a, mb=int(b), peer=peer_i)
+    if kind in ("curv_a", "curv_b"):
+        if b is None or not b.isdigit():
+            raise ValueError(f"not an op: {text!r}")
+        return Op(kind, layer=a, mb=int(b))
+    if kind in ("sync_curv", "inv", "bcast_inv"):
+        if b not in FACTORS:
+            raise ValueError(f"not an op: {text!r}")
+        return Op(kind, layer=a, factor=b, peer=peer_i)
+    if kind in ("sync_grad", "step"):
+        return Op(kind, stage=a)
+    return Op(kind, layer=a)
+
+
+def format_ops(ops) -> str:
+    return " ".join(str(o) for o in ops)

@@ -1,0 +1,257 @@
+"""The profile format: per-part and per-K-FAC-layer costs of one model on one device.
+
+A profile is measured by `pfcompile profile` (pfcompile.profiler) or converted from
+published numbers (pfcompile.reference). This module only reads, validates and writes it,
+and imports no torch, so the planner can use it anywhere.
+
+Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, precond);
+sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where measured.
+
+    {
+      "schema": "pfcompile-profile", "schema_version": 1,
+      "source": "measured" | "reference",
+      "provenance": {...},                   # device, torch, dtype, host, date, repeats, ...
+      "model": {"name", "kind", "layers", "hidden", "heads", "ffn", "vocab", "seq_len",
+                "micro_batch", "dtype"},
+      "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
+                 "param_bytes", "grad_bytes", "out_bytes"}],
+      "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
+                 "out_features", "bias", "curv_a_ms", "curv_b_ms",
+                 "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
+                 "precond_ms", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
+                 "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes"}],
+      "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
+               "p2p": {"latency_ms", "bytes_per_ms"},
+               "allreduce": {"latency_ms", "bytes_per_ms"}},
+      "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
+      "hash": "sha256:..."                   # of everything above, canonical JSON
+    }
+
+`parts` are the units the partitioner cuts into contiguous stages: embeddings first,
+then the blocks in order, then the head with the loss. `out_bytes` is the size of the
+part's output for one micro-batch: the point-to-point message when a stage ends there.
+`act_bytes` is what the forward saves for the backward (freed by the backward);
+`kept_a_bytes`/`kept_b_bytes` are the layer input / output gradient K-FAC keeps until
+its curvature op has run. `factor_*_bytes` is one factor; `inverse_*_bytes` one inverse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pfcompile.errors import InputError
+from pfcompile.jsonio import Fields, canonical_hash, read_json, write_json
+
+SCHEMA = "pfcompile-profile"
+SCHEMA_VERSION = 1
+INVERSE_METHODS = ("cholesky", "eigen")
+
+
+@dataclass
+class Part:
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    act_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    out_bytes: int
+
+
+@dataclass
+class KfacLayer:
+    name: str
+    part: str
+    in_features: int
+    out_features: int
+    bias: bool
+    curv_a_ms: float
+    curv_b_ms: float
+    inv_a_ms: dict[str, float]
+    inv_b_ms: dict[str, float]
+    precond_ms: float
+    kept_a_bytes: int
+    kept_b_bytes: int
+    factor_a_bytes: int
+    factor_b_bytes: int
+    inverse_a_bytes: int
+    inverse_b_bytes: int
+
+    def inv_ms(self, factor: str, method: str = "cholesky") -> float:
+        return (self.inv_a_ms if factor == "A" else self.inv_b_ms)[method]
+
+    def curv_ms(self, factor: str) -> float:
+        return self.curv_a_ms if factor == "A" else self.curv_b_ms
+
+    def factor_bytes(self, factor: str) -> int:
+        return self.factor_a_bytes if factor == "A" else self.factor_b_bytes
+
+    def inverse_bytes(self, factor: str) -> int:
+        return self.inverse_a_bytes if factor == "A" else self.inverse_b_bytes
+
+    def kept_bytes(self, factor: str) -> int:
+        return self.kept_a_bytes if factor == "A" else self.kept_b_bytes
+
+
+@dataclass
+class LinkModel:
+    """Time of one message of n bytes: latency_ms + n / bytes_per_ms."""
+
+    latency_ms: float
+    bytes_per_ms: float
+
+    def time_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / self.bytes_per_ms
+
+
+@dataclass
+class Comm:
+    method: str
+    act_bytes: int
+    p2p: LinkModel
+    allreduce: LinkModel
+
+    def allreduce_ms(self, nbytes: int, ranks: int) -> float:
+        """Ring all-reduce: 2(r-1)/r of the bytes cross each link; nothing for one rank."""
+        if ranks <= 1:
+            return 0.0
+        return self.allreduce.latency_ms + 2 * (ranks - 1) / ranks * nbytes / self.allreduce.bytes_per_ms
+
+    def bcast_ms(self, nbytes: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.p2p.time_ms(nbytes)
+
+
+@dataclass
+class Profile:
+    source: str
+    provenance: dict[str, Any]
+    model: dict[str, Any]
+    parts: list[Part]
+    kfac_layers: list[KfacLayer]
+    comm: Comm
+    spread: dict[str, list[float]] = field(default_factory=dict)
+    hash: str = ""
+
+    # --- queries the planner uses ---------------------------------------------------------
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def layers_of(self, part_name: str) -> list[int]:
+        """Indices (into kfac_layers) of the K-FAC layers inside one part, in order."""
+        return [i for i, l in enumerate(self.kfac_layers) if l.part == part_name]
+
+    @property
+    def name(self) -> str:
+        return str(self.model.get("name", "?"))
+
+    # --- serialisation ----------------------------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "source": self.source,
+            "provenance": self.provenance,
+            "model": self.model,
+            "parts": [asdict(p) for p in self.parts],
+            "kfac_layers": [asdict(l) for l in self.kfac_layers],
+            "comm": asdict(self.comm),
+            "spread": self.spread,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        body = self.body()
+        self.hash = canonical_hash(body)
+        return {**body, "hash": self.hash}
+
+    def save(self, path: str) -> None:
+        write_json(path, self.to_json())
+
+
+def _pos(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
+def load_profile(path: str, *, check_hash: bool = True) -> Profile:
+    """Read and validate a profile; any problem is an InputError naming the file and field."""
+    return profile_from_json(read_json(path), str(path), check_hash=check_hash)
+
+
+def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = True) -> Profile:
+    top = Fields(obj, where)
+    schema = top.req("schema", str)
+    if schema != SCHEMA:
+        raise top.fail("schema", f"expected {SCHEMA!r}, got {schema!r} (is this a profile?)")
+    version = top.req("schema_version", int)
+    if version != SCHEMA_VERSION:
+        raise top.fail("schema_version", f"unsupported version {version} (this pfcompile reads {SCHEMA_VERSION})")
+    source = top.req("source", str, check=lambda s: s in ("measured", "reference"), why="must be 'measured' or 'reference'")
+    provenance = top.req("provenance", dict)
+    model = top.req("model", dict)
+    mf = top.sub("model")
+    mf.req("name", str)
+    for k in ("micro_batch", "seq_len"):
+        mf.req(k, int, check=lambda v: v > 0, why="must be a positive integer")
+
+    parts_raw = top.req("parts", list, check=lambda v: len(v) > 0, why="must list at least one part")
+    parts = []
+    for i, p in enumerate(parts_raw):
+        f = Fields(p, where, f"parts[{i}]")
+        parts.append(Part(
+            name=f.req("name", str),
+            **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},
+            **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
+               for k in ("act_bytes", "param_bytes", "grad_bytes", "out_bytes")},
+        ))
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise top.fail("parts", "part names must be unique")
+
+    layers = []
+    for i, l in enumerate(top.req("kfac_layers", list)):
+        f = Fields(l, where, f"kfac_layers[{i}]")
+        part = f.req("part", str)
+        if part not in names:
+            raise f.fail("part", f"names no part of this profile: {part!r}")
+        invs = {}
+        for key in ("inv_a_ms", "inv_b_ms"):
+            sub = f.sub(key)
+            invs[key] = {m: sub.req(m, float, check=_pos, why="must be a finite number >= 0") for m in INVERSE_METHODS}
+        layers.append(KfacLayer(
+            name=f.req("name", str), part=part,
+            in_features=f.req("in_features", int, check=lambda v: v > 0, why="must be positive"),
+            out_features=f.req("out_features", int, check=lambda v: v > 0, why="must be positive"),
+            bias=f.req("bias", bool),
+            **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0")
+               for k in ("curv_a_ms", "curv_b_ms", "precond_ms")},
+            **invs,
+            **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
+               for k in ("kept_a_bytes", "kept_b_bytes", "factor_a_bytes", "factor_b_bytes",
+                         "inverse_a_bytes", "inverse_b_bytes")},
+        ))
+
+    cf = top.sub("comm")
+    links = {}
+    for key in ("p2p", "allreduce"):
+        lf = cf.sub(key)
+        links[key] = LinkModel(
+            latency_ms=lf.req("latency_ms", float, check=_pos, why="must be a finite number >= 0"),
+            bytes_per_ms=lf.req("bytes_per_ms", float, check=lambda v: _pos(v) and v > 0, why="must be positive"),
+        )
+    comm = Comm(method=cf.req("method", str), act_bytes=cf.req("act_bytes", int, check=_pos, why="must be >= 0"), **links)
+    spread = top.opt("spread", dict, {})
+
+    prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
+                   kfac_layers=layers, comm=comm, spread=spread)
+    stored = top.opt("hash", str)
+    actual = canonical_hash(prof.body())
+    if check_hash and stored is not None and stored != actual:
+        raise top.fail("hash", "does not match the content (the file was edited or truncated)")
+    prof.hash = actual
+    return prof
