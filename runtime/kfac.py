@@ -1,0 +1,339 @@
+"""K-FAC for nn.Linear layers, one function per unit of work the planner schedules.
+
+For y = W x + b the Fisher block of the bias-augmented weight [W, b] is approximated by
+A ⊗ B, A = E[a aᵀ] over tokens with a = [x, 1], B = E[g gᵀ] with g the output gradient
+of the per-token loss; the preconditioned gradient is B⁻¹ G A⁻¹.
+
+Cycle semantics shared by the single-process trainer, the profiler and the pipeline runtime
+(refresh every k steps):
+  * a refresh step t (t % k == 0) starts with `activate()`: the inverses computed during
+    the previous cycle come into force, the accumulators are emptied;
+  * during step t each micro-batch's inputs / output gradients are captured by hooks and
+    folded into the accumulators by `curv_a(mb)` / `curv_b(mb)`;
+  * `invert(factor)` (any time before step t + k) EMA-updates the factors and puts a
+    damped inverse into the PENDING slot; it is not used before step t + k;
+  * every step `precondition()` applies the inverses in force (none in cycle 0: the
+    gradient passes through unchanged).
+
+Scaling. The loss of a step is the mean over its M micro-batches of each micro-batch's mean
+loss, and each micro-batch's backward is of loss_m / M (`loss_divisor` = M). An output
+gradient captured for a micro-batch of n rows is scaled by M·n, which makes it the gradient
+of the per-row loss; the accumulator keeps Σ g gᵀ and the row count, so the sum over
+micro-batches (and over replicas: all-reduce SUM of the packed buffer) divided by the total
+count is exactly the full-batch factor. A is accumulated the same way from [x, 1].
+
+Fisher: "empirical" captures the gradient of the training loss; "mc" (single-process
+trainer only) captures the gradient of a loss on targets sampled from the model's own
+predictive distribution, from a separate backward. The pipeline runtime uses empirical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+FACTORS = ("A", "B")
+
+
+class NonFiniteFactorError(FloatingPointError):
+    """A K-FAC factor or inverse holds NaN/Inf; the message names the layer."""
+
+
+@dataclass
+class KfacConfig:
+    damping: float = 1e-3          # λ
+    ema: float = 0.95              # factor <- ema * factor + (1 - ema) * new
+    damping_mode: str = "pi"       # "pi": A + π√λ I, B + √λ/π I;  "plain": (A⊗B + λI)⁻¹ (eigen only)
+    inverse: str = "cholesky"      # "cholesky" | "eigen"
+    fisher: str = "empirical"      # "empirical" | "mc"
+    kl_clip: float | None = 1e-3
+    refresh_steps: int = 1         # k
+
+    def __post_init__(self):
+        if self.damping_mode not in ("pi", "plain"):
+            raise ValueError(f"damping_mode must be 'pi' or 'plain', got {self.damping_mode!r}")
+        if self.inverse not in ("cholesky", "eigen"):
+            raise ValueError(f"inverse must be 'cholesky' or 'eigen', got {self.inverse!r}")
+        if self.damping_mode == "plain" and self.inverse != "eigen":
+            raise ValueError("damping_mode 'plain' needs inverse 'eigen' (A⊗B + λI has no Kronecker Cholesky)")
+        if self.fisher not in ("empirical", "mc"):
+            raise ValueError(f"fisher must be 'empirical' or 'mc', got {self.fisher!r}")
+        if not (self.damping > 0 and 0 <= self.ema < 1 and self.refresh_steps >= 1):
+            raise ValueError("need damping > 0, 0 <= ema < 1, refresh_steps >= 1")
+
+
+class KfacLayer:
+    """K-FAC state of one nn.Linear: saved tensors, accumulators, factors, inverses."""
+
+    def __init__(self, name: str, module: nn.Linear, cfg: KfacConfig, loss_divisor: float = 1.0):
+        self.name, self.module, self.cfg = name, module, cfg
+        self.loss_divisor = loss_divisor  # M: each micro-batch's backward is of loss_m / M
+        self.capturing = False
+        self.mb = 0                       # micro-batch the hooks file what they capture under
+        self.bias = module.bias is not None
+        d_a = module.in_features + (1 if self.bias else 0)
+        d_b = module.out_features
+        self.dims = {"A": d_a, "B": d_b}
+        like = dict(dtype=module.weight.dtype, device=module.weight.device)
+        # Packed accumulator: Σ outer products (d*d) followed by the row count.
+        self._acc = {f: torch.zeros(d * d + 1, **like) for f, d in self.dims.items()}
+        self._saved = {"A": {}, "B": {}}
+        self.factors: dict[str, torch.Tensor] = {}
+        self.inverses: dict[str, torch.Tensor] = {}   # in force
+        self._pending: dict[str, torch.Tensor] = {}
+        self._ema_done = False  # factors EMA-updated from this cycle's accumulators
+        self.kl_term = None     # <g̃, g> of the last precondition(), for the KL clip
+        self._hooks = []
+
+    # --- capture ----------------------------------------------------------------------------
+    def save_input(self, mb: int, x: torch.Tensor) -> None:
+        self._saved["A"][mb] = x.detach().reshape(-1, x.shape[-1])
+
+    def save_grad(self, mb: int, gy: torch.Tensor) -> None:
+        self._saved["B"][mb] = gy.detach().reshape(-1, gy.shape[-1])
+
+    def _forward_hook(self, module, inputs, output):
+        if not self.capturing or not torch.is_grad_enabled():
+            return
+        mb = self.mb
+        self.save_input(mb, inputs[0])
+        # The grad hook decides at backward time (capturing may be off for the training
+        # backward when the Monte-Carlo backward already captured this micro-batch).
+        output.register_hook(lambda g, mb=mb: self.save_grad(mb, g) if self.capturing else None)
+
+    def attach(self) -> None:
+        if not self._hooks:
+            self._hooks.append(self.module.register_forward_hook(self._forward_hook))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # --- curvature ----------------------------------------------------------------------------
+    def _take(self, factor: str, mb: int) -> torch.Tensor:
+        try:
+            return self._saved[factor].pop(mb)
+        except KeyError:
+            what = "input" if factor == "A" else "output gradient"
+            raise RuntimeError(f"K-FAC layer {self.name}: no saved {what} for micro-batch {mb} "
+                               f"(was it captured? capturing must be on during its fwd/bwd)") from None
+
+    def _add(self, factor: str, rows: torch.Tensor) -> None:
+        d = self.dims[factor]
+        acc = self._acc[factor]
+        rows = rows.to(acc.dtype)
+        acc[: d * d].view(d, d).addmm_(rows.t(), rows)
+        acc[d * d] += rows.shape[0]
+
+    def curv_a(self, mb: int) -> None:
+        x = self._take("A", mb)
+        if self.bias:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+        self._add("A", x)
+
+    def curv_b(self, mb: int) -> None:
+        gy = self._take("B", mb)
+        self._add("B", gy * (self.loss_divisor * gy.shape[0]))
+
+    def accumulator(self, factor: str) -> torch.Tensor:
+        """The packed buffer [Σ outer products (d*d), row count]; all-reduce it in place with
+        SUM (or AVG: the ratio is unchanged) to combine replicas."""
+        return self._acc[factor]
+
+    def _new_factor(self, factor: str) -> torch.Tensor:
+        d = self.dims[factor]
+        acc = self._acc[factor]
+        count = float(acc[d * d])
+        if count <= 0:
+            raise RuntimeError(f"K-FAC layer {self.name}: factor {factor} has no curvature this cycle (no curv_{factor.lower()} ran)")
+        return acc[: d * d].view(d, d) / count
+
+    def update_factors(self) -> None:
+        """EMA both factors from this cycle's accumulators, once per cycle."""
+        if self._ema_done:
+            return
+        for f in FACTORS:
+            new = self._new_factor(f)
+            if not torch.isfinite(new).all():
+                raise NonFiniteFactorError(f"K-FAC layer {self.name}: factor {f} has non-finite values (NaN/Inf in the captured "
+                                           f"{'inputs' if f == 'A' else 'output gradients'}); lower the learning rate or raise damping")
+            old = self.factors.get(f)
+            self.factors[f] = new.clone() if old is None else old * self.cfg.ema + new * (1 - self.cfg.ema)
+        self._ema_done = True
+
+    # --- inversion ----------------------------------------------------------------------------
+    def pi(self) -> float:
+        """π = sqrt((tr A / dim A) / (tr B / dim B)): splits damping so both factors get a
+        share proportional to their scale."""
+        ta = float(self.factors["A"].diagonal().mean())
+        tb = float(self.factors["B"].diagonal().mean())
+        return math.sqrt(ta / tb) if ta > 0 and tb > 0 else 1.0
+
+    def factor_damping(self, factor: str) -> float:
+        s, p = math.sqrt(self.cfg.damping), self.pi()
+        return s * p if factor == "A" else s / p
+
+    def invert(self, factor: str) -> None:
+        """Damped inverse of `factor` into the pending slot (EMA-updating both factors first
+        if this cycle's update has not happened yet)."""
+        self.update_factors()
+        F_ = self.factors[factor]
+        eye = torch.eye(F_.shape[0], dtype=F_.dtype, device=F_.device)
+        if self.cfg.inverse == "cholesky":
+            L, info = torch.linalg.cholesky_ex(F_ + self.factor_damping(factor) * eye)
+            if int(info) != 0:
+                raise NonFiniteFactorError(f"K-FAC layer {self.name}: damped factor {factor} is not positive definite; raise damping")
+            inv = torch.cholesky_inverse(L)
+        else:
+            evals, Q = torch.linalg.eigh(F_)
+            evals = evals.clamp_min(0)  # a PSD matrix; negative values are rounding
+            if self.cfg.damping_mode == "pi":
+                evals = evals + self.factor_damping(factor)
+            inv = torch.cat([Q, evals[:, None]], dim=1)  # packed [Q | eigenvalues]
+        if not torch.isfinite(inv).all():
+            raise NonFiniteFactorError(f"K-FAC layer {self.name}: inverse of factor {factor} is not finite")
+        self._pending[factor] = inv
+
+    def pending(self, factor: str) -> torch.Tensor:
+        """The pending inverse as one tensor (eigen: [Q | eigenvalues]) for broadcast."""
+        return self._pending[factor]
+
+    def pending_shape(self, factor: str) -> tuple[int, int]:
+        d = self.dims[factor]
+        return (d, d + 1) if self.cfg.inverse == "eigen" else (d, d)
+
+    def set_pending(self, factor: str, tensor: torch.Tensor) -> None:
+        self._pending[factor] = tensor
+
+    def activate(self) -> None:
+        """Cycle boundary: pending inverses come into force; the accumulators are emptied.
+        A replica that received both inverses instead of computing them still EMA-updates its
+        factors here, so every replica keeps the same factors."""
+        if any(float(self._acc[f][-1]) > 0 for f in FACTORS) and not self._ema_done:
+            self.update_factors()
+        self.inverses.update(self._pending)
+        self._pending = {}
+        for acc in self._acc.values():
+            acc.zero_()
+        self._saved = {"A": {}, "B": {}}
+        self._ema_done = False
+
+    # --- preconditioning -------------------------------------------------------------------------
+    def grad_matrix(self) -> torch.Tensor:
+        w = self.module.weight.grad
+        if w is None:
+            w = torch.zeros_like(self.module.weight)
+        if not self.bias:
+            return w
+        b = self.module.bias.grad
+        b = torch.zeros_like(self.module.bias) if b is None else b
+        return torch.cat([w, b[:, None]], dim=1)
+
+    def set_grad_matrix(self, G: torch.Tensor) -> None:
+        n = self.module.in_features
+        self.module.weight.grad = G[:, :n].contiguous()
+        if self.bias:
+            self.module.bias.grad = G[:, n].contiguous()
+
+    def precondition(self) -> None:
+        """weight.grad / bias.grad <- B⁻¹ G A⁻¹ with the inverses in force (unchanged if none)."""
+        G = self.grad_matrix()
+        if not ("A" in self.inverses and "B" in self.inverses):
+            self.kl_term = None
+            return
+        IA, IB = self.inverses["A"].to(G.dtype), self.inverses["B"].to(G.dtype)
+        if self.cfg.inverse == "cholesky":
+            P = IB @ G @ IA
+        else:
+            QA, ea = IA[:, :-1], IA[:, -1]
+            QB, eb = IB[:, :-1], IB[:, -1]
+            V = QB.t() @ G @ QA
+            if self.cfg.damping_mode == "plain":
+                V = V / (eb[:, None] * ea[None, :] + self.cfg.damping)
+            else:
+                V = V / (eb[:, None] * ea[None, :])
+            P = QB @ V @ QA.t()
+        self.kl_term = (P * G).sum()
+        self.set_grad_matrix(P)
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {f"acc_{f}": t.clone() for f, t in self._acc.items()}
+        sd.update({f"factor_{f}": t.clone() for f, t in self.factors.items()})
+        sd.update({f"inverse_{f}": t.clone() for f, t in self.inverses.items()})
+        sd.update({f"pending_{f}": t.clone() for f, t in self._pending.items()})
+        sd["ema_done"] = torch.tensor(self._ema_done)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for f in FACTORS:
+            self._acc[f].copy_(sd[f"acc_{f}"])
+        pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
+        self.factors, self.inverses, self._pending = pick("factor"), pick("inverse"), pick("pending")
+        self._ema_done = bool(sd["ema_done"])
+
+
+# --- helpers over groups of layers -------------------------------------------------------------
+def make_layers(named_linears, cfg: KfacConfig, loss_divisor: float = 1.0, attach: bool = True) -> list[KfacLayer]:
+    """KfacLayer for each (name, nn.Linear) of runtime.models.kfac_linears, hooks attached."""
+    layers = [KfacLayer(n, m, cfg, loss_divisor) for n, m in named_linears]
+    if attach:
+        attach_all(layers)
+    return layers
+
+
+def attach_all(layers: list[KfacLayer]) -> None:
+    for l in layers:
+        l.attach()
+
+
+def detach_all(layers: list[KfacLayer]) -> None:
+    for l in layers:
+        l.detach()
+
+
+@contextlib.contextmanager
+def capturing(layers: list[KfacLayer], mb: int, on: bool = True):
+    """Run one micro-batch's forward (and backward) with the layers' hooks saving under `mb`."""
+    for l in layers:
+        l.capturing, l.mb = on, mb
+    try:
+        yield
+    finally:
+        for l in layers:
+            l.capturing = False
+
+
+def kl_clip_scale(layers: list[KfacLayer], lr: float, kl_clip: float | None) -> float:
+    """kfac-pytorch's KL clip over a group: min(1, sqrt(kl_clip / (lr² Σ <g̃, g>))).
+    Layers that were not preconditioned (no inverses in force yet) do not count."""
+    if not kl_clip:
+        return 1.0
+    terms = [l.kl_term for l in layers if l.kl_term is not None]
+    if not terms:
+        return 1.0
+    vg = abs(float(sum(terms))) * lr * lr
+    return 1.0 if vg == 0 else min(1.0, math.sqrt(kl_clip / vg))
+
+
+def scale_grads(layers: list[KfacLayer], scale: float) -> None:
+    if scale == 1.0:
+        return
+    for l in layers:
+        if l.kl_term is None:
+            continue
+        for p in (l.module.weight, l.module.bias):
+            if p is not None and p.grad is not None:
+                p.grad.mul_(scale)
+
+
+def apply_kl_clip(layers: list[KfacLayer], lr: float, kl_clip: float | None) -> float:
+    """Compute the group's KL-clip scale and apply it to the preconditioned gradients."""
+    s = kl_clip_scale(layers, lr, kl_clip)
+    scale_grads(layers, s)
+    return s

@@ -1,0 +1,339 @@
+"""Transformer models as an ordered list of parts: embed, block0..block{N-1}, head.
+
+A pipeline stage holds a contiguous run of parts. Every part is built deterministically
+from (seed, part name) alone, so a rank that builds only its own parts gets exactly the
+weights the full model would have, and a model cut into any number of stages computes the
+same loss and gradients as the uncut one.
+
+Blocks are pre-LN (LayerNorm before attention and before the FFN, as in GPT-2/nanoGPT):
+it trains without warm-up tricks at the small sizes the tests and demo use, and K-FAC sees
+the same Linear layers (q, k, v, out, fc1, fc2) either way. The head is a final LayerNorm
+plus the vocabulary projection; BERT and GPT differ only in the attention mask and in the
+targets the data builds (masked tokens vs. the next token).
+
+Part call convention (what a pipeline passes between stages):
+    embed(tokens[b,T]) -> h[b,T,H];  block(h) -> h;  head(h, targets[b,T]) -> scalar loss
+    (mean over target tokens, -100 ignored); head(h) -> logits[b,T,V].
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import zlib
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The pydoc corpus' character vocabulary (runtime.data.VOCAB); kept as a number here so
+# building a model does not read the corpus.
+CORPUS_VOCAB = 100
+BERT_VOCAB = 30522
+IGNORE_INDEX = -100
+
+
+class ModelSpecError(ValueError):
+    """A model name or module:function that does not resolve. One line, lists valid names."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    kind: str  # "bert" (bidirectional, MLM) or "gpt" (causal, next token)
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int = CORPUS_VOCAB
+    max_seq_len: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("bert", "gpt"):
+            raise ModelSpecError(f"model {self.name!r}: kind must be 'bert' or 'gpt', got {self.kind!r}")
+        if self.hidden % self.heads:
+            raise ModelSpecError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
+
+    @property
+    def causal(self) -> bool:
+        return self.kind == "gpt"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "ModelConfig":
+        keys = ModelConfig.__dataclass_fields__
+        return ModelConfig(**{k: v for k, v in d.items() if k in keys})
+
+
+def _family(kind: str) -> dict[str, ModelConfig]:
+    sizes = {"tiny": (2, 64, 2, CORPUS_VOCAB, 128), "mini": (4, 256, 4, CORPUS_VOCAB, 128),
+             "base": (12, 768, 12, BERT_VOCAB, 512), "large": (24, 1024, 16, BERT_VOCAB, 512)}
+    return {f"{kind}-{s}": ModelConfig(f"{kind}-{s}", kind, n, h, heads, 4 * h, vocab, seq)
+            for s, (n, h, heads, vocab, seq) in sizes.items()}
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {**_family("bert"), **_family("gpt")}
+
+
+# --- parts -------------------------------------------------------------------------------
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(pos))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # Registration order is execution order: kfac_linears relies on it.
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden)
+        self.heads, self.causal = cfg.heads, cfg.causal
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        split = lambda y: y.view(b, t, self.heads, h // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        # Explicit softmax attention (not SDPA) so float32 and float64 take the same path.
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(h // self.heads)
+        if self.causal:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            att = att.masked_fill(mask, float("-inf"))
+        y = self.drop(att.softmax(-1)) @ v
+        return self.out(y.transpose(1, 2).reshape(b, t, h))
+
+
+class FFN(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(F.gelu(self.fc1(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.ffn = FFN(cfg)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.ln1(h))
+        return h + self.ffn(self.ln2(h))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.vocab)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.proj(self.ln(h))
+        return logits if targets is None else lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over target tokens (targets == -100 are ignored)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def part_names(cfg: ModelConfig) -> list[str]:
+    return ["embed", *(f"block{i}" for i in range(cfg.layers)), "head"]
+
+
+def part_seed(seed: int, part_name: str) -> int:
+    """A seed for one part from (model seed, part name): independent of which rank builds it."""
+    return (seed * 1_000_003 + zlib.crc32(part_name.encode())) % (2**63 - 1)
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2/BERT initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm.
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def build_part(cfg: ModelConfig, part_name: str, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
+    """Build one part deterministically from (seed, part name)."""
+    if part_name == "embed":
+        make = Embed
+    elif part_name == "head":
+        make = Head
+    elif re.fullmatch(r"block\d+", part_name) and int(part_name[5:]) < cfg.layers:
+        make = Block
+    else:
+        raise ModelSpecError(f"model {cfg.name!r} has no part {part_name!r} (parts: embed, block0..block{cfg.layers - 1}, head)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(part_seed(seed, part_name))
+        part = make(cfg)
+        _init_weights(part)
+    return part.to(dtype) if dtype is not None else part
+
+
+# --- model specs: built-in configs and user models --------------------------------------
+class BuiltinModel:
+    """The model-spec interface (`cfg`, `part_names`, `build_part`) for a ModelConfig.
+
+    A user model (resolve_model("pkg.mod:fn")) is any object with the same three members.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.part_names = part_names(cfg)
+
+    def build_part(self, part_name: str, seed: int = 0) -> nn.Module:
+        return build_part(self.cfg, part_name, seed)
+
+
+def _valid_names() -> str:
+    return ", ".join(MODEL_CONFIGS) + ", or package.module:function"
+
+
+def resolve_config(name_or_spec: str | ModelConfig | dict, vocab: int | None = None, seq_len: int | None = None) -> ModelConfig:
+    """A built-in name (or a ModelConfig / its dict) -> ModelConfig, with vocab/seq_len overrides."""
+    if isinstance(name_or_spec, ModelConfig):
+        cfg = name_or_spec
+    elif isinstance(name_or_spec, dict):
+        try:
+            cfg = ModelConfig.from_dict(name_or_spec)
+        except TypeError as e:
+            raise ModelSpecError(f"bad model spec {name_or_spec!r:.80}: {e}") from None
+    elif isinstance(name_or_spec, str) and name_or_spec in MODEL_CONFIGS:
+        cfg = MODEL_CONFIGS[name_or_spec]
+    else:
+        raise ModelSpecError(f"unknown model {name_or_spec!r:.80}; valid: {_valid_names()}")
+    if vocab is not None:
+        cfg = replace(cfg, vocab=vocab)
+    if seq_len is not None:
+        cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len))
+    return cfg
+
+
+def resolve_model(name_or_spec, vocab: int | None = None, seq_len: int | None = None):
+    """Anything naming a model -> an object with `cfg`, `part_names`, `build_part(name, seed)`.
+
+    Accepts a built-in name, a ModelConfig, a spec object, or "package.module:function"
+    (the function is called with no arguments and must return a spec object).
+    """
+    if hasattr(name_or_spec, "build_part") and hasattr(name_or_spec, "part_names"):
+        return name_or_spec
+    if isinstance(name_or_spec, str) and ":" in name_or_spec:
+        mod_name, _, fn_name = name_or_spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+            spec = fn()
+        except Exception as e:  # noqa: BLE001 - any failure is the user's spec; report it in one line
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelSpecError(f"model {name_or_spec!r}: cannot load ({type(e).__name__}: {msg}); valid: {_valid_names()}") from None
+        if not all(hasattr(spec, a) for a in ("cfg", "part_names", "build_part")):
+            raise ModelSpecError(f"model {name_or_spec!r}: {fn_name}() returned {type(spec).__name__}, "
+                                 f"not an object with cfg, part_names, build_part; valid: {_valid_names()}")
+        return spec
+    return BuiltinModel(resolve_config(name_or_spec, vocab, seq_len))
+
+
+def _as_spec(model):
+    return model if hasattr(model, "build_part") else resolve_model(model)
+
+
+# --- stages and the whole model --------------------------------------------------------
+class Stage(nn.Module):
+    """A contiguous run of parts. forward(x, targets=None): tokens or hidden states in;
+    hidden states out, or the loss (logits if targets is None) when the stage holds the head."""
+
+    def __init__(self, model, names: Iterable[str], seed: int = 0, dtype: torch.dtype | None = None):
+        super().__init__()
+        spec = _as_spec(model)
+        self.cfg = spec.cfg
+        self.names = list(names)
+        order = list(spec.part_names)
+        idx = [order.index(n) if n in order else -1 for n in self.names]
+        if -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ModelSpecError(f"stage parts {self.names} are not a contiguous run of {order}")
+        self.parts = nn.ModuleDict({n: spec.build_part(n, seed) for n in self.names})
+        if dtype is not None:
+            self.to(dtype)
+        self.has_head = self.names[-1] == order[-1]
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        for name, part in self.parts.items():
+            if name == self.names[-1] and self.has_head:
+                return part(x, targets) if targets is not None else part(x)
+            x = part(x)
+        return x
+
+
+def build_stage(model, names: Iterable[str], seed: int = 0, dtype: torch.dtype | None = None) -> Stage:
+    return Stage(model, names, seed, dtype)
+
+
+class PipelineModel(Stage):
+    """The uncut model: one Stage holding every part."""
+
+    def __init__(self, model, seed: int = 0, dtype: torch.dtype | None = None):
+        super().__init__(model, _as_spec(model).part_names, seed, dtype)
+
+
+def build_model(model, seed: int = 0, dtype: torch.dtype | None = None) -> PipelineModel:
+    return PipelineModel(model, seed, dtype)
+
+
+def split_parts(names: list[str], stages: int) -> list[list[str]]:
+    """Cut parts into `stages` contiguous runs of near-equal length (tests, examples)."""
+    if not 1 <= stages <= len(names):
+        raise ValueError(f"cannot cut {len(names)} parts into {stages} stages")
+    q, r = divmod(len(names), stages)
+    out, i = [], 0
+    for s in range(stages):
+        n = q + (1 if s < r else 0)
+        out.append(names[i:i + n])
+        i += n
+    return out
+
+
+# --- K-FAC coverage ------------------------------------------------------------------------
+DEFAULT_KFAC_PATTERNS = (r"^block\d+\.",)  # every Linear inside the blocks; not the vocabulary projection
+
+
+def kfac_linears(module_with_parts: nn.Module,
+                 include: Callable[[str], bool] | Iterable[str] | None = None) -> list[tuple[str, nn.Linear]]:
+    """Every covered nn.Linear as ("{part}.{path}", module), in execution order.
+
+    `include` is a predicate on the name or a list of regexes (any match covers the layer);
+    the default covers the blocks' q, k, v, out, fc1, fc2.
+    """
+    if include is None or not callable(include):
+        patterns = [re.compile(p) for p in (DEFAULT_KFAC_PATTERNS if include is None else include)]
+        include = lambda name: any(p.search(name) for p in patterns)  # noqa: E731
+    parts = getattr(module_with_parts, "parts")
+    items = parts.items() if isinstance(parts, nn.ModuleDict) else zip(module_with_parts.names, parts)
+    out = []
+    for part_name, part in items:
+        for path, m in part.named_modules():
+            name = f"{part_name}.{path}"
+            if isinstance(m, nn.Linear) and include(name):
+                out.append((name, m))
+    return out
