@@ -86,3 +86,58 @@ class Schedule:
     def end(self, p: Problem, i: int) -> int | None:
         s = self.start[i]
         return None if s is None else s + p.tasks[i].dur
+
+
+def violations(p: Problem, s: Schedule, *, memory: bool = True) -> list[str]:
+    """What a schedule breaks (empty: feasible). Independent of the CP-SAT model."""
+    out = []
+    st = s.start
+    by_opt = p.option_tasks()
+    for c in p.choices:
+        taken = [o for o in c if by_opt[o] and all(st[i] is not None for i in by_opt[o])]
+        if len(taken) != 1 or any(st[i] is not None for o in c if o not in taken for i in by_opt[o]):
+            out.append(f"choice {c}: not exactly one option taken")
+    for i, t in enumerate(p.tasks):
+        if t.option is None and st[i] is None:
+            out.append(f"task {t.key} not scheduled")
+        elif st[i] is not None and st[i] < 0:
+            out.append(f"task {t.key} starts before 0")
+    for a, b, lag in p.edges:
+        if st[a] is not None and st[b] is not None and st[b] < st[a] + p.tasks[a].dur + lag:
+            out.append(f"{p.tasks[b].key} starts before {p.tasks[a].key} ends (+{lag})")
+    for chain in p.chains:
+        for a, b in zip(chain, chain[1:]):
+            if st[b] < st[a] + p.tasks[a].dur:
+                out.append(f"fixed order: {p.tasks[b].key} before {p.tasks[a].key}")
+    for g in p.rendezvous:
+        if len({st[i] for i in g if st[i] is not None}) > 1:
+            out.append(f"collective {[p.tasks[i].key for i in g]} does not start together")
+    for res, tasks in p.resources().items():
+        iv = sorted((st[i], st[i] + p.tasks[i].dur, i) for i in tasks if st[i] is not None and p.tasks[i].dur > 0)
+        for (s0, e0, i), (s1, e1, j) in zip(iv, iv[1:]):
+            if s1 < e0:
+                out.append(f"{p.tasks[i].key} and {p.tasks[j].key} overlap on {res}")
+    if memory:
+        for rank, peak in peak_levels(p, s).items():
+            cap = p.capacity.get(rank)
+            if cap is not None and peak > cap:
+                out.append(f"rank {rank}: memory {peak} > capacity {cap}")
+    if s.makespan < max((st[i] + t.dur for i, t in enumerate(p.tasks) if st[i] is not None), default=0):
+        out.append("makespan below the last end")
+    return out
+
+
+def peak_levels(p: Problem, s: Schedule) -> dict[int, int]:
+    """Peak of the buffers' level per rank (frees at an instant count before allocations
+    at the same instant, as in the CP-SAT reservoir)."""
+    events: dict[int, list[tuple[int, int]]] = {}
+    for rank, nbytes, a, f in p.buffers:
+        events.setdefault(rank, []).extend([(s.start[a], nbytes), (s.start[f] + p.tasks[f].dur, -nbytes)])
+    peaks = {}
+    for rank, ev in events.items():
+        level = peak = 0
+        for t, c in sorted(ev, key=lambda e: (e[0], e[1])):
+            level += c
+            peak = max(peak, level)
+        peaks[rank] = peak
+    return peaks

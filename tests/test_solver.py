@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pfcompile.bounds import lower_bounds
 from pfcompile.cpmodel import solve
-from pfcompile.problem import Problem
+from pfcompile.problem import Problem, violations
 
 # --- tiny random problems against exhaustive search -------------------------------------
 
@@ -88,4 +88,16 @@ def test_optimal_on_tiny_instances_matches_exhaustive_search(p):
         return
     assert res.status == "OPTIMAL"
     assert res.objective == want
+    assert violations(p, res.schedule) == []
     assert lower_bounds(p).makespan <= want
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_problems())
+def test_list_schedule_is_feasible_and_never_below_the_optimum(p):
+    from pfcompile.list_schedule import list_schedule
+
+    s = list_schedule(p)
+    assert violations(p, s, memory=False) == []
+    want = brute_force(p.__class__(p.tasks, p.edges, p.rendezvous, p.choices, [], {}, p.chains))
+    assert want is not None and s.makespan >= want

@@ -1,0 +1,112 @@
+"""A list scheduler over a `Problem`: the solver's warm start and its fallback.
+
+Tasks are placed one by one, in an order consistent with the dependencies, each at the
+earliest time its predecessors (plus lags) allow where its resource has a gap long enough
+(insertion: a late task may fill an early gap). Members of a collective are placed at the
+first time all of their resources are free. For a choice, the option whose tasks finish
+earliest is taken. Memory is not modelled here (the solver and the replay check it).
+
+`first` tasks are placed before all others: giving the per-step pipeline work first and the
+refresh's K-FAC work second reproduces PipeFisher's greedy filling of the bubbles.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+import networkx as nx
+
+from pfcompile.problem import Problem, Schedule
+
+
+class _Timeline:
+    """Busy intervals of one resource, sorted, with first-fit insertion."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def fit(self, t: int, dur: int) -> int:
+        if dur == 0:
+            return t
+        i = bisect.bisect_right(self.ends, t)
+        while i < len(self.starts):
+            if t + dur <= self.starts[i]:
+                return t
+            t = max(t, self.ends[i])
+            i += 1
+        return t
+
+    def book(self, t: int, dur: int) -> None:
+        if dur == 0:
+            return
+        i = bisect.bisect_left(self.starts, t)
+        self.starts.insert(i, t)
+        self.ends.insert(i, t + dur)
+
+
+def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> Schedule:
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(p.tasks)))
+    lag = {}
+    for a, b, l in p.edges:
+        g.add_edge(a, b)
+        lag[a, b] = max(l, lag.get((a, b), l))
+    for chain in p.chains:
+        for a, b in zip(chain, chain[1:]):
+            g.add_edge(a, b)
+            lag.setdefault((a, b), 0)
+    group_of = {i: gr for gr in p.rendezvous for i in gr}
+    first = first or set()
+    key = order_key or (lambda i: i)
+    order = list(nx.lexicographical_topological_sort(g, key=lambda i: (i not in first, key(i))))
+
+    by_opt = p.option_tasks()
+    chosen: set[int] = set()
+    choice_of = {o: c for c in p.choices for o in c}
+
+    lines: dict[tuple, _Timeline] = defaultdict(_Timeline)
+    start: list[int | None] = [None] * len(p.tasks)
+    decided: set[int] = set()  # choices (by first option id) already decided
+
+    def release(i: int) -> int:
+        r = 0
+        for a in g.predecessors(i):
+            if start[a] is not None:
+                r = max(r, start[a] + p.tasks[a].dur + lag[a, i])
+        return r
+
+    def place_group(members: list[int], trial: bool) -> int:
+        t = max(release(i) for i in members)
+        while True:
+            t2 = max(lines[p.tasks[i].resource].fit(t, p.tasks[i].dur) for i in members)
+            if t2 == t:
+                break
+            t = t2
+        if not trial:
+            for i in members:
+                start[i] = t
+                lines[p.tasks[i].resource].book(t, p.tasks[i].dur)
+        return t
+
+    for i in order:
+        if start[i] is not None:
+            continue
+        o = p.tasks[i].option
+        if o is not None:
+            c = choice_of[o]
+            if c[0] not in decided:
+                decided.add(c[0])
+                # the option whose first tasks would finish earliest (the least loaded replica)
+                best = min(c, key=lambda oo: max(
+                    (place_group(group_of.get(j, [j]), trial=True) + p.tasks[j].dur
+                     for j in by_opt[oo] if not any(p.tasks[a].option == oo for a in g.predecessors(j))),
+                    default=0))
+                chosen.add(best)
+            if o not in chosen:
+                continue
+        members = [j for j in group_of.get(i, [i]) if start[j] is None]
+        place_group(members, trial=False)
+    mk = max((s + p.tasks[i].dur for i, s in enumerate(start) if s is not None), default=0)
+    return Schedule(start, mk)
