@@ -1,0 +1,157 @@
+"""torch.distributed for the interpreter: the process group, one group per replicated
+stage, point-to-point messages and collectives, all with timeouts.
+
+Why each choice:
+- Sends are posted with `isend` and completed later (`Mailbox.drain`): a plan may send
+  before it receives in both directions (Chimera), and a blocking send there deadlocks.
+- Receives block (`irecv(...).wait(timeout)`): the op after a receive needs the data.
+- Every message has a tag derived from its key (kind, producing stage, micro-batch), so
+  on gloo a receive matches exactly its send whatever order the two ranks post them in.
+- A collective's `wait` carries the same timeout as the group, so a lost peer ends the
+  run with an error naming the op instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class CommTimeout(RuntimeError):
+    """A peer did not answer within the timeout (it died, or the plan is inconsistent)."""
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout: timedelta
+    # stage -> process group of its replicas (only stages with more than one replica)
+    stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as torchrun sets them; a plain `python -m runtime` is rank 0 of 1."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_world(timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join the job: NCCL with one device per local rank on CUDA, gloo on CPU."""
+    rank, world_size, local_rank = env_world()
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size)
+    return World(rank, world_size, local_rank, device, backend, timeout)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_stage_groups(world: World, replica_ranks: list[list[int]]) -> None:
+    """One group per stage with >1 replica. new_group is itself a collective over the whole
+    world, so every rank creates every group, in stage order, even those it is not in."""
+    for stage, ranks in enumerate(replica_ranks):
+        if len(ranks) > 1:
+            group = dist.new_group(sorted(ranks), timeout=world.timeout)
+            if world.rank in ranks:
+                world.stage_groups[stage] = group
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- point-to-point --------------------------------------------------------------------
+def message_tag(kind: str, stage: int, mb: int, micro_batches: int) -> int:
+    """A distinct tag per (kind, producing stage, micro-batch) within one step."""
+    return ((stage * micro_batches + mb) << 1) | (1 if kind == "grad" else 0)
+
+
+class Mailbox:
+    """Posted sends of this rank, completed at the end of the step (or when many are in flight)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.in_flight: list[tuple[str, dist.Work, torch.Tensor]] = []
+
+    def send(self, what: str, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()  # the buffer must live until the send completes
+        work = dist.isend(tensor, dst=dst, tag=tag)
+        self.in_flight.append((what, work, tensor))
+
+    def recv(self, what: str, shape, dtype, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.world.device)
+        work = dist.irecv(buf, src=src, tag=tag)
+        _wait(work, self.world.timeout, f"{what} from rank {src}")
+        return buf
+
+    def drain(self) -> None:
+        for what, work, _ in self.in_flight:
+            _wait(work, self.world.timeout, what)
+        self.in_flight.clear()
+
+
+# --- collectives -----------------------------------------------------------------------
+def all_reduce_sum(tensors: list[torch.Tensor], group, timeout: timedelta, what: str) -> None:
+    """Sum tensors in place over the group, as one flat message (one rendezvous, not one per tensor)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, what)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def broadcast(tensor: torch.Tensor, src: int, group, timeout: timedelta, what: str) -> None:
+    _wait(dist.broadcast(tensor, src=src, group=group, async_op=True), timeout, what)
+
+
+def gather_json(world: World, obj) -> list | None:
+    """Every rank's JSON-able `obj`, on rank 0 (None elsewhere). JSON bytes in a tensor
+    rather than gather_object: nothing received from the network is unpickled."""
+    import json
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=world.device)
+    sizes = [torch.zeros_like(size) for _ in range(world.world_size)]
+    dist.all_gather(sizes, size)
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=world.device)
+    padded[: data.numel()] = data.to(world.device)
+    bufs = [torch.zeros_like(padded) for _ in range(world.world_size)]
+    dist.all_gather(bufs, padded)
+    if world.rank != 0:
+        return None
+    return [json.loads(bytes(b[: int(n)].cpu().tolist())) for b, n in zip(bufs, sizes)]
+
+
+def _wait(work, timeout: timedelta, what: str) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:  # gloo/NCCL report a lost peer or a timeout as RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CommTimeout(f"{what}: no answer within {timeout.total_seconds():g} s or peer lost ({first})") from None

@@ -1,0 +1,183 @@
+"""The op interpreter: one rank executes its plan's op lists, in order, step after step.
+
+Each op kind has one handler (`_fwd`, `_recv_act`, `_sync_grad`, ...). The interpreter
+holds, per stage this rank runs, the stage module, its K-FAC layers and its optimizer, and
+per micro-batch the stage's input and output until the backward has used them.
+
+What keeps the run equal to a single process (runtime.train.train_step):
+- step t of the global run uses the global batch of step t; micro-batch m is slice m of
+  it, wherever it runs;
+- the last stage back-propagates loss_m / N (N = all micro-batches of all replicas), and
+  sync_grad SUMS the replicas' gradients: together the gradient of the mean loss;
+- K-FAC accumulators are sums over micro-batches; sync_curv sums them over replicas,
+  so the factor is the same full-batch factor the single process computes;
+- KL-clip and the optimizer work per stage, the grouping the reference uses too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from pfcompile.ops import Op
+from pfcompile.plan import Plan
+from runtime import comm, kfac
+from runtime.measure import Timeline
+
+
+@dataclass
+class StageReplica:
+    """What one rank holds of one model stage."""
+    stage: int
+    replica: int
+    module: nn.Module
+    kfac: dict[int, object]          # plan layer index -> runtime.kfac.KfacLayer
+    optimizer: object                # runtime.optim optimizer of this stage
+    group: object | None             # process group of the stage's replicas (None: one replica)
+    is_first: bool
+    is_last: bool
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)   # mb -> input (requires grad)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> output or loss/N
+
+
+class Interpreter:
+    def __init__(self, plan: Plan, world: comm.World, stages: dict[int, StageReplica],
+                 act_shape: tuple[int, ...], dtype: torch.dtype, update, timeline: Timeline):
+        self.plan, self.world, self.stages = plan, world, stages
+        self.act_shape, self.dtype = act_shape, dtype
+        self.update = update            # update(stage_replica): KL-clip + optimizer step of a stage
+        self.timeline = timeline
+        self.capturing = False          # K-FAC hooks save inputs/grads (refresh steps only)
+        self.N = int(plan.config["micro_batches"])
+        self.k = plan.refresh_steps
+        self.mailbox = comm.Mailbox(world)
+        self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, stage, mb) -> tensor
+        self.tokens: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
+        self.handlers = {
+            "fwd": self._fwd, "bwd": self._bwd,
+            "send_act": self._send, "send_grad": self._send,
+            "recv_act": self._recv, "recv_grad": self._recv,
+            "curv_a": self._curv, "curv_b": self._curv,
+            "sync_curv": self._sync_curv, "inv": self._inv, "bcast_inv": self._bcast_inv,
+            "sync_grad": self._sync_grad, "precond": self._precond, "step": self._step,
+        }
+
+    @property
+    def layers(self):
+        return {i: layer for sr in self.stages.values() for i, layer in sr.kfac.items()}
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run_step(self, step: int, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+        """Execute this rank's ops of global step `step`; returns its share of the step's loss."""
+        self.tokens, self.targets, self.loss_sum = tokens, targets, 0.0
+        refresh = step % self.k == 0
+        if refresh and step > 0:
+            for layer in self.layers.values():  # the inverses of the last cycle come into force
+                layer.activate()
+        self.capturing = refresh
+        tl = self.timeline
+        step_start = tl.now_ms()
+        for op in self.plan.ops(self.world.rank, step):
+            start = tl.now_ms()
+            self.handlers[op.kind](op)
+            tl.record(step, str(op), op.kind, start, tl.now_ms())
+        self.mailbox.drain()
+        tl.steps.append((step, step_start, tl.now_ms()))
+        return self.loss_sum
+
+    # --- pipeline ops -------------------------------------------------------------------------
+    def _fwd(self, op: Op) -> None:
+        sr = self.stages[op.stage]
+        m = op.mb
+        if sr.is_first:
+            x = self.tokens[m]
+        else:
+            x = self._take(("act", op.stage - 1, m)).requires_grad_(True)
+        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+            if sr.is_last:
+                out = sr.module(x, self.targets[m]) / self.N
+                self.loss_sum += float(out.detach())
+            else:
+                out = sr.module(x)
+        sr.inputs[m], sr.outputs[m] = x, out
+
+    def _bwd(self, op: Op) -> None:
+        sr = self.stages[op.stage]
+        m = op.mb
+        out = sr.outputs.pop(m)
+        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+            if sr.is_last:
+                torch.autograd.backward(out)
+            else:
+                torch.autograd.backward(out, self._take(("grad", op.stage + 1, m)))
+        x = sr.inputs.pop(m)
+        if not sr.is_first:
+            # Kept for the send (or, if the previous stage is on this rank, its backward).
+            self.received[("grad", op.stage, m)] = x.grad
+
+    def _send(self, op: Op) -> None:
+        kind, stage, m = op.message_key()
+        if kind == "act":
+            tensor = self.stages[stage].outputs[m]
+        else:
+            tensor = self.received.pop(("grad", stage, m))
+        self.mailbox.send(str(op), tensor, op.peer, comm.message_tag(kind, stage, m, self.N))
+
+    def _recv(self, op: Op) -> None:
+        kind, stage, m = op.message_key()
+        self.received[(kind, stage, m)] = self.mailbox.recv(
+            str(op), self.act_shape, self.dtype, op.peer, comm.message_tag(kind, stage, m, self.N))
+
+    def _take(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """A received message, or the local producer's tensor when both stages are on this rank."""
+        if key in self.received:
+            return self.received.pop(key)
+        kind, stage, m = key
+        if kind == "act" and stage in self.stages:
+            return self.stages[stage].outputs[m].detach()
+        raise RuntimeError(f"rank {self.world.rank}: no {kind} of stage {stage} micro-batch {m} "
+                           f"(the plan runs its consumer before its receive)")
+
+    # --- K-FAC ops -------------------------------------------------------------------------------
+    def _curv(self, op: Op) -> None:
+        layer = self.layers[op.layer]
+        (layer.curv_a if op.kind == "curv_a" else layer.curv_b)(op.mb)
+
+    def _sync_curv(self, op: Op) -> None:
+        group = self.stages[self.plan.layer_stage[op.layer]].group
+        comm.all_reduce_sum([self.layers[op.layer].accumulator(op.factor)], group,
+                            self.world.timeout, str(op))
+
+    def _inv(self, op: Op) -> None:
+        self.layers[op.layer].invert(op.factor)
+
+    def _bcast_inv(self, op: Op) -> None:
+        layer = self.layers[op.layer]
+        group = self.stages[self.plan.layer_stage[op.layer]].group
+        if self.world.rank == op.peer:
+            tensor = layer.pending(op.factor)
+        else:
+            tensor = torch.empty(layer.pending_shape(op.factor), dtype=self.dtype, device=self.world.device)
+        comm.broadcast(tensor, op.peer, group, self.world.timeout, str(op))
+        if self.world.rank != op.peer:
+            layer.set_pending(op.factor, tensor)
+
+    def _precond(self, op: Op) -> None:
+        self.layers[op.layer].precondition()
+
+    # --- gradients and the update ----------------------------------------------------------------
+    def _sync_grad(self, op: Op) -> None:
+        sr = self.stages[op.stage]
+        for p in sr.module.parameters():  # every replica must contribute the same tensors
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in sr.module.parameters()]
+        comm.all_reduce_sum(grads, sr.group, self.world.timeout, str(op))
+
+    def _step(self, op: Op) -> None:
+        sr = self.stages[op.stage]
+        self.update(sr)

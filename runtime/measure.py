@@ -1,0 +1,98 @@
+"""The measured timeline: every op's start and end on every rank, as a Perfetto trace in the
+renderer's format (pfcompile.trace), and the one-line summary of a run.
+
+Times are milliseconds from a start instant all ranks agree on (a barrier right before the
+first step), so the ranks' rows line up in the trace like the plan's predicted rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from pfcompile.trace import stream_of, write_trace
+
+# Ops during which a rank computes; the rest (receives, collectives) is waiting or
+# communicating, i.e. bubble from the point of view of the compute stream.
+_NOT_COMPUTE = {"send_act", "recv_act", "send_grad", "recv_grad", "sync_curv", "bcast_inv", "sync_grad"}
+
+
+@dataclass
+class Timeline:
+    rank: int
+    t0: float = field(default_factory=time.perf_counter)
+    # (step, op text, op kind, start_ms, end_ms)
+    ops: list[tuple[int, str, str, float, float]] = field(default_factory=list)
+    # (step, start_ms, end_ms) of each whole step on this rank
+    steps: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1000.0
+
+    def record(self, step: int, text: str, kind: str, start_ms: float, end_ms: float) -> None:
+        self.ops.append((step, text, kind, start_ms, end_ms))
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "ops": self.ops, "steps": self.steps}
+
+    @staticmethod
+    def from_json(d: dict) -> "Timeline":
+        return Timeline(d["rank"], 0.0, [tuple(o) for o in d["ops"]], [tuple(s) for s in d["steps"]])
+
+    def to_events(self):
+        return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
+                for step, text, kind, s, e in self.ops]
+
+
+@dataclass
+class Summary:
+    steps: int
+    loss: float | None
+    step_ms: float            # measured wall time per step (all ranks, after warm-up)
+    bubble: float             # 1 - compute time / (ranks x wall time), over the same steps
+    predicted_ms: float | None
+
+    def line(self) -> str:
+        loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
+        pred = "predicted n/a"
+        if self.predicted_ms:
+            pred = (f"predicted {self.predicted_ms:.2f} ms/step, measured/predicted "
+                    f"{self.step_ms / self.predicted_ms:.3f}")
+        return (f"runtime: {self.steps} steps, loss {loss}, measured {self.step_ms:.2f} ms/step, "
+                f"bubble {self.bubble:.1%}, {pred}")
+
+
+def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
+              warmup_steps: int) -> Summary:
+    """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
+    allocations and, on CUDA, kernel loading)."""
+    all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
+    kept = [s for s in all_steps if s >= warmup_steps] or all_steps
+    lo = min(start for tl in timelines for s, start, _ in tl.steps if s in kept)
+    hi = max(end for tl in timelines for s, _, end in tl.steps if s in kept)
+    wall = hi - lo
+    busy = sum(e - s for tl in timelines for step, _, kind, s, e in tl.ops
+               if step in kept and kind not in _NOT_COMPUTE)
+    bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
+    return Summary(len(all_steps), loss, wall / len(kept), bubble, predicted_ms)
+
+
+def per_step_ms(timelines: list[Timeline]) -> list[float]:
+    """Wall time of each step over all ranks (first start to last end)."""
+    out = []
+    for s in sorted({s for tl in timelines for s, _, _ in tl.steps}):
+        lo = min(a for tl in timelines for st, a, _ in tl.steps if st == s)
+        hi = max(b for tl in timelines for st, _, b in tl.steps if st == s)
+        out.append(hi - lo)
+    return out
+
+
+def median_step_ms(timelines: list[Timeline], warmup_steps: int) -> float:
+    times = per_step_ms(timelines)
+    return statistics.median(times[warmup_steps:] or times)
+
+
+def write_measured_trace(path: str, timelines: list[Timeline], metadata: dict) -> None:
+    events = [ev for tl in timelines for ev in tl.to_events()]
+    write_trace(path, events, metadata={"source": "measured", **metadata})
