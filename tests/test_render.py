@@ -1,0 +1,337 @@
+"""`pfcompile render`: graph SVG node/edge counts, trace events, timeline pixels, torch CSV.
+
+Plans here are built by a small list-scheduling simulation written in this file (so the
+counts can be derived independently, in closed form) and loaded through the real plan
+loader; the planner's own plans are used where it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from pfcompile.plan import load_plan, plan_from_json
+from pfcompile.render import plan_events, render_files
+from pfcompile.render_graph import TaskFilter
+
+REPO = Path(__file__).resolve().parents[1]
+SVG_NS = "{http://www.w3.org/2000/svg}"
+DUR = {"fwd": 1.0, "bwd": 2.0, "curv_a": 0.3, "curv_b": 0.4, "inv": 0.5, "precond": 0.2, "step": 0.1}
+P2P_MS = 0.1
+
+
+# --- a plan built by hand: fixed per-rank compute order, times by simulation -------------
+
+def compute_order(schedule: str, D: int, M: int, v: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per rank: (kind, stage, mb) of its forwards and backwards, in order."""
+    orders = []
+    for q in range(D):
+        if schedule == "gpipe":
+            order = [("fwd", q, m) for m in range(M)] + [("bwd", q, m) for m in range(M)]
+        elif schedule == "1f1b":
+            w = min(D - q - 1, M)
+            order = [("fwd", q, m) for m in range(w)]
+            for i in range(M - w):
+                order += [("fwd", q, w + i), ("bwd", q, i)]
+            order += [("bwd", q, m) for m in range(M - w, M)]
+        elif schedule == "interleaved":  # breadth-first looped order over the v chunks of a rank
+            order = [("fwd", c * D + q, m) for c in range(v) for m in range(M)]
+            order += [("bwd", c * D + q, m) for c in reversed(range(v)) for m in range(M)]
+        else:
+            raise ValueError(schedule)
+        orders.append(order)
+    return orders
+
+
+def build_plan(schedule="1f1b", D=2, M=4, v=1, kfac=True, layers_per_stage=2) -> dict:
+    S = D * v
+    rank_of = lambda s: s % D  # noqa: E731
+    layer_stage = [s for s in range(S) for _ in range(layers_per_stage)]
+    programs = []
+    for q, order in enumerate(compute_order(schedule, D, M, v)):
+        prog = []
+        for kind, s, m in order:
+            if kind == "fwd" and s > 0:
+                prog.append({"op": "recv_act", "stage": s - 1, "mb": m, "peer": rank_of(s - 1)})
+            if kind == "bwd" and s < S - 1:
+                prog.append({"op": "recv_grad", "stage": s + 1, "mb": m, "peer": rank_of(s + 1)})
+            prog.append({"op": kind, "stage": s, "mb": m})
+            if kfac:
+                curv = "curv_a" if kind == "fwd" else "curv_b"
+                prog += [{"op": curv, "layer": l, "mb": m} for l, ls in enumerate(layer_stage) if ls == s]
+            if kind == "fwd" and s < S - 1:
+                prog.append({"op": "send_act", "stage": s, "mb": m, "peer": rank_of(s + 1)})
+            if kind == "bwd" and s > 0:
+                prog.append({"op": "send_grad", "stage": s, "mb": m, "peer": rank_of(s - 1)})
+        for s in range(q, S, D):
+            mine = [l for l, ls in enumerate(layer_stage) if ls == s]
+            if kfac:
+                prog += [{"op": "inv", "layer": l, "factor": f} for l in mine for f in "AB"]
+                prog += [{"op": "precond", "layer": l} for l in mine]
+            prog.append({"op": "step", "stage": s})
+        programs.append(prog)
+
+    # list scheduling: a receive waits for its send, everything else for its rank
+    sent: dict[tuple, float] = {}
+    clock, pos = [0.0] * D, [0] * D
+    while any(pos[q] < len(programs[q]) for q in range(D)):
+        progress = False
+        for q in range(D):
+            while pos[q] < len(programs[q]):
+                op = programs[q][pos[q]]
+                start = clock[q]
+                if op["op"].startswith("recv"):
+                    key = (op["op"][5:], op["stage"], op["mb"])
+                    if key not in sent:
+                        break
+                    start = max(start, sent[key])
+                dur = P2P_MS if "send" in op["op"] or "recv" in op["op"] else DUR[op["op"]]
+                op["start"], op["end"] = start, start + dur
+                if op["op"].startswith("send"):
+                    sent[(op["op"][5:], op["stage"], op["mb"])] = op["end"]
+                clock[q] = op["end"]
+                pos[q] += 1
+                progress = True
+        assert progress, "test schedule deadlocks"
+    return {
+        "schema": "pfcompile-plan", "schema_version": 1,
+        "config": {"schedule": schedule, "stages": D, "virtual_stages": v, "micro_batches": M, "replicas": 1,
+                   "world_size": D, "method": "none", "kfac": kfac, "refresh_steps": 1},
+        "model": {"name": "toy"},
+        "partition": [[f"block{s}"] for s in range(S)],
+        "layers": [f"block{s}.fc{i}" for s in range(S) for i in range(layers_per_stage)],
+        "layer_stage": layer_stage,
+        "placement": [{"stage": s, "replica": 0, "rank": rank_of(s)} for s in range(S)],
+        "micro_batch_replica": [0] * M,
+        "ranks": [{"rank": q, "steps": [programs[q]]} for q in range(D)],
+        "stats": {"step_time_ms": max(clock)},
+    }
+
+
+def write_plan(tmp_path, obj, name="plan.json") -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(obj))
+    return p
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "pfcompile", "render", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+
+
+def svg_groups(path: Path, cls: str) -> list[ET.Element]:
+    root = ET.parse(path).getroot()
+    return [g for g in root.iter(f"{SVG_NS}g") if g.get("class") == cls]
+
+
+# --- graph ---------------------------------------------------------------------------------
+
+def test_graph_has_one_node_per_task_and_the_closed_form_edges(tmp_path):
+    D, M = 2, 4
+    plan = plan_from_json(build_plan("1f1b", D, M, kfac=False))
+    out = tmp_path / "g.svg"
+    done = render_files(plan, graph=str(out), collapse=False)
+    n_tasks = sum(len(ops) for steps in plan.ranks for ops in steps)
+    nodes = svg_groups(out, "node")
+    assert len(nodes) == n_tasks == done["graph"]["nodes"]
+    # per micro-batch: F0->SA, SA->RA, RA->F1, F1->B1, B1->SG, SG->RG, RG->B0, F0->B0;
+    # per stage: its step after each of the M backwards
+    assert len(svg_groups(out, "edge")) == 8 * M + D * M
+    titles = {n.find(f"{SVG_NS}text").text for n in nodes}
+    assert {"F0.0", "SA0.0>1", "RA0.0<0", "B1.3", "U0", "U1"} <= titles
+    assert len(svg_groups(out, "cluster")) == 2 * D  # a device cluster holding a step cluster each
+
+
+def test_collapsed_graph_has_one_node_per_stage_microbatch_and_layer(tmp_path):
+    D, M, L = 2, 3, 2
+    plan = plan_from_json(build_plan("1f1b", D, M, kfac=True, layers_per_stage=L))
+    out = tmp_path / "g.svg"
+    done = render_files(plan, graph=str(out), collapse=True)
+    # forward and backward groups per (stage, mb), one K-FAC group per layer, one update per stage
+    assert len(svg_groups(out, "node")) == 2 * D * M + D * L + D == done["graph"]["nodes"]
+
+
+def test_filters_keep_only_the_chosen_device_and_layers(tmp_path):
+    plan = plan_from_json(build_plan("1f1b", 2, 4, kfac=True))
+    out = tmp_path / "g.svg"
+    render_files(plan, graph=str(out), graph_filter=TaskFilter(ranks={1}), collapse=False)
+    assert len(svg_groups(out, "node")) == len(plan.ranks[1][0])
+    render_files(plan, graph=str(out), graph_filter=TaskFilter(layers={0}), collapse=False)
+    # layer 0 lives on stage 0, alone on rank 0: all of rank 0's ops but those of layer 1
+    expected = [p for p in plan.ranks[0][0] if p.op.layer in (None, 0)]
+    assert len(svg_groups(out, "node")) == len(expected)
+
+
+def test_large_plan_is_collapsed_automatically_and_says_so(tmp_path):
+    plan_path = write_plan(tmp_path, build_plan("1f1b", 4, 8, kfac=True, layers_per_stage=4))
+    assert sum(len(s[0]) for s in load_plan(str(plan_path)).ranks) > 300
+    r = cli(plan_path, "--graph", tmp_path / "g.svg", "--json")
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout)
+    assert done["graph"]["collapsed"] is True
+    assert any("collapsed automatically" in n for n in done["notes"])
+    assert len(svg_groups(tmp_path / "g.svg", "node")) == 2 * 4 * 8 + 16 + 4
+
+
+# --- trace ---------------------------------------------------------------------------------
+
+def test_trace_has_one_complete_event_per_op_with_the_plans_durations(tmp_path):
+    plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 4, kfac=True))
+    plan = load_plan(str(plan_path))
+    out = tmp_path / "t.json"
+    r = cli(plan_path, "--trace", out)
+    assert r.returncode == 0, r.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X"]
+    planned = [(q, p) for q, steps in enumerate(plan.ranks) for p in steps[0]]
+    assert len(ops) == len(planned)
+    for e in events:
+        assert {"name", "ph", "pid", "tid"} <= e.keys()
+    for e, (q, p) in zip(ops, planned):
+        assert {"name", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+        assert e["pid"] == q and e["name"] == str(p.op)
+        assert e["ts"] == pytest.approx(p.start * 1000) and e["dur"] == pytest.approx((p.end - p.start) * 1000)
+        assert e["args"]["step"] == 0 and e["args"]["op"] == p.op.kind
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
+    assert names == {(0, "rank 0"), (1, "rank 1")}
+    streams = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert streams == {"compute", "p2p"}
+
+
+# --- timeline ------------------------------------------------------------------------------
+
+def test_timeline_png_shows_forward_backward_and_kfac_colours(tmp_path):
+    import numpy as np
+    from matplotlib import image
+
+    plan = plan_from_json(build_plan("1f1b", 2, 4, kfac=True))
+    render_files(plan, timeline=str(tmp_path / "t.png"), trace=None)
+    render_files(plan, timeline=str(tmp_path / "t.svg"))
+    ET.parse(tmp_path / "t.svg")  # well-formed
+    px = (image.imread(tmp_path / "t.png")[..., :3] * 255).round().astype(int)
+
+    def share(hex_colour):
+        rgb = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
+        return (np.abs(px - rgb).sum(-1) <= 6).mean()
+
+    from pfcompile.render_style import GROUPS
+    fwd, bwd, curv = share(GROUPS["fwd"][1]), share(GROUPS["bwd"][1]), share(GROUPS["curv"][1])
+    assert fwd > 0.005 and curv > 0.001
+    assert bwd > 1.3 * fwd  # backward takes twice as long as forward in this plan
+
+
+# --- errors --------------------------------------------------------------------------------
+
+def test_malformed_plan_is_a_one_line_error_and_writes_nothing(tmp_path):
+    bad = build_plan("1f1b", 2, 2)
+    bad["ranks"][1]["steps"][0][0]["op"] = "fwdd"
+    plan_path = write_plan(tmp_path, bad)
+    r = cli(plan_path, "--trace", tmp_path / "t.json", "--timeline", tmp_path / "t.png")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(plan_path) in lines[0] and "ranks[1].steps[0][0]" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.png").exists()
+
+
+def test_bad_output_name_is_rejected_before_anything_is_written(tmp_path):
+    plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
+    r = cli(plan_path, "--trace", tmp_path / "t.json", "--timeline", tmp_path / "t.gif")
+    assert r.returncode == 2 and "--timeline" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
+    assert cli(plan_path).returncode == 2  # nothing asked for
+
+
+def test_missing_dot_says_how_to_install_graphviz(tmp_path):
+    plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
+    no_dot = tmp_path / "bin"
+    no_dot.mkdir()
+    env = {**os.environ, "PATH": str(no_dot)}
+    r = cli(plan_path, "--trace", tmp_path / "t.json", "--graph", tmp_path / "g.svg", env=env)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dot" in lines[0] and "apt-get install graphviz" in lines[0]
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "g.svg").exists()
+
+
+# --- torch.distributed.pipelining CSV --------------------------------------------------------
+
+def torch_runtime(num_stages: int, group_size: int, n_microbatches: int):
+    """A schedule object as torch's own tests build it for CSV loading: stages without a model."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    class StageShape(_PipelineStageBase):  # only what the schedule reads: sizes and rank
+        def __init__(self):
+            self.num_stages, self.group_size, self.group_rank, self.group = num_stages, group_size, 0, None
+            self.submod = None
+
+        # stage set-up for real tensors; never called while loading and checking a schedule
+        def _create_grad_recv_info(self, *a, **k):
+            raise NotImplementedError
+
+        _prepare_forward_infra = _prepare_backward_infra = _create_grad_recv_info
+
+    return _PipelineScheduleRuntime([StageShape()], n_microbatches)
+
+
+@pytest.mark.parametrize("schedule,D,M,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2)])
+def test_torch_csv_loads_and_validates_in_torch(tmp_path, schedule, D, M, v):
+    from torch.distributed.pipelining.schedules import _simulate_comms_compute
+
+    plan_path = write_plan(tmp_path, build_plan(schedule, D, M, v, kfac=True))
+    out = tmp_path / "order.csv"
+    r = cli(plan_path, "--torch-csv", out)
+    assert r.returncode == 0, r.stderr
+    assert "left out: K-FAC ops" in r.stderr
+    text = out.read_text()
+    assert not re.search(r"C[AB]|inv|precond", text)
+
+    sched = torch_runtime(D * v, D, M)
+    sched._load_csv(str(out), format="compute_comms")  # runs torch's _validate_schedule
+    assert sched.stage_index_to_group_rank == {s: s % D for s in range(D * v)}
+    rows = [line.split(",") for line in text.strip().splitlines()]
+    assert [[str(a) for a in sched.pipeline_order_with_comms[q]] for q in range(D)] == rows
+    plan = load_plan(str(plan_path))
+    for q in range(D):  # the plan's pipeline order, action by action
+        assert len(rows[q]) == sum(p.op.kind in ("fwd", "bwd") or p.op.is_p2p for p in plan.ranks[q][0])
+    simulated = _simulate_comms_compute(sched.pipeline_order_with_comms,
+                                        lambda s: sched.stage_index_to_group_rank[s], D * v)
+    assert sum(a is not None for row in simulated.values() for a in row) == sum(map(len, rows))
+
+    # the compute-only form goes through torch's own send/recv lowering
+    r = cli(plan_path, "--torch-csv", tmp_path / "c.csv", "--torch-csv-format", "compute_only")
+    assert r.returncode == 0, r.stderr
+    sched = torch_runtime(D * v, D, M)
+    sched._load_csv(str(tmp_path / "c.csv"))  # raises if torch cannot place the send/recvs
+    # torch's simulator knows compute and p2p only; drop the FSDP/grad-reduce markers it lowered in
+    lowered = {q: [a for a in row if "SHARD" not in str(a) and "REDUCE" not in str(a)]
+               for q, row in sched.pipeline_order_with_comms.items()}
+    assert [len(lowered[q]) for q in range(D)] == [len(row) for row in rows]
+    _simulate_comms_compute(lowered, lambda s: sched.stage_index_to_group_rank[s], D * v)
+
+
+def test_torch_csv_rejects_a_plan_order_torch_cannot_run(tmp_path):
+    """The check has teeth: a backward before its forward fails torch's validation."""
+    obj = build_plan("gpipe", 2, 2, kfac=False)
+    prog = obj["ranks"][0]["steps"][0]
+    f_idx = next(i for i, o in enumerate(prog) if o["op"] == "fwd" and o["mb"] == 1)
+    b_idx = next(i for i, o in enumerate(prog) if o["op"] == "bwd" and o["mb"] == 1)
+    prog[f_idx], prog[b_idx] = prog[b_idx], prog[f_idx]
+    plan = plan_from_json(obj)
+    render_files(plan, torch_csv=str(tmp_path / "o.csv"))
+    with pytest.raises(AssertionError, match="without first running Forward"):
+        torch_runtime(2, 2, 2)._load_csv(str(tmp_path / "o.csv"), format="compute_comms")
+
+
+def test_plan_events_carry_op_fields():
+    plan = plan_from_json(build_plan("1f1b", 2, 2, kfac=True))
+    ev = next(e for e in plan_events(plan) if e.name == "CA0.1")
+    assert ev.stream == "compute" and ev.args["layer"] == 0 and ev.args["mb"] == 1 and ev.args["work"] == "curvature"
