@@ -2,19 +2,26 @@
 
 A task is one op on one rank in one step of the refresh cycle. Its dependencies follow
 the table in pfcompile/ops.py (and DESIGN.md): a producer is looked up on the rank the
-rule names, in the same step if it runs there, else in the latest earlier step of the
-cycle (K-FAC work of one refresh may be spread over several steps); a producer that only
-runs in a previous cycle (the inverses in force) gives no edge.
+rule names, in the same step; floating K-FAC work (curvature, factor sync, inversion,
+broadcast) may run in any step of the cycle, so it is found in the same step if it runs
+there, else in the latest earlier one; a producer that only runs in a previous cycle (the
+inverses in force) gives no edge. Curvature is always of step 0's micro-batches. The rules match the planner's
+task graph (pfcompile/graph.py) on each rank; across ranks only messages and broadcasts
+are edges here, the members of a collective are linked by `collective_peers` instead.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
-from pfcompile.ops import Op
+from pfcompile.ops import FACTORS, Op
 from pfcompile.plan import Plan
+
+
+# K-FAC work of one refresh that may run in any step of the cycle (as in pfcompile/graph.py)
+FLOATING_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
 
 
 @dataclass(frozen=True)
@@ -31,8 +38,9 @@ class Task:
 
 
 # A requirement is a list of alternatives, tried in order; the first that finds any
-# producer wins. An alternative names (rank, kind, predicate over the producer op).
-Alternative = tuple[int, str, Callable[[Op], bool]]
+# producer wins. An alternative names (rank, kind, predicate over the producer op), and
+# optionally the one step of the cycle the producer must be in.
+Alternative = tuple  # (int, str, Callable[[Op], bool]) or with a 4th item: step
 
 
 def tasks_of(plan: Plan) -> list[Task]:
@@ -59,14 +67,14 @@ def _requirements(plan: Plan, q: int, op: Op) -> list[list[Alternative]]:
     if k in ("recv_act", "recv_grad"):
         return [[(op.peer, "send" + k[4:], at(s, mb))]]
     if k in ("curv_a", "curv_b"):
-        return [[(q, "fwd" if k == "curv_a" else "bwd", at(ls[l], mb))]]
-    factor_curv = "curv_" + (f or "a").lower()
+        return [[(q, "fwd" if k == "curv_a" else "bwd", at(ls[l], mb), 0)]]
     of_layer = lambda o: o.layer == l  # noqa: E731
     same_factor = lambda o: o.layer == l and o.factor == f  # noqa: E731
     if k == "sync_curv":
-        return [[(q, factor_curv, of_layer)]]
-    if k == "inv":
-        return [[(q, "sync_curv", same_factor), (q, factor_curv, of_layer)]]
+        return [[(q, "curv_" + f.lower(), of_layer)]]
+    if k == "inv":  # both factors: the damping of each is corrected by the other's norm (pi)
+        return [[(q, "sync_curv", lambda o, g=g: o.layer == l and o.factor == g), (q, "curv_" + g.lower(), of_layer)]
+                for g in FACTORS]
     if k == "bcast_inv":
         return [[(op.peer, "inv", same_factor)]]
     if k == "sync_grad":
@@ -87,10 +95,13 @@ def dependencies(plan: Plan, tasks: list[Task] | None = None) -> Iterator[tuple[
         by_kind[(task.rank, task.op.kind)].append(task)
 
     def resolve(alt: Alternative, step: int) -> list[Task]:
-        rank, kind, pred = alt
+        rank, kind, pred = alt[:3]
+        pinned = alt[3] if len(alt) > 3 else None
+        if pinned is None and kind not in FLOATING_KINDS:
+            pinned = step  # per-step work feeds only its own step
         chosen: dict[Op, Task] = {}
         for cand in by_kind.get((rank, kind), ()):
-            if cand.step > step or not pred(cand.op):
+            if cand.step > step or not pred(cand.op) or (pinned is not None and cand.step != pinned):
                 continue
             best = chosen.get(cand.op)
             if best is None or cand.step > best.step:  # same step, else the latest earlier one

@@ -335,3 +335,28 @@ def test_plan_events_carry_op_fields():
     plan = plan_from_json(build_plan("1f1b", 2, 2, kfac=True))
     ev = next(e for e in plan_events(plan) if e.name == "CA0.1")
     assert ev.stream == "compute" and ev.args["layer"] == 0 and ev.args["mb"] == 1 and ev.args["work"] == "curvature"
+
+
+def test_dependencies_follow_the_op_vocabulary_across_the_refresh_cycle():
+    from pfcompile.plan_deps import dependencies
+
+    obj = build_plan("1f1b", 2, 2, kfac=True)
+    obj["config"]["refresh_steps"] = 2
+    for r in obj["ranks"]:  # step 1 repeats the pipeline; layer 0's curvature moves there
+        step0 = r["steps"][0]
+        shift = max(o["end"] for o in step0)
+        step1 = [{**o, "start": o["start"] + shift, "end": o["end"] + shift} for o in step0
+                 if not (o["op"].startswith("curv") or o["op"] in ("inv", "precond"))]
+        step1[-1:-1] = [{**o, "start": o["start"] + shift, "end": o["end"] + shift} for o in step0
+                        if o["op"] == "curv_a" and o["layer"] == 0]
+        r["steps"] = [[o for o in step0 if not (o["op"] == "curv_a" and o["layer"] == 0)], step1]
+    plan = plan_from_json(obj)
+    deps = {(str(a.op), a.step, str(b.op), b.step) for a, b in dependencies(plan)}
+    of = lambda op, step: {(p, ps) for p, ps, c, cs in deps if (c, cs) == (op, step)}  # noqa: E731
+    assert of("CA0.1", 1) == {("F0.1", 0)}  # curvature is of step 0's micro-batches
+    assert of("I0.A", 0) == {("CB0.0", 0), ("CB0.1", 0)}  # A's curvature runs only later in the cycle
+    assert of("I1.A", 0) == {("CA1.0", 0), ("CA1.1", 0), ("CB1.0", 0), ("CB1.1", 0)}
+    assert of("F1.1", 1) == {("RA0.1<0", 1)} and of("RA0.1<0", 1) == {("SA0.1>1", 1)}
+    assert of("B0.0", 0) == {("F0.0", 0), ("RG1.0<1", 0)}
+    assert of("U0", 1) == {("B0.0", 1), ("B0.1", 1)}  # no precond in step 1: straight from the backwards
+    assert of("U0", 0) == {("P0", 0), ("P1", 0)}
