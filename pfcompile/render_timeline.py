@@ -30,13 +30,19 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
     t_end = max((p.end for _, _, p in ops), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(width_in, 1.0 + 0.55 * world))
     present: set[str] = set()
+    # a device holding several stages (interleaved chunks, Chimera's two pipelines) draws
+    # its second stage's forward/backward lighter, as the paper's figures do
+    chunk = {(q, s): i for q in range(world) for i, (s, _) in enumerate(plan.stages_of(q))}
     for q, t, p in ops:
         kind = p.op.kind
         group = group_of(kind)
         present.add(group)
         off, height = COMM if group in ("p2p", "sync_curv", "sync_grad") else COMPUTE
         width = max(p.end - p.start, 0.0)
-        ax.broken_barh([(p.start, width)], (q + off, height), facecolors=color_of(kind),
+        colour = color_of(kind)
+        if group in ("fwd", "bwd") and chunk.get((q, p.op.stage), 0) % 2:
+            colour = _lighter(colour)
+        ax.broken_barh([(p.start, width)], (q + off, height), facecolors=colour,
                        edgecolors="white", linewidth=0.3)
         if group in ("fwd", "bwd") and width > t_end / 120:
             ax.text(p.start + width / 2, q + off + height / 2, str(p.op.mb), ha="center", va="center",
@@ -58,13 +64,18 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     ax.set_title(_title(plan), fontsize=10)
     legend = [Patch(facecolor=GROUPS[g][1], label=label_of(g)) for g in GROUPS if g in present]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / (1 + world)),
-              ncol=min(len(legend), 9), fontsize=8, frameon=False)
-    fig.tight_layout()
+    height = fig.get_size_inches()[1]
+    fig.legend(handles=legend, loc="lower center", ncol=min(len(legend), 9), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # leave a strip at the bottom for the legend
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _lighter(hex_colour: str, towards_white: float = 0.4) -> str:
+    rgb = [int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * towards_white):02x}" for c in rgb)
 
 
 def _title(plan: Plan) -> str:
@@ -74,7 +85,7 @@ def _title(plan: Plan) -> str:
             + f", {plan.refresh_steps} step(s) per refresh")
     facts = []
     if isinstance(st.get("step_time_ms"), (int, float)):
-        facts.append(f"step {st['step_time_ms']:.1f} ms")
+        facts.append(f"step time {st['step_time_ms']:.1f} ms")
     if isinstance(st.get("utilization"), (int, float)):
         facts.append(f"utilization {st['utilization']:.1%}")
     return head + (" — " + ", ".join(facts) if facts else "")
