@@ -255,3 +255,64 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         raise top.fail("hash", "does not match the content (the file was edited or truncated)")
     prof.hash = actual
     return prof
+
+
+# --- the table `pfcompile inspect PROFILE` prints ---------------------------------------------
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    """Plain aligned columns: first column left, the numbers right (no rich, no torch)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def format_profile(profile: Profile) -> str:
+    """Human-readable summary: provenance, per-part and per-K-FAC-layer costs, communication."""
+    m, pv = profile.model, profile.provenance
+    shape = ", ".join(f"{k} {m[k]}" for k in ("layers", "hidden", "heads", "ffn", "vocab",
+                                               "micro_batch", "seq_len", "dtype") if k in m)
+    head = [f"profile {profile.name} ({profile.source}) {profile.hash}", f"model: {shape}"]
+    prov_keys = ("device", "torch", "cuda", "threads", "repeats", "warmup", "host", "date",
+                 "created", "wall_s", "pfcompile", "source", "file")
+    prov = ", ".join(f"{k} {pv[k]}" for k in prov_keys if pv.get(k) not in (None, ""))
+    if prov:
+        head.append(f"provenance: {prov}")
+    if pv.get("note"):
+        head.append(f"note: {pv['note']}")
+
+    parts = _table(
+        ["part", "fwd ms", "bwd ms", "act MiB", "param MiB", "grad MiB", "out MiB", "K-FAC layers"],
+        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), _mib(p.act_bytes), _mib(p.param_bytes),
+          _mib(p.grad_bytes), _mib(p.out_bytes), str(len(profile.layers_of(p.name)))] for p in profile.parts]
+        + [["total", _ms(sum(p.fwd_ms for p in profile.parts)), _ms(sum(p.bwd_ms for p in profile.parts)),
+            _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
+            _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.kfac_layers))]],
+    )
+    layers = _table(
+        ["K-FAC layer", "in", "out", "curv A", "curv B", "inv A chol", "inv A eig", "inv B chol",
+         "inv B eig", "precond", "kept A MiB", "kept B MiB", "factors MiB", "inverses MiB"],
+        [[l.name, str(l.in_features), str(l.out_features), _ms(l.curv_a_ms), _ms(l.curv_b_ms),
+          _ms(l.inv_a_ms["cholesky"]), _ms(l.inv_a_ms["eigen"]), _ms(l.inv_b_ms["cholesky"]),
+          _ms(l.inv_b_ms["eigen"]), _ms(l.precond_ms), _mib(l.kept_a_bytes), _mib(l.kept_b_bytes),
+          _mib(l.factor_a_bytes + l.factor_b_bytes), _mib(l.inverse_a_bytes + l.inverse_b_bytes)]
+         for l in profile.kfac_layers],
+    )
+    c = profile.comm
+    comm = (f"communication ({c.method}): message {_mib(c.act_bytes)} MiB; "
+            f"p2p {c.p2p.latency_ms:.4f} ms + {c.p2p.bytes_per_ms / 1e6:.3f} GB/s "
+            f"-> {c.p2p.time_ms(c.act_bytes):.3f} ms per message; "
+            f"all-reduce {c.allreduce.latency_ms:.4f} ms + {c.allreduce.bytes_per_ms / 1e6:.3f} GB/s")
+    spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread
+              else "spread: none recorded")
+    return "\n\n".join(["\n".join(head), parts, "times in ms per micro-batch (inversion, preconditioning: once)\n"
+                        + layers, comm + "\n" + spread])
