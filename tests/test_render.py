@@ -342,21 +342,19 @@ def test_dependencies_follow_the_op_vocabulary_across_the_refresh_cycle():
 
     obj = build_plan("1f1b", 2, 2, kfac=True)
     obj["config"]["refresh_steps"] = 2
-    for r in obj["ranks"]:  # step 1 repeats the pipeline; layer 0's curvature moves there
+    for r in obj["ranks"]:  # step 1 repeats the pipeline; layer 0's curvature and the inversions move there
         step0 = r["steps"][0]
         shift = max(o["end"] for o in step0)
+        moved = lambda o: (o["op"] == "curv_a" and o["layer"] == 0) or o["op"] == "inv"  # noqa: E731
         step1 = [{**o, "start": o["start"] + shift, "end": o["end"] + shift} for o in step0
-                 if not (o["op"].startswith("curv") or o["op"] in ("inv", "precond"))]
-        step1[-1:-1] = [{**o, "start": o["start"] + shift, "end": o["end"] + shift} for o in step0
-                        if o["op"] == "curv_a" and o["layer"] == 0]
-        r["steps"] = [[o for o in step0 if not (o["op"] == "curv_a" and o["layer"] == 0)], step1]
+                 if not o["op"].startswith("curv") or moved(o)]
+        r["steps"] = [[o for o in step0 if not moved(o)], step1]
     plan = plan_from_json(obj)
     deps = {(str(a.op), a.step, str(b.op), b.step) for a, b in dependencies(plan)}
     of = lambda op, step: {(p, ps) for p, ps, c, cs in deps if (c, cs) == (op, step)}  # noqa: E731
     assert of("CA0.1", 1) == {("F0.1", 0)}  # curvature is of step 0's micro-batches
-    assert of("I0.A", 0) == {("CB0.0", 0), ("CB0.1", 0)}  # A's curvature runs only later in the cycle
-    assert of("I1.A", 0) == {("CA1.0", 0), ("CA1.1", 0), ("CB1.0", 0), ("CB1.1", 0)}
-    assert of("F1.1", 1) == {("RA0.1<0", 1)} and of("RA0.1<0", 1) == {("SA0.1>1", 1)}
+    assert of("I0.A", 1) == {("CA0.0", 1), ("CA0.1", 1), ("CB0.0", 0), ("CB0.1", 0)}  # both factors
+    assert of("F1.1", 1) == {("RA0.1<0", 1), ("U1", 0)} and of("RA0.1<0", 1) == {("SA0.1>1", 1)}
+    assert of("F1.0", 0) == {("RA0.0<0", 0)}  # the previous step's update is in the previous cycle
     assert of("B0.0", 0) == {("F0.0", 0), ("RG1.0<1", 0)}
-    assert of("U0", 1) == {("B0.0", 1), ("B0.1", 1)}  # no precond in step 1: straight from the backwards
-    assert of("U0", 0) == {("P0", 0), ("P1", 0)}
+    assert of("U0", 1) == {("P0", 1), ("P1", 1)} and of("P0", 1) == {("B0.0", 1), ("B0.1", 1)}
