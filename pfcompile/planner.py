@@ -77,3 +77,17 @@ def refresh_lower_bound(work_ms: dict[int, float], bubble_ms: dict[int, float]) 
             return None
         best = max(best, math.ceil(w / b - 1e-9))
     return best
+
+
+def appended_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
+    """Method "none" with K-FAC: no bubble filling; the K-FAC work of the cycle runs after
+    the step's own ops (k = 1), in one global dependency order (so every member of a
+    collective reaches it in the same order)."""
+    import networkx as nx
+
+    steps = {q: [list(ops) for ops in s] for q, s in canonical_steps(tg).items()}
+    floating = tg.floating_tasks()
+    sub = tg.g.subgraph(floating)
+    for t in nx.lexicographical_topological_sort(sub, key=lambda t: (str(t.op.kind), t.op, t.rank)):
+        steps[t.rank][0].append(t.op)
+    return steps

@@ -1,0 +1,115 @@
+"""The task graph: structure, edges with lags, buffers, collectives, inversion policy."""
+
+import networkx as nx
+import pytest
+
+from pfcompile.graph import Task, build_task_graph
+from pfcompile.ops import Op
+from pfcompile.profile import Comm, KfacLayer, LinkModel, Part, Profile
+from pfcompile.schedules import PipelineConfig, compute_orders
+
+
+def uniform_profile(blocks: int = 4, fwd: float = 1.0, bwd: float = 2.0, layers_per_block: int = 2,
+                    act_bytes: int = 1000, out_bytes: int = 0, latency_ms: float = 0.0,
+                    curv: float = 0.1, inv: float = 0.3, precond: float = 0.05) -> Profile:
+    """A synthetic profile: equal blocks, zero-cost embed/head, zero comm unless asked."""
+    parts = [Part("embed", 0.0, 0.0, 0, 0, 0, out_bytes)]
+    layers = []
+    for b in range(blocks):
+        parts.append(Part(f"block{b}", fwd, bwd, act_bytes, 100, 100, out_bytes))
+        for j in range(layers_per_block):
+            layers.append(KfacLayer(
+                name=f"block{b}.fc{j}", part=f"block{b}", in_features=8, out_features=8, bias=False,
+                curv_a_ms=curv, curv_b_ms=curv, inv_a_ms={"cholesky": inv, "eigen": 2 * inv},
+                inv_b_ms={"cholesky": inv, "eigen": 2 * inv}, precond_ms=precond,
+                kept_a_bytes=10, kept_b_bytes=20, factor_a_bytes=4, factor_b_bytes=4,
+                inverse_a_bytes=4, inverse_b_bytes=4))
+    parts.append(Part("head", 0.0, 0.0, 0, 0, 0, 0))
+    link = LinkModel(latency_ms=latency_ms, bytes_per_ms=1e6)
+    prof = Profile(source="reference", provenance={"note": "synthetic, tests"},
+                   model={"name": "synthetic", "micro_batch": 1, "seq_len": 1},
+                   parts=parts, kfac_layers=layers, comm=Comm("model", out_bytes, link, link))
+    prof.to_json()  # sets the hash
+    return prof
+
+
+def test_graph_is_a_dag_with_every_pass_once_per_step():
+    prof = uniform_profile(blocks=4)
+    cfg = PipelineConfig("1f1b", stages=4, micro_batches=6, refresh_steps=2)
+    tg = build_task_graph(prof, cfg)
+    assert nx.is_directed_acyclic_graph(tg.g)
+    for t in range(2):
+        for s in range(4):
+            for m in range(6):
+                for kind in ("fwd", "bwd"):
+                    assert Task(t, s, Op(kind, stage=s, mb=m)) in tg.g
+    # step t+1's forward waits for step t's optimizer update of that stage
+    assert tg.g.has_edge(Task(0, 2, Op("step", stage=2)), Task(1, 2, Op("fwd", stage=2, mb=0)))
+    # curvature is of step 0's micro-batches and floats (step None)
+    ca = Task(None, 1, Op("curv_a", layer=2, mb=3))
+    assert tg.g.nodes[ca]["floating"] and tg.g.has_edge(Task(0, 1, Op("fwd", stage=1, mb=3)), ca)
+    # inversion of either factor needs both factors' curvature (pi-corrected damping)
+    inv_a = Task(None, 1, Op("inv", layer=2, factor="A"))
+    assert tg.g.has_edge(Task(None, 1, Op("curv_b", layer=2, mb=5)), inv_a)
+    # per step: 4 ranks x (6 fwd + 6 bwd + 2 precond + step) + 3 links x 6 mbs x (send+recv) x 2 ways
+    stepped = sum(1 for t in tg.g if t.step is not None)
+    assert stepped == sum(len(s) for steps in tg.canonical.values() for s in steps)
+    assert stepped == 2 * (4 * (12 + 2 + 1) + 3 * 6 * 4)
+
+
+def test_send_recv_edges_carry_the_message_time():
+    prof = uniform_profile(blocks=2, out_bytes=500_000, latency_ms=0.25)
+    tg = build_task_graph(prof, PipelineConfig("gpipe", stages=2, micro_batches=2, kfac=False))
+    send = Task(0, 0, Op("send_act", stage=0, mb=1, peer=1))
+    recv = Task(0, 1, Op("recv_act", stage=0, mb=1, peer=0))
+    assert tg.g.edges[send, recv]["lag"] == pytest.approx(0.25 + 500_000 / 1e6)
+    assert tg.g.nodes[send]["duration"] == 0.0 and tg.g.nodes[send]["stream"] == "p2p"
+    assert tg.g.has_edge(Task(0, 0, Op("fwd", stage=0, mb=1)), send)
+    assert tg.g.has_edge(recv, Task(0, 1, Op("fwd", stage=1, mb=1)))
+
+
+def test_buffers_pair_allocation_and_free():
+    prof = uniform_profile(blocks=2, act_bytes=777)
+    tg = build_task_graph(prof, PipelineConfig("1f1b", stages=2, micro_batches=2, refresh_steps=2))
+    acts = [b for b in tg.buffers if b.key[0] == "act"]
+    assert len(acts) == 2 * 2 * 2  # steps x stages x micro-batches
+    assert all(b.alloc.op.kind == "fwd" and b.free.op.kind == "bwd" and b.nbytes == 777 for b in acts)
+    kept = [b for b in tg.buffers if b.key[0].startswith("kept")]
+    # kept tensors only for step 0's micro-batches: 2 stages x 2 layers x 2 mbs x 2 factors
+    assert len(kept) == 16 and all(b.alloc.step == 0 and b.free.op.kind.startswith("curv") for b in kept)
+    # resident: params + grads + 8 factor-state buffers of 4 bytes per layer
+    assert tg.resident_bytes[0] == 200 + 2 * 8 * 4
+
+
+def test_chimera_layout_and_collectives():
+    prof = uniform_profile(blocks=4)
+    cfg = PipelineConfig("chimera", stages=4, micro_batches=4)
+    assert cfg.replicas == 2 and cfg.world_size == 4
+    assert [cfg.rank_of(s, 1) for s in range(4)] == [3, 2, 1, 0]
+    tg = build_task_graph(prof, cfg)
+    members = tg.collectives[(0, Op("sync_grad", stage=1))]
+    assert sorted(t.rank for t in members) == [1, 2]
+    # one replica inverts each factor, balanced: each rank of a pair gets half the inversions
+    for s in range(4):
+        ranks = cfg.replica_ranks(s)
+        layers = tg.costs.stage_layers[s]
+        counts = {q: sum(1 for l in layers for f in "AB" if tg.inverters[(l, f)] == [q]) for q in ranks}
+        assert sorted(counts.values()) == [2, 2]
+    bc = [t for t in tg.g if t.op.kind == "bcast_inv"]
+    assert len(bc) == 4 * 2 * 2 * 2  # stages x layers x factors x members
+
+
+def test_inversion_policy_all_has_no_broadcast():
+    prof = uniform_profile(blocks=4)
+    tg = build_task_graph(prof, PipelineConfig("1f1b", stages=2, micro_batches=4, replicas=2, inversion="all"))
+    assert not any(t.op.kind == "bcast_inv" for t in tg.g)
+    assert sum(1 for t in tg.g if t.op.kind == "inv") == 8 * 2 * 2
+
+
+def test_interleaved_order_is_megatrons():
+    cfg = PipelineConfig("interleaved", stages=2, micro_batches=4, virtual_stages=2)
+    order = compute_orders(cfg)
+    # device 0 holds stages 0 and 2; warm-up of (D-d-1)*2 + (v-1)*D = 4 forwards
+    assert order[0][:4] == [("fwd", 0, 0), ("fwd", 0, 1), ("fwd", 2, 0), ("fwd", 2, 1)]
+    assert order[0][4:6] == [("fwd", 0, 2), ("bwd", 2, 0)]
+    assert sorted(order[0]) == sorted((k, s, m) for k in ("fwd", "bwd") for s in (0, 2) for m in range(4))
