@@ -202,6 +202,7 @@ def run(job: Job, args):
     k = plan.refresh_steps
     torch.set_num_threads(args.threads)
     world = comm.init_world(args.timeout)
+    clean = False
     try:
         comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
         kfac_cfg = KfacConfig(refresh_steps=k, inverse=plan.config.get("inverse", "cholesky"))
@@ -239,6 +240,7 @@ def run(job: Job, args):
         dist.all_reduce(losses_dev)
         losses = losses_dev.cpu()
         gathered = comm.gather_json(world, timeline.to_json())
+        clean = True
         if world.rank != 0:
             return None
         gathered = [measure.Timeline.from_json(d) for d in gathered]
@@ -251,7 +253,7 @@ def run(job: Job, args):
                 "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})
         return summary
     finally:
-        comm.shutdown()
+        comm.shutdown(clean)
 
 
 def _resume(root: str, world, stages) -> int:

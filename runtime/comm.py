@@ -78,9 +78,14 @@ def make_stage_groups(world: World, replica_ranks: list[list[int]]) -> None:
                 world.stage_groups[stage] = group
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(clean: bool = True) -> None:
+    """Leave the job. After a clean run, wait for every rank first: a rank tearing down its
+    gloo pairs while a peer still uses them aborts the peer ("terminate called ...")."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # --- point-to-point --------------------------------------------------------------------
