@@ -58,14 +58,14 @@ def run(args) -> int:
     if args.reference:
         from pfcompile.reference import reference_profile
 
-        mb = args.micro_batch or REFERENCE_MICRO_BATCH
-        seq = args.seq_len or REFERENCE_SEQ_LEN
+        mb = REFERENCE_MICRO_BATCH if args.micro_batch is None else args.micro_batch
+        seq = REFERENCE_SEQ_LEN if args.seq_len is None else args.seq_len
         if seq != REFERENCE_SEQ_LEN:
             raise InputError("--seq-len", None, f"the published measurements are at sequence length {REFERENCE_SEQ_LEN}, got {seq}")
         prof = reference_profile(args.reference, args.gpu, mb, seq)
     else:
-        mb = args.micro_batch or DEFAULT_MICRO_BATCH
-        seq = args.seq_len or DEFAULT_SEQ_LEN
+        mb = DEFAULT_MICRO_BATCH if args.micro_batch is None else args.micro_batch
+        seq = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
         for flag, v in (("--micro-batch", mb), ("--seq-len", seq), ("--repeats", args.repeats), ("--threads", args.threads)):
             _positive(flag, v)
         if args.warmup < 0:

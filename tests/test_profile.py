@@ -1,0 +1,266 @@
+"""`pfcompile profile` and the profile format: measured entries, memory figures against
+closed forms from the tensor shapes, the CSV-derived reference profiles against the CSV,
+and one-line errors for bad input through the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pfcompile.profile import format_profile, load_profile, profile_from_json
+from pfcompile.reference import reference_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+CSV_DIR = ROOT / "pfcompile" / "data" / "pipe-fisher-prof"
+MIB = 2**20
+
+# the measured test profile: bert-tiny (2 blocks, hidden 64, 2 heads, ffn 256, vocab 100)
+MB, SEQ = 2, 16
+H, HEADS, FFN, VOCAB, BLOCKS = 64, 2, 256, 100, 2
+F32, I64 = 4, 8
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pfcompile", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """bert-tiny measured through the real CLI and profiler (with the 2-rank gloo comm)."""
+    out = tmp_path_factory.mktemp("prof") / "bert-tiny.json"
+    r = cli("profile", "--model", "bert-tiny", "--micro-batch", str(MB), "--seq-len", str(SEQ),
+            "--repeats", "3", "--warmup", "1", "--quiet", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    return load_profile(str(out))
+
+
+# --- measured profile ------------------------------------------------------------------------
+def test_measured_profile_has_every_entry_positive(measured):
+    assert measured.source == "measured"
+    assert [p.name for p in measured.parts] == ["embed", "block0", "block1", "head"]
+    for p in measured.parts:
+        assert p.fwd_ms > 0 and p.bwd_ms > 0 and p.act_bytes > 0 and p.param_bytes > 0, p
+    names = [f"block{b}.{n}" for b in range(BLOCKS) for n in ("attn.q", "attn.k", "attn.v", "attn.out", "ffn.fc1", "ffn.fc2")]
+    assert [l.name for l in measured.kfac_layers] == names
+    for l in measured.kfac_layers:
+        assert l.part == l.name.split(".")[0]
+        times = [l.curv_a_ms, l.curv_b_ms, l.precond_ms, *l.inv_a_ms.values(), *l.inv_b_ms.values()]
+        assert all(t > 0 for t in times), l
+    # every timed entry has its spread, and the median lies inside it
+    flat = {f"parts.{p.name}.{k}": getattr(p, k) for p in measured.parts for k in ("fwd_ms", "bwd_ms")}
+    for l in measured.kfac_layers:
+        flat.update({f"kfac_layers.{l.name}.{k}": getattr(l, k) for k in ("curv_a_ms", "curv_b_ms", "precond_ms")})
+        flat.update({f"kfac_layers.{l.name}.inv_{f}_ms.{m}": getattr(l, f"inv_{f}_ms")[m]
+                     for f in ("a", "b") for m in ("cholesky", "eigen")})
+    assert set(flat) == set(measured.spread)
+    for key, median in flat.items():
+        p10, p90 = measured.spread[key]
+        assert p10 <= median <= p90, key
+    pv = measured.provenance
+    assert pv["threads"] == 1 and pv["repeats"] == 3 and pv["warmup"] == 1 and pv["dtype"] == "float32"
+    for k in ("device", "torch", "host", "date", "pfcompile", "wall_s"):
+        assert pv.get(k), k
+
+
+def test_measured_comm_is_a_real_two_rank_fit(measured):
+    c = measured.comm
+    assert c.method == "measured-gloo"
+    assert c.act_bytes == MB * SEQ * H * F32
+    for link in (c.p2p, c.allreduce):
+        assert link.latency_ms >= 0 and link.bytes_per_ms > 0
+    sizes = [s["bytes"] for s in measured.provenance["comm_samples"]]
+    assert c.act_bytes in sizes and len(sizes) >= 4
+    assert all(s["p2p_ms"] > 0 and s["allreduce_ms"] > 0 for s in measured.provenance["comm_samples"])
+
+
+def block_params() -> int:
+    linears = 4 * (H * H + H) + (H * FFN + FFN) + (FFN * H + H)
+    return linears + 2 * 2 * H  # two LayerNorms
+
+
+def test_measured_memory_equals_closed_forms(measured):
+    tokens = MB * SEQ
+    # parameters (and their gradients): counted from the architecture, not from the modules
+    params = {"embed": VOCAB * H + 128 * H,  # token and position embeddings (max_seq_len 128)
+              "block0": block_params(), "block1": block_params(),
+              "head": 2 * H + H * VOCAB + VOCAB}
+    # what autograd saves, tensor by tensor (pre-LN block, explicit softmax attention):
+    # LayerNorm inputs 2·bTH + their mean/rstd 4·bT; normalised x (shared by q,k,v) bTH;
+    # q, k, v outputs 3·bTH (the two bmm); attention output reshaped for `out` bTH;
+    # normalised x for fc1 bTH; fc1 output (gelu) and gelu output (fc2) 2·bTF;
+    # softmax probabilities b·heads·T².
+    block_act = F32 * (8 * tokens * H + 2 * tokens * FFN + 4 * tokens + MB * HEADS * SEQ * SEQ)
+    act = {"embed": I64 * (tokens + SEQ),  # token ids and positions (int64)
+           "block0": block_act, "block1": block_act,
+           # LayerNorm input + stats, its output, log-softmax result, int64 targets, total weight
+           "head": F32 * (2 * tokens * H + 2 * tokens + tokens * VOCAB) + I64 * tokens + F32}
+    for p in measured.parts:
+        assert p.param_bytes == F32 * params[p.name], p.name
+        assert p.grad_bytes == p.param_bytes, p.name
+        assert p.act_bytes == act[p.name], p.name
+        assert p.out_bytes == (0 if p.name == "head" else tokens * H * F32), p.name
+    for l in measured.kfac_layers:
+        i, o = l.in_features, l.out_features
+        assert (i, o) == {"fc1": (H, FFN), "fc2": (FFN, H)}.get(l.name.split(".")[-1], (H, H))
+        assert l.kept_a_bytes == tokens * i * F32 and l.kept_b_bytes == tokens * o * F32
+        assert l.factor_a_bytes == (i + 1) ** 2 * F32  # bias-augmented [x, 1]
+        assert l.factor_b_bytes == o * o * F32
+        # the larger of Cholesky (d·d) and eigen ([Q | eigenvalues]: d·(d+1))
+        assert l.inverse_a_bytes == (i + 1) * (i + 2) * F32
+        assert l.inverse_b_bytes == o * (o + 1) * F32
+
+
+def test_saved_activation_bytes_of_an_mlp():
+    import torch
+
+    from pfcompile.profiler import saved_activation_bytes
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+    x = torch.randn(7, 12)
+    params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    _, saved = saved_activation_bytes(lambda: mlp(x), params)
+    # Linear 1 saves x; ReLU and Linear 2 share the ReLU output; weights excluded
+    assert saved == 4 * (7 * 12 + 7 * 20)
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    from pfcompile.profiler import fit_link
+
+    link = fit_link([(n, 0.05 + n / 2e6) for n in (4096, 65536, 1 << 20, 1 << 22)])
+    assert link.latency_ms == pytest.approx(0.05) and link.bytes_per_ms == pytest.approx(2e6)
+    # a fit whose intercept would be negative is refitted through the origin
+    link = fit_link([(1000, 0.0), (2000, 1.0), (3000, 2.0)])
+    assert link.latency_ms == 0 and link.bytes_per_ms > 0
+
+
+def test_format_profile_lists_every_part_and_layer(measured):
+    text = format_profile(measured)
+    for p in measured.parts:
+        assert f"{p.fwd_ms:.3f}" in text and p.name in text
+    for l in measured.kfac_layers:
+        assert l.name in text
+    assert "measured-gloo" in text and measured.hash in text
+
+
+# --- reference profiles from the CSV --------------------------------------------------------------
+def csv_row(model: str, bs: int = 32) -> dict[str, float]:
+    with open(CSV_DIR / f"{model}_time_memory_p100.csv", newline="") as f:
+        return next({k: float(v) for k, v in r.items()} for r in csv.DictReader(f) if int(r["bs"]) == bs)
+
+
+@pytest.mark.parametrize("model", ["bert-base", "bert-large"])
+def test_reference_reproduces_csv(model):
+    row, prof = csv_row(model), reference_profile(model, "p100", 32, 128)
+    blocks = [p for p in prof.parts if p.name.startswith("block")]
+    assert len(blocks) == {"bert-base": 12, "bert-large": 24}[model]
+    for b in blocks:
+        assert b.fwd_ms == pytest.approx(row["time_f"]) and b.bwd_ms == pytest.approx(row["time_b"])
+        assert b.act_bytes == round(row["mem_act"] * MIB)
+        ls = [prof.kfac_layers[i] for i in prof.layers_of(b.name)]
+        assert len(ls) == 6
+        assert sum(l.curv_a_ms + l.curv_b_ms for l in ls) == pytest.approx(row["time_kron"])
+        assert sum(l.inv_a_ms["cholesky"] + l.inv_b_ms["cholesky"] for l in ls) == pytest.approx(row["time_inv"])
+        assert sum(l.precond_ms for l in ls) == pytest.approx(row["time_prec"])
+        assert sum(l.factor_a_bytes + l.factor_b_bytes for l in ls) == round(row["mem_kron"] * MIB)
+        assert sum(l.kept_b_bytes for l in ls) == round(row["mem_save_err"] * MIB)
+
+
+def _body_without_date(prof) -> dict:
+    body = prof.body()
+    body["provenance"] = {k: v for k, v in body["provenance"].items() if k != "created"}
+    return body
+
+
+@pytest.mark.parametrize("model", ["bert-base", "bert-large"])
+def test_committed_reference_profiles_match_a_fresh_conversion(model, tmp_path):
+    committed = load_profile(str(ROOT / "profiles" / f"{model}-p100-ref.json"))
+    assert _body_without_date(committed) == _body_without_date(reference_profile(model, "p100", 32, 128))
+    # and the CLI writes the same
+    out = tmp_path / "ref.json"
+    r = cli("profile", "--reference", model, "--gpu", "p100", "--micro-batch", "32", "--seq-len", "128", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert _body_without_date(load_profile(str(out))) == _body_without_date(committed)
+
+
+def test_committed_measured_profiles_load():
+    for name in ("bert-tiny-cpu", "bert-mini-cpu"):
+        prof = load_profile(str(ROOT / "profiles" / f"{name}.json"))
+        assert prof.source == "measured" and prof.model["name"] == name.rsplit("-", 1)[0]
+        assert all(p.fwd_ms > 0 and p.bwd_ms > 0 for p in prof.parts)
+        assert len(prof.kfac_layers) == 6 * prof.model["layers"]
+
+
+# --- bad input through the CLI ----------------------------------------------------------------------
+def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_inspect_missing_file(tmp_path):
+    path = tmp_path / "nope.json"
+    one_line_error(cli("inspect", str(path)), str(path), "no such file")
+
+
+def test_inspect_corrupt_json(tmp_path):
+    path = tmp_path / "bad.json"
+    text = (ROOT / "profiles" / "bert-base-p100-ref.json").read_text()
+    path.write_text(text[: len(text) // 2])  # a truncated file
+    one_line_error(cli("inspect", str(path)), str(path), "not valid JSON")
+
+
+def test_inspect_foreign_schema(tmp_path):
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps({"schema": "something-else", "data": []}))
+    one_line_error(cli("inspect", str(path)), str(path), "schema")
+    obj = json.loads((ROOT / "profiles" / "bert-base-p100-ref.json").read_text())
+    obj["schema_version"] = 99
+    path.write_text(json.dumps(obj))
+    one_line_error(cli("inspect", str(path)), str(path), "schema_version", "99")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    (("parts", 1, "fwd_ms"), "fast", "parts[1].fwd_ms"),
+    (("kfac_layers", 2, "inv_a_ms", "eigen"), None, "kfac_layers[2].inv_a_ms.eigen"),
+    (("comm", "p2p", "bytes_per_ms"), -1.0, "comm.p2p.bytes_per_ms"),
+    (("model", "micro_batch"), 3.5, "model.micro_batch"),
+])
+def test_inspect_field_with_wrong_type(tmp_path, field, value, needle):
+    obj = json.loads((ROOT / "profiles" / "bert-base-p100-ref.json").read_text())
+    node = obj
+    for k in field[:-1]:
+        node = node[k]
+    node[field[-1]] = value
+    path = tmp_path / "wrong.json"
+    path.write_text(json.dumps(obj))
+    one_line_error(cli("inspect", str(path)), str(path), needle)
+    with pytest.raises(Exception) as e:
+        profile_from_json(obj, str(path))
+    assert needle in str(e.value)
+
+
+def test_inspect_edited_profile_fails_the_hash(tmp_path):
+    obj = json.loads((ROOT / "profiles" / "bert-base-p100-ref.json").read_text())
+    obj["parts"][1]["fwd_ms"] = 1.0
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(obj))
+    one_line_error(cli("inspect", str(path)), str(path), "hash")
+
+
+def test_profile_unavailable_device_and_unknown_model(tmp_path):
+    out = tmp_path / "p.json"
+    one_line_error(cli("profile", "--device", "cuda:0", "-o", str(out)), "--device", "cuda:0", "not available")
+    line = one_line_error(cli("profile", "--model", "bert-huge", "-o", str(out)), "--model", "bert-huge")
+    assert "bert-tiny" in line and "bert-mini" in line  # lists the valid names
+    one_line_error(cli("profile", "--micro-batch", "0", "-o", str(out)), "--micro-batch")
+    one_line_error(cli("profile", "--reference", "bert-large", "--micro-batch", "3", "-o", str(out)), "bs", "3")
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))  # nothing half-written
