@@ -115,6 +115,22 @@ class TaskGraph:
     def floating_tasks(self, rank: int | None = None) -> list[Task]:
         return [t for t in self.g.nodes if t.step is None and (rank is None or t.rank == rank)]
 
+    def unit_graph(self, tasks) -> nx.DiGraph:
+        """The graph among `tasks` with each collective's members merged into one node, a
+        tuple of tasks (others are 1-tuples): a planner that places a unit at once keeps
+        every member of a collective together and in one order on all ranks."""
+        tasks = set(tasks)
+        unit_of = {t: (t,) for t in tasks}
+        for group in self.collectives.values():
+            inside = tuple(t for t in group if t in tasks)
+            for t in inside:
+                unit_of[t] = inside
+        units = nx.DiGraph()
+        units.add_nodes_from(set(unit_of.values()))
+        units.add_edges_from((unit_of[u], unit_of[v]) for u, v in self.g.subgraph(tasks).edges
+                             if unit_of[u] != unit_of[v])
+        return units
+
     def add_task(self, t: Task) -> Task:
         self.g.add_node(t, op=t.op, rank=t.rank, step=t.step, duration=self.costs.duration(t.op),
                         stream=stream_of(t.op), floating=t.step is None)

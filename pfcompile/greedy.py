@@ -128,14 +128,7 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
     bubble = {q: sum(b - a for a, b in g) for q, g in gaps_of.items()}
 
     # a collective is placed as one unit: all members start together
-    unit_of: dict[Task, tuple] = {t: (t,) for t in floating}
-    for group in tg.collectives.values():
-        if group[0] in unit_of:
-            for t in group:
-                unit_of[t] = tuple(group)
-    units = nx.DiGraph()
-    units.add_nodes_from(set(unit_of.values()))
-    units.add_edges_from((unit_of[u], unit_of[v]) for u, v in tg.g.subgraph(floating).edges if unit_of[u] != unit_of[v])
+    units = tg.unit_graph(floating)
     est = {g: max((base[p][1] for u in g for p in tg.g.predecessors(u) if p in base), default=0.0) for g in units}
     order = list(nx.lexicographical_topological_sort(units, key=lambda g: (est[g], g[0].rank, str(g[0].op))))
     placed: dict[Task, tuple[float, float]] = {}

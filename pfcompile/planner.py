@@ -86,8 +86,8 @@ def appended_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
     import networkx as nx
 
     steps = {q: [list(ops) for ops in s] for q, s in canonical_steps(tg).items()}
-    floating = tg.floating_tasks()
-    sub = tg.g.subgraph(floating)
-    for t in nx.lexicographical_topological_sort(sub, key=lambda t: (str(t.op.kind), t.op, t.rank)):
-        steps[t.rank][0].append(t.op)
+    units = tg.unit_graph(tg.floating_tasks())
+    for unit in nx.lexicographical_topological_sort(units, key=lambda u: (u[0].op.kind, u[0].op, u[0].rank)):
+        for t in unit:
+            steps[t.rank][0].append(t.op)
     return steps

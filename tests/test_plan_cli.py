@@ -1,0 +1,111 @@
+"""`pfcompile plan` and `pfcompile inspect PLAN` as a user runs them (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pfcompile.plan import load_plan
+from pfcompile.profile import load_profile
+from pfcompile.replay import replay
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+PROFILE = os.path.join(ROOT, "profiles", "bert-base-p100-ref.json")
+
+
+def pfc(*args):
+    return subprocess.run([sys.executable, "-m", "pfcompile", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def chimera_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plans") / "chimera.json"
+    r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4",
+            "--method", "greedy", "--json", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    return out, json.loads(r.stdout)
+
+
+def test_plan_json_reports_the_replayed_statistics(chimera_plan):
+    out, stats = chimera_plan
+    for key in ("utilization", "step_time_ms", "baseline_step_time_ms", "refresh_steps",
+                "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
+                "peak_memory_bytes", "step_overhead"):
+        assert key in stats
+    assert 0 < stats["baseline_utilization"] < stats["utilization"] <= 1
+    assert stats["refresh_steps"] >= stats["refresh_steps_lower_bound"] >= 1
+    assert stats["step_overhead"] == pytest.approx(stats["step_time_ms"] / stats["baseline_step_time_ms"] - 1, abs=1e-5)
+    assert len(stats["peak_memory_bytes"]) == 4
+    # the file: every field filled, loadable by the runtime's loader, and its stats are the replay's
+    plan = load_plan(str(out))
+    assert plan.config["schedule"] == "chimera" and plan.config["world_size"] == 4
+    assert plan.profile["hash"] == load_profile(PROFILE).hash
+    assert len(plan.ranks) == 4 and all(len(s) == plan.refresh_steps for s in plan.ranks)
+    again = replay(plan, load_profile(PROFILE))
+    assert again.utilization == pytest.approx(stats["utilization"], abs=1e-6)
+    starts = [po.start for po in plan.ranks[0][0]]
+    assert starts == sorted(starts)
+
+
+def test_inspect_prints_stats_and_compact_ops(chimera_plan):
+    out, stats = chimera_plan
+    r = pfc("inspect", str(out), "--ops", "6")
+    assert r.returncode == 0, r.stderr
+    assert "utilization" in r.stdout
+    assert "rank 0 [s0/r0, s3/r1] step 0" in r.stdout
+    assert "F0.0 SA0.0>1" in r.stdout and "more)" in r.stdout
+
+
+def test_baseline_without_kfac_and_explicit_partition(tmp_path):
+    parts = "embed,block0,block1,block2|block3,block4,block5|block6,block7,block8|block9,block10,block11,head"
+    r = pfc("plan", PROFILE, "--schedule", "1f1b", "--stages", "4", "--micro-batches", "8", "--no-kfac",
+            "--partition", parts, "--json", "-o", str(tmp_path / "b.json"))
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    # equal blocks, zero-cost embed/head: 1 - (D-1)/(N+D-1), less the messages' transfer time
+    assert 1 - 3 / 11 - 0.03 < stats["utilization"] < 1 - 3 / 11
+    assert stats["step_overhead"] == 0.0
+    assert load_plan(str(tmp_path / "b.json")).partition[0] == ["embed", "block0", "block1", "block2"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--memory-limit", "lots"], "--memory-limit: not a size: 'lots'"),
+    (["--memory-limit", "1MiB"], "over the limit of 1048576"),
+    (["--partition", "embed,block0|head"], "--partition: must list every part"),
+    (["--stages", "3"], "--stages: chimera needs an even number of stages"),
+    (["--micro-batches", "3"], "--micro-batches"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, needle):
+    out = tmp_path / "x.json"
+    base = {"--schedule": "chimera", "--stages": "4", "--micro-batches": "4"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    r = pfc("plan", PROFILE, *[x for kv in base.items() for x in kv], "-o", str(out))
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_missing_profile_is_named(tmp_path):
+    r = pfc("plan", str(tmp_path / "nope.json"), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "2")
+    assert r.returncode == 2 and "nope.json: no such file" in r.stderr
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d["ranks"][1]["steps"][0][0].update(op="fwdd"), "ranks[1].steps[0][0]: unknown op 'fwdd'"),
+    (lambda d: d["config"].update(refresh_steps=0), "config.refresh_steps"),
+    (lambda d: d["ranks"][0]["steps"][0][2].pop("end"), "ranks[0].steps[0][2].end: missing"),
+])
+def test_malformed_plan_is_refused_by_inspect(chimera_plan, tmp_path, edit, needle):
+    out, _ = chimera_plan
+    d = json.loads(out.read_text())
+    edit(d)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    r = pfc("inspect", str(bad))
+    assert r.returncode == 2
+    assert needle in r.stderr and str(bad) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

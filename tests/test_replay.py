@@ -1,0 +1,178 @@
+"""The replay: every family's plan passes; hand-broken plans are refused naming the op;
+timings and memory against closed forms."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+from pfcompile.graph import build_task_graph
+from pfcompile.ops import Op
+from pfcompile.plan import PlannedOp, plan_from_json
+from pfcompile.plan_cli import build_plan
+from pfcompile.planner import assemble, baseline_plan, canonical_steps
+from pfcompile.replay import ReplayError, replay
+from pfcompile.schedules import PipelineConfig
+from test_graph import uniform_profile
+
+FAMILIES = [
+    dict(schedule="gpipe", stages=3, micro_batches=4),
+    dict(schedule="1f1b", stages=4, micro_batches=6),
+    dict(schedule="1f1b", stages=2, micro_batches=4, replicas=2),
+    dict(schedule="interleaved", stages=2, micro_batches=4, virtual_stages=2),
+    dict(schedule="chimera", stages=4, micro_batches=4),
+    dict(schedule="chimera", stages=4, micro_batches=8),
+]
+
+
+def _blocks(kw):
+    return kw["stages"] * kw.get("virtual_stages", 1)
+
+
+@pytest.mark.parametrize("kw", FAMILIES, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+@pytest.mark.parametrize("method,kfac", [("none", False), ("none", True), ("greedy", True)])
+def test_every_family_passes_the_replay(kw, method, kfac):
+    prof = uniform_profile(blocks=_blocks(kw), curv=0.3, inv=0.7)
+    cfg = PipelineConfig(**kw, kfac=kfac)
+    plan, result, baseline = build_plan(prof, cfg, method)
+    # the stored plan round-trips through the runtime's loader and replays to the same numbers
+    again = plan_from_json(plan.to_json())
+    assert replay(again, prof).cycle_time_ms == pytest.approx(result.cycle_time_ms)
+    assert 0 < result.utilization <= 1
+    if kfac:
+        assert plan.stats["step_time_ms"] >= baseline.step_time_ms - 1e-9
+        kinds = {po.op.kind for steps in plan.ranks for ops in steps for po in ops}
+        assert {"curv_a", "curv_b", "inv", "precond"} <= kinds
+    if method == "greedy":
+        # the greedy only fills bubbles: its step is the baseline plus the per-step precond
+        precond = 2 * 0.05 * (kw.get("virtual_stages", 1) + (1 if kw["schedule"] == "chimera" else 0))
+        assert plan.stats["step_time_ms"] <= baseline.step_time_ms + precond + 1e-3
+        assert plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
+
+
+def test_greedy_reaches_the_lower_bound_and_raises_utilization():
+    prof = uniform_profile(blocks=4, curv=0.5, inv=1.5)
+    plan, result, baseline = build_plan(prof, PipelineConfig("1f1b", stages=4, micro_batches=4), "greedy")
+    assert result.utilization > baseline.utilization
+    # work on rank s: 2 layers x 4 mbs x 2 factors x 0.5 + 4 inversions x 1.5 = 14 ms; the
+    # bubble of each rank is (D-1)(f+b) = 9 ms, so k >= ceil(14/9) = 2
+    assert plan.stats["refresh_steps_lower_bound"] == 2
+    assert plan.stats["refresh_steps"] >= 2
+
+
+def test_times_against_hand_computation_with_message_lag():
+    """GPipe D=2, N=1: F0, message, F1, B1, message, B0 -> 2f + 2b + 2 lag."""
+    prof = uniform_profile(blocks=2, fwd=1.0, bwd=2.0, out_bytes=250_000, latency_ms=0.5)
+    _, result = baseline_plan(prof, PipelineConfig("gpipe", stages=2, micro_batches=1))
+    lag = 0.5 + 250_000 / 1e6
+    assert result.cycle_time_ms == pytest.approx(2 * 1 + 2 * 2 + 2 * lag)
+    assert result.busy_ms == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+# --- hand-broken plans ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small():
+    prof = uniform_profile(blocks=2)
+    cfg = PipelineConfig("1f1b", stages=2, micro_batches=2, kfac=False)
+    tg = build_task_graph(prof, cfg)
+    return prof, tg
+
+
+def _plan(prof, tg, edit):
+    steps = canonical_steps(tg)
+    edit(steps)
+    return assemble(prof, tg, steps, "none")
+
+
+def test_reversed_dependency_is_named(small):
+    prof, tg = small
+
+    def swap(steps):  # rank 0: backward of mb 0 before its forward
+        ops = steps[0][0]
+        i, j = ops.index(Op("fwd", stage=0, mb=0)), ops.index(Op("bwd", stage=0, mb=0))
+        ops[i], ops[j] = ops[j], ops[i]
+
+    with pytest.raises(ReplayError, match=r"B0\.0 \(rank 0, step 0\) runs before its dependency F0\.0"):
+        replay(_plan(prof, tg, swap), prof)
+
+
+def test_removed_receive_is_named(small):
+    prof, tg = small
+
+    def drop(steps):
+        steps[1][0].remove(Op("recv_act", stage=0, mb=1, peer=0))
+
+    with pytest.raises(ReplayError, match=r"F1\.1 \(rank 1, step 0\) depends on RA0\.1<0"):
+        replay(_plan(prof, tg, drop), prof)
+
+
+def test_removed_send_deadlocks_naming_the_waiting_receive(small):
+    prof, tg = small
+
+    def drop(steps):
+        steps[0][0].remove(Op("send_act", stage=0, mb=1, peer=1))
+
+    with pytest.raises(ReplayError, match=r"deadlock: .*rank 1 at RA0\.1<0"):
+        replay(_plan(prof, tg, drop), prof)
+
+
+def test_duplicated_op_is_named(small):
+    prof, tg = small
+
+    def dup(steps):
+        steps[1][0].append(Op("fwd", stage=1, mb=0))
+
+    with pytest.raises(ReplayError, match=r"F1\.0 \(rank 1, step 0\) is listed twice"):
+        replay(_plan(prof, tg, dup), prof)
+
+
+def test_missing_forward_is_named(small):
+    prof, tg = small
+
+    def drop(steps):
+        steps[0][0].remove(Op("bwd", stage=0, mb=1))
+
+    with pytest.raises(ReplayError, match=r"B0\.1 \(rank 0, step 0\) is missing"):
+        replay(_plan(prof, tg, drop), prof)
+
+
+def test_op_on_the_wrong_rank_is_named(small):
+    prof, tg = small
+
+    def move(steps):
+        steps[0][0].insert(0, Op("fwd", stage=1, mb=0))
+
+    with pytest.raises(ReplayError, match=r"F1\.0 \(rank 0, step 0\): rank 0 holds no replica of stage 1"):
+        replay(_plan(prof, tg, move), prof)
+
+
+def test_collectives_in_crossed_order_deadlock():
+    prof = uniform_profile(blocks=4)
+    tg = build_task_graph(prof, PipelineConfig("chimera", stages=4, micro_batches=4, kfac=False))
+    steps = canonical_steps(tg)
+    ops = steps[0][0]  # rank 0 holds stages 0 and 3; swap their gradient all-reduces
+    i, j = ops.index(Op("sync_grad", stage=0)), ops.index(Op("sync_grad", stage=3))
+    ops[i], ops[j] = ops[j], ops[i]
+    with pytest.raises(ReplayError, match=r"deadlock: rank 0 at YG3 .*rank 3 at YG0"):
+        replay(assemble(prof, tg, steps, "none"), prof)
+
+
+def test_missing_kfac_work_is_named():
+    prof = uniform_profile(blocks=2)
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=2), "greedy")
+    broken = copy.deepcopy(plan)
+    for steps in broken.ranks:
+        for ops in steps:
+            ops[:] = [po for po in ops if po.op != Op("inv", layer=1, factor="B")]
+    with pytest.raises(ReplayError, match=r"I1\.B .* is missing"):
+        replay(broken, prof)
+
+
+def test_memory_limit_is_enforced_naming_the_rank():
+    prof = uniform_profile(blocks=2, act_bytes=1000)
+    plan, result = baseline_plan(prof, PipelineConfig("gpipe", stages=2, micro_batches=4))
+    assert result.peak_memory_bytes[0] == result.resident_bytes[0] + 4 * 1000
+    plan.config["memory_limit_bytes"] = result.resident_bytes[0] + 3999
+    with pytest.raises(ReplayError, match=r"rank 0 needs \d+ bytes .* over the limit"):
+        replay(plan, prof)
