@@ -72,7 +72,8 @@ class KfacLayer:
     def __init__(self, name: str, module: nn.Linear, cfg: KfacConfig, loss_divisor: float = 1.0):
         self.name, self.module, self.cfg = name, module, cfg
         self.loss_divisor = loss_divisor  # M: each micro-batch's backward is of loss_m / M
-        self.capturing = False
+        self.capturing = False            # forwards run while True save inputs and output grads
+        self.skip_grad_capture = False
         self.mb = 0                       # micro-batch the hooks file what they capture under
         self.bias = module.bias is not None
         d_a = module.in_features + (1 if self.bias else 0)
@@ -101,9 +102,10 @@ class KfacLayer:
             return
         mb = self.mb
         self.save_input(mb, inputs[0])
-        # The grad hook decides at backward time (capturing may be off for the training
-        # backward when the Monte-Carlo backward already captured this micro-batch).
-        output.register_hook(lambda g, mb=mb: self.save_grad(mb, g) if self.capturing else None)
+        # Whether to capture is decided at forward time, so a pipeline may run this
+        # micro-batch's backward later without the flag. `skip_grad_capture` lets the
+        # Monte-Carlo trainer keep the sampled backward's gradient, not the training one's.
+        output.register_hook(lambda g, mb=mb: None if self.skip_grad_capture else self.save_grad(mb, g))
 
     def attach(self) -> None:
         if not self._hooks:
@@ -299,14 +301,15 @@ def detach_all(layers: list[KfacLayer]) -> None:
 
 @contextlib.contextmanager
 def capturing(layers: list[KfacLayer], mb: int, on: bool = True):
-    """Run one micro-batch's forward (and backward) with the layers' hooks saving under `mb`."""
+    """Forwards run inside save the layers' inputs under `mb` and arrange for their output
+    gradients to be saved when the backward runs (inside or later, as in a pipeline)."""
     for l in layers:
-        l.capturing, l.mb = on, mb
+        l.capturing, l.mb, l.skip_grad_capture = on, mb, False
     try:
         yield
     finally:
         for l in layers:
-            l.capturing = False
+            l.capturing, l.skip_grad_capture = False, False
 
 
 def kl_clip_scale(layers: list[KfacLayer], lr: float, kl_clip: float | None) -> float:

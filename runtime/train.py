@@ -62,7 +62,7 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
                 # Its own backward: only the hooks' captured output gradients are kept.
                 torch.autograd.grad(lm_loss(logits, sampled) / M, params, retain_graph=True, allow_unused=True)
                 for l in kfac_layers:
-                    l.capturing = False
+                    l.skip_grad_capture = True
             else:
                 loss = model(tokens, targets)
             (loss / M).backward()
