@@ -102,7 +102,11 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
             from pfcompile.solver import solve_plan
         except ImportError as e:
             raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
-        plan = solve_plan(profile, cfg, progress=progress, time_limit=time_limit)
+        import inspect
+
+        accepted = inspect.signature(solve_plan).parameters
+        kwargs = {k: v for k, v in (("progress", progress), ("time_limit", time_limit)) if k in accepted}
+        plan = solve_plan(profile, cfg, **kwargs)
         solver_stats = dict(plan.stats)
         result = planner.finish(plan, profile, where=where)
         plan.stats = {**solver_stats, **plan.stats,
@@ -134,7 +138,7 @@ def run(args) -> int:
     keys = ("utilization", "step_time_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes")
-    out = {"plan": args.output, "schedule": cfg.schedule, "method": args.method, "kfac": cfg.kfac,
+    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
            **{k: plan.stats.get(k) for k in keys}}
     if args.json:
         print(json.dumps(out))

@@ -176,3 +176,42 @@ def test_memory_limit_is_enforced_naming_the_rank():
     plan.config["memory_limit_bytes"] = result.resident_bytes[0] + 3999
     with pytest.raises(ReplayError, match=r"rank 0 needs \d+ bytes .* over the limit"):
         replay(plan, prof)
+
+
+# --- any edit of a valid plan is either still valid or refused with a ReplayError ------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chimera_small():
+    prof = uniform_profile(blocks=4)
+    plan, _, _ = build_plan(prof, PipelineConfig("chimera", stages=4, micro_batches=4), "greedy")
+    return prof, plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_edits_never_crash_or_hang_the_replay(chimera_small, data):
+    prof, plan = chimera_small
+    broken = copy.deepcopy(plan)
+    q = data.draw(st.integers(0, len(broken.ranks) - 1))
+    t = data.draw(st.integers(0, broken.refresh_steps - 1))
+    ops = broken.ranks[q][t]
+    i = data.draw(st.integers(0, len(ops) - 1))
+    action = data.draw(st.sampled_from(["drop", "dup", "swap", "move"]))
+    if action == "drop":
+        del ops[i]
+    elif action == "dup":
+        ops.insert(data.draw(st.integers(0, len(ops))), ops[i])
+    elif action == "swap":
+        j = data.draw(st.integers(0, len(ops) - 1))
+        ops[i], ops[j] = ops[j], ops[i]
+    else:
+        other = broken.ranks[data.draw(st.integers(0, len(broken.ranks) - 1))][t]
+        other.insert(data.draw(st.integers(0, len(other))), ops.pop(i))
+    try:
+        replay(broken, prof)
+    except ReplayError as e:
+        assert "\n" not in str(e) and ("rank" in str(e) or "ranks" in str(e))
