@@ -44,7 +44,7 @@ def _image_format(flag: str, path: str) -> str:
 
 def render_files(plan: Plan, graph: str | None = None, timeline: str | None = None,
                  trace: str | None = None, torch_csv: str | None = None, *,
-                 graph_filter=None, collapse: bool | None = None,
+                 graph_filter=None, collapse: str | bool | None = None,
                  torch_csv_format: str = "compute_comms", status=None) -> dict[str, Any]:
     """Write the requested outputs; returns what was written (paths, counts, notes)."""
     from pfcompile import pipelining_csv  # noqa: PLC0415
@@ -81,8 +81,9 @@ def render_files(plan: Plan, graph: str | None = None, timeline: str | None = No
         write_atomic(graph, data)
         done["graph"] = {"path": str(graph), "nodes": n_nodes, "collapsed": collapsed}
         if collapsed and collapse is None:
-            done["notes"].append(f"graph collapsed automatically ({n_nodes} nodes: one per stage and "
-                                 "micro-batch, K-FAC work grouped per layer); --no-collapse for every task, "
+            grouping = "per layer" if collapsed == "layer" else "per stage (per layer would be too many nodes for dot)"
+            done["notes"].append(f"graph collapsed automatically to {n_nodes} nodes: one per stage and micro-batch, "
+                                 f"K-FAC work grouped {grouping}; --no-collapse for every task, "
                                  "or --ranks/--steps/--layers to draw less")
     return done
 
@@ -124,9 +125,9 @@ def register(sub) -> None:
     p.add_argument("--steps", metavar="LIST", help="graph: only these steps of the refresh cycle")
     p.add_argument("--layers", metavar="LIST", help="graph: only these K-FAC layers (and their stages' pipeline work)")
     c = p.add_mutually_exclusive_group()
-    c.add_argument("--collapse", dest="collapse", action="store_true", default=None,
-                   help="graph: one node per stage and micro-batch, K-FAC work grouped per layer "
-                        "(automatic above 300 tasks)")
+    c.add_argument("--collapse", nargs="?", const="layer", default=None, choices=("layer", "stage"),
+                   help="graph: one node per stage and micro-batch, K-FAC work grouped per layer (default) or "
+                        "per stage; automatic above 300 tasks (per stage above 400 nodes)")
     c.add_argument("--no-collapse", dest="collapse", action="store_false", help="graph: one node per task")
     p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
     p.set_defaults(func=run)
@@ -154,7 +155,8 @@ def run(args) -> int:
         if what in done:
             d = done[what]
             paths = ", ".join(d.get("paths", [d.get("path")]))
-            extra = f" ({d['nodes']} nodes{', collapsed' if d['collapsed'] else ''})" if what == "graph" else ""
+            extra = f" ({d['nodes']} nodes{', collapsed per ' + d['collapsed'] if d['collapsed'] else ''})" \
+                if what == "graph" else ""
             extra = f" ({d['events']} events)" if what == "trace" else extra
             print(f"{what}: {paths}{extra}")
     for note in done["notes"]:

@@ -2,7 +2,9 @@
 
 Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable task by
 task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
-with its sends and receives, all K-FAC work of one layer, and each stage's update.
+with its sends and receives, all K-FAC work of one layer, and each stage's update. When
+even that is too many nodes for `dot` (its layout time grows fast: 1,728 nodes took over
+four minutes), the K-FAC work is grouped per stage instead.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pfcompile.plan_deps import Task, collective_peers, dependencies, tasks_of
 from pfcompile.render_style import GROUPS, color_of, group_of, label_of
 
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
+AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group K-FAC per stage
+COLLAPSE_LEVELS = ("layer", "stage")
 IMAGE_FORMATS = ("svg", "png", "pdf")
 
 
@@ -60,7 +64,7 @@ class Node:
     tasks: list[Task] = field(default_factory=list)
 
 
-def _collapsed_key(task: Task) -> tuple[str, int]:
+def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
     """The group a task joins in the collapsed view (its kind letter and index)."""
     op = task.op
     k = op.kind
@@ -73,7 +77,7 @@ def _collapsed_key(task: Task) -> tuple[str, int]:
     if k == "recv_grad":
         return ("B", op.stage - 1, op.mb)
     if op.layer is not None:
-        return ("K", op.layer)
+        return ("K", op.layer) if level == "layer" else ("KS", plan.layer_stage[op.layer])
     return ("U", op.stage)
 
 
@@ -85,15 +89,18 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
         return f"B{key[1]}.{key[2]}", GROUPS["bwd"][1]
     if kind == "K":
         return f"K-FAC {plan.layers[key[1]]}", GROUPS["curv"][1]
+    if kind == "KS":
+        return f"K-FAC stage {key[1]}", GROUPS["curv"][1]
     return f"update stage {key[1]}", GROUPS["step"][1]
 
 
-def build_nodes(plan: Plan, tasks: list[Task], collapse: bool) -> tuple[list[Node], dict[tuple, Node]]:
-    """Nodes for the kept tasks, and the map task key -> its node."""
+def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None) -> tuple[list[Node], dict[tuple, Node]]:
+    """Nodes for the kept tasks (one per task, or per group at level `collapse`), and the
+    map task key -> its node."""
     nodes: dict[tuple, Node] = {}
     of_task: dict[tuple, Node] = {}
     for task in sorted(tasks, key=lambda t: (t.rank, t.step, t.start)):
-        key = (task.rank, task.step) + (_collapsed_key(task) if collapse else (task.op,))
+        key = (task.rank, task.step) + (_collapsed_key(task, plan, collapse) if collapse else (task.op,))
         node = nodes.get(key)
         if node is None:
             if collapse:
@@ -115,21 +122,31 @@ def require_dot() -> None:
                                           "(apt-get install graphviz, or brew install graphviz)")
 
 
-def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: bool | None = None):
-    """The graphviz Digraph of the plan's tasks; returns (digraph, nodes, collapsed?)."""
+def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool | None = None):
+    """The graphviz Digraph of the plan's tasks; returns (digraph, nodes, collapse level or None).
+
+    `collapse`: None picks by size; False/None-level draws every task; True or "layer"
+    groups K-FAC work per layer, "stage" per stage."""
     import graphviz  # noqa: PLC0415 (only this output needs it)
 
     all_tasks = tasks_of(plan)
     flt = flt or TaskFilter()
     kept = [t for t in all_tasks if flt.keep(plan, t)]
+    if collapse is True:
+        collapse = "layer"
     if collapse is None:
-        collapse = len(kept) > AUTO_COLLAPSE_ABOVE
+        collapse = "layer" if len(kept) > AUTO_COLLAPSE_ABOVE else False
+        if collapse and len(build_nodes(plan, kept, "layer")[0]) > AUTO_STAGE_ABOVE:
+            collapse = "stage"
+    if collapse and collapse not in COLLAPSE_LEVELS:
+        raise ValueError(f"collapse level must be one of {COLLAPSE_LEVELS}, got {collapse!r}")
+    collapse = collapse or None
     nodes, of_task = build_nodes(plan, kept, collapse)
     kept_keys = {t.key for t in kept}
 
     cfg = plan.config
     title = (f"{plan.model.get('name', 'model')}: {cfg['schedule']} D={cfg['stages']} N={cfg['micro_batches']} "
-             f"method={cfg['method']}" + (" (collapsed)" if collapse else ""))
+             f"method={cfg['method']}" + (f" (collapsed, K-FAC per {collapse})" if collapse else ""))
     g = graphviz.Digraph("plan", graph_attr={"rankdir": "LR", "label": title, "labelloc": "t",
                                              "fontname": "Helvetica", "newrank": "true"},
                          node_attr={"shape": "box", "style": "filled,rounded", "fontname": "Helvetica",
@@ -163,10 +180,11 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: bool | Non
     return g, nodes, collapse
 
 
-def _legend(g, groups: set[str], collapse: bool) -> None:
+def _legend(g, groups: set[str], collapse: str | None) -> None:
     if collapse:
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
-                ("K-FAC work of one layer", GROUPS["curv"][1]), ("gradient sync + optimizer step", GROUPS["step"][1])]
+                (f"K-FAC work of one {collapse}", GROUPS["curv"][1]),
+                ("gradient sync + optimizer step", GROUPS["step"][1])]
     else:
         rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
     cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)
@@ -175,8 +193,8 @@ def _legend(g, groups: set[str], collapse: bool) -> None:
            shape="plaintext", style="", fontcolor="black", _attributes={"class": "legend"})
 
 
-def render_graph(plan: Plan, fmt: str, flt: TaskFilter | None = None, collapse: bool | None = None):
-    """The picture's bytes plus (node count, collapsed?); requires `dot`."""
+def render_graph(plan: Plan, fmt: str, flt: TaskFilter | None = None, collapse: str | bool | None = None):
+    """The picture's bytes plus (node count, collapse level or None); requires `dot`."""
     require_dot()
     g, nodes, collapsed = graph_source(plan, flt, collapse)
     return g.pipe(format=fmt, engine="dot"), len(nodes), collapsed

@@ -31,8 +31,9 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
     fig, ax = plt.subplots(figsize=(width_in, 1.0 + 0.55 * world))
     present: set[str] = set()
     # a device holding several stages (interleaved chunks, Chimera's two pipelines) draws
-    # its second stage's forward/backward lighter, as the paper's figures do
-    chunk = {(q, s): i for q in range(world) for i, (s, _) in enumerate(plan.stages_of(q))}
+    # its second stage's forward/backward lighter (Chimera: the up pipeline, replica 1)
+    chunk = {(q, s): i for q in range(world)
+             for i, (r, s) in enumerate(sorted((r, s) for s, r in plan.stages_of(q)))}
     for q, t, p in ops:
         kind = p.op.kind
         group = group_of(kind)

@@ -156,6 +156,8 @@ def test_collapsed_graph_has_one_node_per_stage_microbatch_and_layer(tmp_path):
     done = render_files(plan, graph=str(out), collapse=True)
     # forward and backward groups per (stage, mb), one K-FAC group per layer, one update per stage
     assert len(svg_groups(out, "node")) == 2 * D * M + D * L + D == done["graph"]["nodes"]
+    done = render_files(plan, graph=str(out), collapse="stage")
+    assert len(svg_groups(out, "node")) == 2 * D * M + D + D == done["graph"]["nodes"]
 
 
 def test_filters_keep_only_the_chosen_device_and_layers(tmp_path):
@@ -175,7 +177,7 @@ def test_large_plan_is_collapsed_automatically_and_says_so(tmp_path):
     r = cli(plan_path, "--graph", tmp_path / "g.svg", "--json")
     assert r.returncode == 0, r.stderr
     done = json.loads(r.stdout)
-    assert done["graph"]["collapsed"] is True
+    assert done["graph"]["collapsed"] == "layer"
     assert any("collapsed automatically" in n for n in done["notes"])
     assert len(svg_groups(tmp_path / "g.svg", "node")) == 2 * 4 * 8 + 16 + 4
 
