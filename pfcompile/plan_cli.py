@@ -11,6 +11,7 @@ from dataclasses import replace
 from pfcompile.costs import parse_partition
 from pfcompile.errors import InputError
 from pfcompile.profile import load_profile
+from pfcompile.replay import ReplayError, replay
 from pfcompile.schedules import INVERSION_POLICIES, SCHEDULES, PipelineConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -77,7 +78,8 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
     from pfcompile.graph import build_task_graph
 
     t0 = time.perf_counter()
-    base_plan, baseline = planner.baseline_plan(profile, cfg)
+    # the baseline is only a reference here: the memory limit applies to the plan made
+    base_plan, baseline = planner.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
     if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
     elif method == "none":
@@ -92,6 +94,13 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
         plan = planner.assemble(profile, tg, steps, "greedy")
         lb = planner.refresh_lower_bound(info["kfac_work_ms"], info["bubble_ms"])
         k = len(next(iter(steps.values())))
+        try:
+            replay(plan, profile, where=where, cycles=1)
+        except ReplayError as e:
+            if e.field == "config.memory_limit_bytes":  # PipeFisher's greedy has no memory model
+                raise ReplayError(e.where, e.field, e.message + "; the greedy plans without memory, "
+                                  "try --method cpsat") from None
+            raise
         result = planner.finish(plan, profile, {
             "solver_status": "greedy", "refresh_steps_lower_bound": lb,
             # greedy has no bound on its own objective; the gap is on k against the bound
