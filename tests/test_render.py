@@ -360,3 +360,54 @@ def test_dependencies_follow_the_op_vocabulary_across_the_refresh_cycle():
     assert of("F1.0", 0) == {("RA0.0<0", 0)}  # the previous step's update is in the previous cycle
     assert of("B0.0", 0) == {("F0.0", 0), ("RG1.0<1", 0)}
     assert of("U0", 1) == {("P0", 1), ("P1", 1)} and of("P0", 1) == {("B0.0", 1), ("B0.1", 1)}
+
+
+# --- plans made by the planner ----------------------------------------------------------------
+
+PLANNER_CASES = {  # small configurations of each schedule family on the bert-base reference profile
+    "gpipe": ["--schedule", "gpipe", "--stages", "2", "--micro-batches", "4"],
+    "1f1b": ["--schedule", "1f1b", "--stages", "4", "--micro-batches", "4"],
+    "interleaved": ["--schedule", "interleaved", "--stages", "2", "--virtual-stages", "2", "--micro-batches", "4"],
+    "chimera": ["--schedule", "chimera", "--stages", "4", "--micro-batches", "4"],
+}
+
+
+@pytest.mark.parametrize("family", list(PLANNER_CASES))
+def test_planner_plans_render_and_load_in_torch(tmp_path, family):
+    from torch.distributed.pipelining.schedules import _simulate_comms_compute
+
+    plan_path = tmp_path / "plan.json"
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-base-p100-ref.json"),
+                           *PLANNER_CASES[family], "--method", "greedy", "-o", str(plan_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert made.returncode == 0, made.stderr
+    plan = load_plan(str(plan_path))
+    r = cli(plan_path, "--torch-csv", tmp_path / "o.csv", "--trace", tmp_path / "t.json",
+            "--graph", tmp_path / "g.svg", "--steps", "0", "--collapse", "--json")
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout)
+
+    # trace: every op of the cycle, with the plan's durations
+    ops = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    planned = [p for steps in plan.ranks for ops_ in steps for p in ops_]
+    assert len(ops) == len(planned) == plan.stats["tasks"]
+    assert sorted(e["dur"] for e in ops) == pytest.approx(sorted((p.end - p.start) * 1000 for p in planned))
+
+    # graph of step 0, per layer: each forward/backward with its messages, K-FAC per layer, update per stage
+    step0 = [(q, p.op) for q, steps in enumerate(plan.ranks) for p in steps[0]]
+    groups = (sum(op.kind in ("fwd", "bwd") for _, op in step0) + len({(q, op.layer) for q, op in step0 if op.layer is not None})
+              + len({(q, op.stage) for q, op in step0 if op.kind in ("sync_grad", "step")}))
+    assert len(svg_groups(tmp_path / "g.svg", "node")) == groups == done["graph"]["nodes"]
+
+    # torch: one CSV per replica pipeline, each loads, validates and simulates without deadlock
+    replicas = sorted({p["replica"] for p in plan.placement})
+    assert len(done["torch_csv"]["paths"]) == len(replicas)
+    S = plan.num_stages
+    for replica, path in zip(replicas, done["torch_csv"]["paths"]):
+        ranks = sorted({p["rank"] for p in plan.placement if p["replica"] == replica})
+        n_mb = plan.micro_batch_replica.count(replica)
+        sched = torch_runtime(S, len(ranks), n_mb)
+        sched._load_csv(path, format="compute_comms")
+        assert {s: ranks[g] for s, g in sched.stage_index_to_group_rank.items()} == \
+            {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == replica}
+        _simulate_comms_compute(sched.pipeline_order_with_comms, lambda s: sched.stage_index_to_group_rank[s], S)
