@@ -45,6 +45,10 @@ def heads_and_tails(p: Problem) -> tuple[list[int], list[int]]:
     g.add_nodes_from(range(len(p.tasks)))
     for a, b, lag in p.edges:
         g.add_edge(a, b, lag=max(lag, g.edges[a, b]["lag"]) if g.has_edge(a, b) else lag)
+    for chain in p.chains:  # a fixed order is a dependency too
+        for a, b in zip(chain, chain[1:]):
+            if not g.has_edge(a, b):
+                g.add_edge(a, b, lag=0)
     order = list(nx.topological_sort(g))
     opt = [t.option for t in p.tasks]
     dur = [t.dur for t in p.tasks]

@@ -33,6 +33,7 @@ class Vars:
     interval: list
     option: dict[int, object]  # option id -> Boolean literal (taken)
     makespan: object = None
+    boundary: list = field(default_factory=list)  # (var, tasks before it)
 
     def present(self, p: Problem, i: int) -> list:
         """Literals under which task i exists (empty: always)."""
@@ -49,6 +50,7 @@ def build_model(p: Problem, horizon: int | None = None) -> tuple[cp_model.CpMode
     add_choices(m, p, v)
     add_memory(m, p, v)
     add_fixed_order(m, p, v)
+    add_phases(m, p, v, horizon or p.horizon())
     add_makespan_objective(m, p, v, horizon or p.horizon())
     return m, v
 
@@ -114,6 +116,17 @@ def add_fixed_order(m, p: Problem, v: Vars) -> None:
             m.add(v.start[b] >= v.end[a])
 
 
+def add_phases(m, p: Problem, v: Vars, horizon: int) -> None:
+    for groups in p.phases:
+        for g0, g1 in zip(groups, groups[1:]):
+            b = m.new_int_var(0, horizon, "")
+            v.boundary.append((b, g0))
+            for i in g0:
+                m.add(v.end[i] <= b)
+            for j in g1:
+                m.add(v.start[j] >= b)
+
+
 def add_makespan_objective(m, p: Problem, v: Vars, horizon: int) -> None:
     # a task with a mandatory successor ends before it: only the others bound C
     has_succ = {a for a, b, _ in p.edges if p.tasks[b].option is None}
@@ -135,6 +148,8 @@ def add_hint(m, p: Problem, v: Vars, hint: Schedule) -> None:
         if s is not None:
             m.add_hint(v.start[i], s)
     m.add_hint(v.makespan, hint.makespan)
+    for b, before in v.boundary:
+        m.add_hint(b, max((hint.start[i] + p.tasks[i].dur for i in before), default=0))
 
 
 @dataclass

@@ -57,24 +57,38 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> 
         for a, b in zip(chain, chain[1:]):
             g.add_edge(a, b)
             lag.setdefault((a, b), 0)
+    # a step boundary is a zero-length barrier node (ids past the tasks): one node, not
+    # |step j| x |step j+1| edges
+    barrier = len(p.tasks)
+    for groups in p.phases:
+        for g0, g1 in zip(groups, groups[1:]):
+            g.add_edges_from((i, barrier) for i in g0)
+            g.add_edges_from((barrier, j) for j in g1)
+            lag.update({(i, barrier): 0 for i in g0})
+            lag.update({(barrier, j): 0 for j in g1})
+            barrier += 1
     group_of = {i: gr for gr in p.rendezvous for i in gr}
     first = first or set()
     key = order_key or (lambda i: i)
-    order = list(nx.lexicographical_topological_sort(g, key=lambda i: (i not in first, key(i))))
+    order = list(nx.lexicographical_topological_sort(
+        g, key=lambda i: (i < len(p.tasks) and i not in first, key(i) if i < len(p.tasks) else -1)))
 
     by_opt = p.option_tasks()
     chosen: set[int] = set()
     choice_of = {o: c for c in p.choices for o in c}
 
     lines: dict[tuple, _Timeline] = defaultdict(_Timeline)
-    start: list[int | None] = [None] * len(p.tasks)
+    start: list[int | None] = [None] * barrier
     decided: set[int] = set()  # choices (by first option id) already decided
+
+    def dur(i: int) -> int:
+        return p.tasks[i].dur if i < len(p.tasks) else 0
 
     def release(i: int) -> int:
         r = 0
         for a in g.predecessors(i):
             if start[a] is not None:
-                r = max(r, start[a] + p.tasks[a].dur + lag[a, i])
+                r = max(r, start[a] + dur(a) + lag[a, i])
         return r
 
     def place_group(members: list[int], trial: bool) -> int:
@@ -93,6 +107,9 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> 
     for i in order:
         if start[i] is not None:
             continue
+        if i >= len(p.tasks):  # a barrier
+            start[i] = release(i)
+            continue
         o = p.tasks[i].option
         if o is not None:
             c = choice_of[o]
@@ -108,5 +125,6 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> 
                 continue
         members = [j for j in group_of.get(i, [i]) if start[j] is None]
         place_group(members, trial=False)
+    start = start[:len(p.tasks)]
     mk = max((s + p.tasks[i].dur for i, s in enumerate(start) if s is not None), default=0)
     return Schedule(start, mk)

@@ -15,6 +15,8 @@ exhaustive search work on tiny hand-made instances as well as on real task graph
   freed at the end of the second.
 - `capacity[rank]`: bytes available for buffers (memory limit minus resident), or None.
 - `chains`: sequences of tasks that must run in this order (`--fixed-order`).
+- `phases`: per rank, groups of tasks that run one group after another (the steps of the
+  cycle: every task of group j ends before any task of group j+1 starts).
 
 Rounding: durations and lags are rounded to the nearest microsecond, so a makespan found
 optimal here is within 0.5 µs × (tasks on the critical path) of the true optimum.
@@ -49,6 +51,7 @@ class Problem:
     buffers: list[tuple[int, int, int, int]] = field(default_factory=list)
     capacity: dict[int, int | None] = field(default_factory=dict)
     chains: list[list[int]] = field(default_factory=list)
+    phases: list[list[list[int]]] = field(default_factory=list)
 
     def add(self, key: Hashable, dur: int, resource: tuple, option: int | None = None) -> int:
         self.tasks.append(Task(key, int(dur), resource, option))
@@ -109,6 +112,12 @@ def violations(p: Problem, s: Schedule, *, memory: bool = True) -> list[str]:
         for a, b in zip(chain, chain[1:]):
             if st[b] < st[a] + p.tasks[a].dur:
                 out.append(f"fixed order: {p.tasks[b].key} before {p.tasks[a].key}")
+    for groups in p.phases:
+        for g0, g1 in zip(groups, groups[1:]):
+            live0 = [st[i] + p.tasks[i].dur for i in g0 if st[i] is not None]
+            live1 = [st[i] for i in g1 if st[i] is not None]
+            if live0 and live1 and max(live0) > min(live1):
+                out.append(f"a task of {p.tasks[g1[0]].key}'s step starts before the previous step ends")
     for g in p.rendezvous:
         if len({st[i] for i in g if st[i] is not None}) > 1:
             out.append(f"collective {[p.tasks[i].key for i in g]} does not start together")

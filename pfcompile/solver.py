@@ -1,0 +1,358 @@
+"""`pfcompile plan --method cpsat`: place the K-FAC work of a refresh cycle with CP-SAT.
+
+For a refresh cycle of k steps the task graph (pfcompile.graph) becomes a `Problem`
+(pfcompile.problem) in integer microseconds; pfcompile.cpmodel minimises its makespan, i.e.
+the step time makespan/k. What this module adds to the graph:
+
+- the inversion choice: with replicas, each factor is inverted on ONE replica of its stage,
+  chosen by the solver (an option per candidate rank: its inv and the bcast_inv from it);
+- steps run one after another on every rank (the plan lists each step's ops in order and
+  the runtime runs step t with list t): a boundary per rank and step;
+- `fixed_order`: the family's forward/backward order per rank as a chain; the K-FAC work,
+  sync_grad, precond and step are placed freely either way;
+- memory: capacity = memory limit - resident bytes per rank (a reservoir in the model).
+
+k, lexicographically after the step time: try k = k_lb, k_lb+1, ... (k_lb from
+pfcompile.bounds) and keep the FIRST k whose step time is within `tolerance` of the step
+time the same k steps reach without any refresh work (the best any k can hope for: the
+refresh then costs nothing); if no k up to k_lb + `extra_steps` gets there, the k with
+the least step time (ties: the smaller k).
+
+The solution becomes per-rank op lists (sorted by start; ties by dependency order), is
+assembled with pfcompile.planner and replayed by pfcompile.replay like every plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from pfcompile import planner
+from pfcompile.bounds import lower_bounds, refresh_steps_lower_bound
+from pfcompile.cpmodel import Result, solve
+from pfcompile.errors import InputError
+from pfcompile.graph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
+from pfcompile.list_schedule import list_schedule
+from pfcompile.ops import Op
+from pfcompile.plan import Plan
+from pfcompile.problem import Problem, Schedule, to_us, violations
+from pfcompile.profile import Profile
+from pfcompile.replay import replay
+from pfcompile.schedules import PipelineConfig
+
+PASS_KINDS = ("fwd", "bwd")
+
+
+@dataclass
+class SolverOptions:
+    time_limit: float = 60.0  # seconds per solve (each k tried is one solve)
+    workers: int = 2
+    fixed_order: bool = True
+    tolerance: float = 0.005  # accept k when within 0.5% of the no-refresh step time
+    extra_steps: int = 2  # try at most k_lb + extra_steps
+    refresh_steps: int | None = None  # force k
+
+
+@dataclass
+class CycleModel:
+    """The Problem of one k, and how its task indices map back to the graph."""
+
+    tg: TaskGraph
+    problem: Problem
+    tasks: list[Task]
+    index: dict[Task, int]
+    per_step: set[int] = field(default_factory=set)  # indices of the per-step tasks
+
+
+# --- graph -> problem ---------------------------------------------------------------------
+
+
+def build_cycle(profile: Profile, cfg: PipelineConfig, k: int, *, fixed_order: bool,
+                refresh: bool = True) -> CycleModel:
+    """The Problem of a k-step cycle. `refresh=False` drops the floating K-FAC work (the
+    reference the refresh is measured against)."""
+    choose = cfg.kfac and cfg.replicas > 1
+    tg = build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion))
+    keep = [t for t in tg.g.nodes if refresh or t.step is not None]
+    # deterministic task order: by step, rank, op (the tie-break of simultaneous starts)
+    topo = list(nx.lexicographical_topological_sort(tg.g.subgraph(keep), key=lambda t: (_step(t), t.rank, t.op)))
+    p = Problem()
+    index: dict[Task, int] = {}
+    option_of: dict[Task, int] = {}
+    if choose and refresh:
+        option_of = _inversion_options(tg, topo, p)
+    for t in topo:
+        index[t] = p.add(t, _model_us(tg.duration(t)), (t.rank,), option_of.get(t))
+    tasks = list(topo)
+    if choose and refresh:  # the broadcasts from each candidate inverter
+        for (layer, f), cands in tg.inv_candidates.items():
+            for c in cands:
+                inv = Task(None, c, Op("inv", layer=layer, factor=f))
+                group = []
+                for q in cands:
+                    b = Task(None, q, Op("bcast_inv", layer=layer, factor=f, peer=c))
+                    index[b] = p.add(b, _model_us(tg.costs.duration(b.op)), (q,), option_of[inv])
+                    tasks.append(b)
+                    p.edges.append((index[inv], index[b], 0))
+                    group.append(index[b])
+                p.rendezvous.append(group)
+    for u, v, lag in tg.g.edges(data="lag"):
+        if u in index and v in index:
+            p.edges.append((index[u], index[v], to_us(lag)))
+    for group in tg.collectives.values():
+        members = [index[t] for t in group if t in index]
+        if len(members) > 1:
+            p.rendezvous.append(members)
+    for b in tg.buffers:
+        if b.alloc in index and b.free in index:
+            p.buffers.append((b.rank, b.nbytes, index[b.alloc], index[b.free]))
+    limit = cfg.memory_limit_bytes
+    p.capacity = {q: (None if limit is None else limit - tg.resident_bytes[q]) for q in tg.ranks}
+    for q, steps in tg.canonical.items():
+        p.phases.append([[index[t] for t in step] for step in steps])
+        if fixed_order:
+            p.chains.append([index[t] for step in steps for t in step if t.op.kind in PASS_KINDS])
+    per_step = {i for i, t in enumerate(tasks) if t.step is not None}
+    return CycleModel(tg, p, tasks, index, per_step)
+
+
+def _model_us(ms: float) -> int:
+    """Duration in the model: at least 1 µs, so that a zero-length op (a posted send, a
+    receive, the update) is ordered on its rank by the no-overlap like every other op: a
+    send placed inside a curvature op would be posted only after it, later than the model
+    assumed. Costs at most 1 µs per such op on the critical path."""
+    return max(1, to_us(ms))
+
+
+def _step(t: Task) -> int:
+    return -1 if t.step is None else t.step
+
+
+def _inversion_options(tg: TaskGraph, topo: list[Task], p: Problem) -> dict[Task, int]:
+    """One option per (factor, candidate rank): that rank's inv (the graph, built with
+    inversion="all", has one on every candidate) and its broadcasts."""
+    option_of = {}
+    for key, cands in tg.inv_candidates.items():
+        ids = []
+        for c in cands:
+            o = len(option_of)
+            option_of[Task(None, c, Op("inv", layer=key[0], factor=key[1]))] = o
+            ids.append(o)
+        p.choices.append(ids)
+    return option_of
+
+
+# --- solution -> op lists -------------------------------------------------------------------
+
+
+def steps_from_schedule(cm: CycleModel, s: Schedule) -> dict[int, list[list[Op]]]:
+    """Per rank, its tasks by start (ties: the problem's task order, which respects the
+    dependencies); a floating task joins the step of the per-step task before it."""
+    k = cm.tg.refresh_steps
+    out: dict[int, list[list[Op]]] = {q: [[] for _ in range(k)] for q in cm.tg.ranks}
+    by_rank: dict[int, list[tuple]] = {q: [] for q in cm.tg.ranks}
+    for i, t in enumerate(cm.tasks):
+        if s.start[i] is not None:
+            by_rank[t.rank].append((s.start[i], s.start[i] + cm.problem.tasks[i].dur, i))
+    for q, rows in by_rank.items():
+        step = 0
+        for _, _, i in sorted(rows):
+            t = cm.tasks[i]
+            if t.step is not None:
+                step = t.step
+            out[q][step].append(t.op)
+    return out
+
+
+def schedule_from_steps(cm: CycleModel, plan: Plan) -> Schedule:
+    """A replayed plan's times as a Schedule of this problem (the greedy's warm start)."""
+    start: list[int | None] = [None] * len(cm.tasks)
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for po in ops:
+                task = Task(None if po.op.kind in FLOATING_KINDS else t, q, po.op)
+                if task in cm.index:
+                    start[cm.index[task]] = to_us(po.start)
+    if any(x is None and cm.problem.tasks[i].option is None for i, x in enumerate(start)):
+        return None
+    mk = max(x + cm.problem.tasks[i].dur for i, x in enumerate(start) if x is not None)
+    return Schedule(start, mk)
+
+
+# --- memory: the smallest limit that can work -----------------------------------------------
+
+
+def smallest_feasible_limit(cm: CycleModel) -> dict[int, int]:
+    """Per rank: resident + the least dynamic peak under the family's order, reached by
+    running each curvature op right after the op that made its kept tensor (activations
+    are fixed by the fwd/bwd order; kept tensors then live only while their producer runs)."""
+    tg = cm.tg
+    out = {}
+    for q, steps in tg.canonical.items():
+        live = peak = 0  # activations live between ops
+        for t_step, step in enumerate(steps):
+            for t in step:
+                made = tg.costs.allocates(t.op, refresh=(t_step == 0))
+                peak = max(peak, live + sum(n for _, n in made))
+                live += sum(n for key, n in made if key[0] == "act")
+                if t.op.kind == "bwd":
+                    live -= tg.costs.act_bytes(t.op.stage)
+        out[q] = tg.resident_bytes[q] + peak
+    return out
+
+
+def memory_error(cm: CycleModel, fixed_order: bool, *, proven: bool = False) -> InputError | None:
+    """The one-line error for a limit below the smallest feasible one (None if it may fit).
+    Under the family's order the smallest limit is exact; with a free order it is one that
+    surely works, and only a solver's proof of infeasibility (`proven`) rejects a limit."""
+    limit = cm.tg.cfg.memory_limit_bytes
+    if limit is None:
+        return None
+    need = smallest_feasible_limit(cm)
+    q = max(need, key=lambda r: need[r] - limit)
+    if need[q] <= limit or not (fixed_order or proven):
+        return None
+    how = "under the family's order" if fixed_order else "known (under the family's order)"
+    return InputError("--memory-limit", None,
+                      f"{_gib(limit)} is below what rank {q} needs: the smallest feasible limit {how} is "
+                      f"{need[q]} bytes ({_gib(need[q])}: resident {_gib(cm.tg.resident_bytes[q])} + activations "
+                      f"and kept tensors)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+# --- one cycle length -----------------------------------------------------------------------
+
+
+@dataclass
+class CycleSolution:
+    k: int
+    cm: CycleModel
+    result: Result
+    schedule: Schedule
+    bound: int  # best lower bound on the makespan (µs): the solver's or pfcompile.bounds'
+    reference: int  # makespan of the same k steps without refresh work (µs)
+    hint_source: str
+
+    @property
+    def step_time_ms(self) -> float:
+        return self.schedule.makespan / self.k / 1000
+
+    @property
+    def gap(self) -> float:
+        mk = self.schedule.makespan
+        return max(0.0, (mk - self.bound) / mk) if mk else 0.0
+
+
+def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
+                greedy_plan: Plan | None = None, describe=None) -> CycleSolution:
+    cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order)
+    err = memory_error(cm, opts.fixed_order)
+    if err:
+        raise err
+    p = cm.problem
+    hints = [("list", list_schedule(p, first=cm.per_step))]
+    if greedy_plan is not None and greedy_plan.refresh_steps == k:
+        h = schedule_from_steps(cm, greedy_plan)
+        if h is not None:
+            hints.append(("greedy", h))
+    # prefer a hint that breaks nothing (memory included), then the shorter
+    source, hint = min(hints, key=lambda h: (bool(violations(p, h[1])), h[1].makespan))
+    lb = lower_bounds(p).makespan
+
+    def on_solution(sec, obj, bound):
+        if describe:
+            describe(f"cpsat k={k}: {obj / k / 1000:.2f} ms/step, bound {max(bound, lb) / k / 1000:.2f} ({sec:.0f} s)")
+
+    res = solve(p, time_limit=opts.time_limit, workers=opts.workers, hint=hint, extra_bound=lb,
+                on_solution=on_solution)
+    if res.status == "INFEASIBLE":
+        err = memory_error(cm, opts.fixed_order, proven=True)
+        raise err or InputError("--memory-limit", None, f"no schedule with k={k} fits the limit")
+    sched = res.schedule
+    if sched is None or (not violations(p, hint) and hint.makespan < sched.makespan):
+        sched, res.status = hint, f"{res.status} (no better solution than the {source} warm start)"
+    ref = _reference_makespan(profile, cfg, k, opts)
+    return CycleSolution(k, cm, res, sched, max(res.bound, lb), ref, source)
+
+
+def _reference_makespan(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions) -> int:
+    """The k steps without the refresh's work: the best step time any k can reach."""
+    cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order, refresh=False)
+    hint = list_schedule(cm.problem, first=cm.per_step)
+    res = solve(cm.problem, time_limit=max(1.0, opts.time_limit / 4), workers=opts.workers, hint=hint,
+                extra_bound=lower_bounds(cm.problem).makespan)
+    return res.objective if res.objective is not None else hint.makespan
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
+               fixed_order: bool = True, refresh_steps: int | None = None, progress=None, describe=None,
+               options: SolverOptions | None = None) -> Plan:
+    """The CP-SAT plan: k searched upwards from its lower bound (module docstring), the
+    solution replayed; stats carry status, bound, gap and the k search."""
+    opts = options or SolverOptions(time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                                    refresh_steps=refresh_steps)
+    t0 = time.perf_counter()
+    greedy_plan, greedy_info = _greedy(profile, cfg)
+    k_lb = refresh_steps_lower_bound(greedy_info["kfac_work_ms"], greedy_info["bubble_ms"]) if cfg.kfac else 1
+    if opts.refresh_steps:
+        ks = [opts.refresh_steps]
+    else:
+        ks = list(range(k_lb, max(k_lb + opts.extra_steps, greedy_plan.refresh_steps) + 1))
+    tried: list[CycleSolution] = []
+    for n, k in enumerate(ks):
+        if progress:
+            progress(n, len(ks))
+        sol = solve_cycle(profile, cfg, k, opts, greedy_plan=greedy_plan, describe=describe)
+        tried.append(sol)
+        if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+            break
+    best = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
+    steps = steps_from_schedule(best.cm, best.schedule)
+    tg = replace(best.cm.tg, cfg=replace(cfg, refresh_steps=best.k))
+    plan = planner.assemble(profile, tg, steps, "cpsat", fixed_order=opts.fixed_order)
+    stats = {
+        "solver_status": best.result.status,
+        "objective_step_time_ms": round(best.step_time_ms, 6),
+        "best_bound_step_time_ms": round(best.bound / best.k / 1000, 6),
+        "gap": round(best.gap, 6),
+        "solve_seconds": round(time.perf_counter() - t0, 3),
+        "refresh_steps_lower_bound": k_lb,
+        "lower_bounds_ms": lower_bounds(best.cm.problem).as_dict(1 / 1000 / best.k),
+        "warm_start": best.hint_source,
+        "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
+                      "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
+                     for s in tried],
+        "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
+                   f"k steps without refresh work; else the least step time"),
+        "decomposition": "none (one model of the whole cycle)",
+        "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
+        "workers": opts.workers, "time_limit_s": opts.time_limit,
+        "tasks_model": len(best.cm.problem.tasks),
+    }
+    planner.finish(plan, profile, stats)
+    if progress:
+        progress(len(ks), len(ks))
+    return plan
+
+
+def _greedy(profile: Profile, cfg: PipelineConfig):
+    """PipeFisher's greedy plan (replayed): the warm start and the bar to beat."""
+    from pfcompile.greedy import greedy_steps
+
+    tg, steps, info = greedy_steps(profile, cfg)
+    plan = planner.assemble(profile, tg, steps, "greedy")
+    result = replay(plan, profile, check_memory=False)  # the greedy ignores memory; the model does not
+    for q, per_step in enumerate(plan.ranks):
+        for t, ops in enumerate(per_step):
+            for i, po in enumerate(ops):
+                po.start, po.end = result.times[q][t][i]
+    plan.stats = result.stats()
+    return plan, info
