@@ -46,11 +46,13 @@ def render_files(plan: Plan, graph: str | None = None, timeline: str | None = No
                  trace: str | None = None, torch_csv: str | None = None, *,
                  graph_filter=None, collapse: str | bool | None = None,
                  torch_csv_format: str = "compute_comms", status=None) -> dict[str, Any]:
-    """Write the requested outputs; returns what was written (paths, counts, notes)."""
+    """Write the requested outputs; returns what was written (paths, counts, notes).
+
+    The pictures are made in memory first, so a bad request (a file name, a filter that
+    selects nothing, a missing `dot`) fails before any output is written."""
     from pfcompile import pipelining_csv  # noqa: PLC0415
     from pfcompile.render_graph import render_graph, require_dot  # noqa: PLC0415
 
-    # check everything first: no output is written if any request is bad
     graph_fmt = _image_format("--graph", graph) if graph else None
     timeline_fmt = _image_format("--timeline", timeline) if timeline else None
     if graph:
@@ -58,33 +60,40 @@ def render_files(plan: Plan, graph: str | None = None, timeline: str | None = No
     if torch_csv_format not in pipelining_csv.FORMATS:
         raise InputError("--torch-csv-format", None, f"must be one of {', '.join(pipelining_csv.FORMATS)}")
     say = status or (lambda msg: None)
-
     done: dict[str, Any] = {"notes": []}
-    if trace:
-        say(f"writing trace {trace}")
-        tr = write_trace(trace, plan_events(plan), metadata={"plan": plan.config, "stats": plan.stats})
-        done["trace"] = {"path": str(trace), "events": sum(e["ph"] == "X" for e in tr["traceEvents"])}
-    if torch_csv:
-        say(f"writing torch schedule CSV {torch_csv}")
-        paths, note = pipelining_csv.export(plan, torch_csv, torch_csv_format)
-        done["torch_csv"] = {"paths": [str(p) for p in paths], "format": torch_csv_format}
-        done["notes"].append(note)
-    if timeline:
-        say(f"drawing timeline {timeline}")
-        from pfcompile.render_timeline import render_timeline  # noqa: PLC0415
 
-        write_atomic(timeline, render_timeline(plan, timeline_fmt))
-        done["timeline"] = {"path": str(timeline)}
+    pictures: list[tuple[str, bytes]] = []
     if graph:
-        say(f"laying out task graph with dot -> {graph}")
+        say(f"laying out the task graph with dot for {graph}")
         data, n_nodes, collapsed = render_graph(plan, graph_fmt, graph_filter, collapse)
-        write_atomic(graph, data)
+        pictures.append((graph, data))
         done["graph"] = {"path": str(graph), "nodes": n_nodes, "collapsed": collapsed}
         if collapsed and collapse is None:
             grouping = "per layer" if collapsed == "layer" else "per stage (per layer would be too many nodes for dot)"
             done["notes"].append(f"graph collapsed automatically to {n_nodes} nodes: one per stage and micro-batch, "
                                  f"K-FAC work grouped {grouping}; --no-collapse for every task, "
                                  "or --ranks/--steps/--layers to draw less")
+    if timeline:
+        say(f"drawing the timeline for {timeline}")
+        from pfcompile.render_timeline import render_timeline  # noqa: PLC0415
+
+        pictures.append((timeline, render_timeline(plan, timeline_fmt)))
+        done["timeline"] = {"path": str(timeline)}
+
+    try:
+        if trace:
+            say(f"writing trace {trace}")
+            tr = write_trace(trace, plan_events(plan), metadata={"plan": plan.config, "stats": plan.stats})
+            done["trace"] = {"path": str(trace), "events": sum(e["ph"] == "X" for e in tr["traceEvents"])}
+        if torch_csv:
+            say(f"writing torch schedule CSV {torch_csv}")
+            paths, note = pipelining_csv.export(plan, torch_csv, torch_csv_format)
+            done["torch_csv"] = {"paths": [str(p) for p in paths], "format": torch_csv_format}
+            done["notes"].append(note)
+        for path, data in pictures:
+            write_atomic(path, data)
+    except OSError as e:  # an output that cannot be written (no permission, disk full, ...)
+        raise InputError(e.filename or "output", None, f"cannot write: {e.strerror or e}") from None
     return done
 
 

@@ -132,6 +132,8 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
     all_tasks = tasks_of(plan)
     flt = flt or TaskFilter()
     kept = [t for t in all_tasks if flt.keep(plan, t)]
+    if not kept:
+        raise InputError("--ranks/--steps/--layers", None, "select no task of the plan")
     if collapse is True:
         collapse = "layer"
     if collapse is None:

@@ -411,3 +411,10 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
         assert {s: ranks[g] for s, g in sched.stage_index_to_group_rank.items()} == \
             {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == replica}
         _simulate_comms_compute(sched.pipeline_order_with_comms, lambda s: sched.stage_index_to_group_rank[s], S)
+
+
+def test_a_filter_that_selects_nothing_fails_before_any_output(tmp_path):
+    plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
+    r = cli(plan_path, "--trace", tmp_path / "t.json", "--graph", tmp_path / "g.svg", "--ranks", "5")
+    assert r.returncode == 2 and "select no task" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
