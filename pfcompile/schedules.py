@@ -154,7 +154,9 @@ def _interleaved(D: int, v: int, d: int, mbs: list[int]) -> list[Pass]:
         m = mbs[(k // (D * v)) * D + k % D]
         return ("fwd" if forward else "bwd", chunk * D + d, m)
 
-    warm = min((D - d - 1) * 2 + (v - 1) * D, total) if n > D or v > 1 else min(D - d - 1, total)
+    # Megatron's warm-up count (for N = D Megatron runs all forwards first; the same count
+    # keeps fewer activations alive at the same bubble); v = 1 is plain 1F1B
+    warm = min((D - d - 1) * 2 + (v - 1) * D if v > 1 else D - d - 1, total)
     order = [virtual(k, True) for k in range(warm)]
     for i in range(total - warm):
         order += [virtual(warm + i, True), virtual(i, False)]

@@ -113,3 +113,9 @@ def test_interleaved_order_is_megatrons():
     assert order[0][:4] == [("fwd", 0, 0), ("fwd", 0, 1), ("fwd", 2, 0), ("fwd", 2, 1)]
     assert order[0][4:6] == [("fwd", 0, 2), ("bwd", 2, 0)]
     assert sorted(order[0]) == sorted((k, s, m) for k in ("fwd", "bwd") for s in (0, 2) for m in range(4))
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    for D, N in ((4, 8), (3, 6)):
+        one = compute_orders(PipelineConfig("1f1b", stages=D, micro_batches=N))
+        assert compute_orders(PipelineConfig("interleaved", stages=D, micro_batches=N, virtual_stages=1)) == one
