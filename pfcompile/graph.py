@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import networkx as nx
 
-from pfcompile.costs import COMPUTE_KINDS, Costs, balanced_partition, check_partition
+from pfcompile.costs import Costs, balanced_partition, check_partition
 from pfcompile.ops import COLLECTIVE_KINDS, FACTORS, P2P_KINDS, Op
 from pfcompile.profile import Profile
 from pfcompile.schedules import PipelineConfig, canonical_orders

@@ -52,7 +52,6 @@ class ReplayResult:
     peak_memory_bytes: list[int]
     resident_bytes: list[int]
     memory_trace: list[list[tuple[float, int]]] = field(default_factory=list)  # (ms, bytes) cycle 0
-    buffers_peak: dict = field(default_factory=dict)
 
     def stats(self) -> dict:
         return {

@@ -16,7 +16,7 @@ Replica r runs the contiguous block of micro-batches r·N/R .. (r+1)·N/R - 1.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pfcompile.errors import InputError
 from pfcompile.ops import Op

@@ -2,13 +2,12 @@
 timings and memory against closed forms."""
 
 import copy
-from dataclasses import replace
 
 import pytest
 
 from pfcompile.graph import build_task_graph
 from pfcompile.ops import Op
-from pfcompile.plan import PlannedOp, plan_from_json
+from pfcompile.plan import plan_from_json
 from pfcompile.plan_cli import build_plan
 from pfcompile.planner import assemble, baseline_plan, canonical_steps
 from pfcompile.replay import ReplayError, replay
