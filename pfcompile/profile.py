@@ -283,7 +283,7 @@ def format_profile(profile: Profile) -> str:
                                                "micro_batch", "seq_len", "dtype") if k in m)
     head = [f"profile {profile.name} ({profile.source}) {profile.hash}", f"model: {shape}"]
     prov_keys = ("device", "torch", "cuda", "threads", "repeats", "warmup", "host", "date",
-                 "created", "wall_s", "pfcompile", "source", "file")
+                 "created", "wall_s", "load_avg", "pfcompile", "source", "file")
     prov = ", ".join(f"{k} {pv[k]}" for k in prov_keys if pv.get(k) not in (None, ""))
     if prov:
         head.append(f"provenance: {prov}")

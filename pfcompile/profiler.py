@@ -225,19 +225,24 @@ def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
 
 # --- communication ---------------------------------------------------------------------------------
 def fit_link(points: list[tuple[int, float]]) -> LinkModel:
-    """Least-squares time = latency + bytes / bandwidth, kept physical (latency >= 0, bandwidth > 0)."""
+    """Fit time = latency + bytes / bandwidth, minimising RELATIVE error (plain least squares
+    would let the largest message decide alone and push the latency to noise), kept physical:
+    latency >= 0, bandwidth > 0."""
     n = np.array([p[0] for p in points], dtype=float)
     ms = np.array([p[1] for p in points], dtype=float)
-    slope, latency = np.polyfit(n, ms, 1)
-    if latency < 0:  # refit through the origin
-        latency, slope = 0.0, float((n @ ms) / (n @ n))
+    slope, latency = np.polyfit(n, ms, 1, w=1.0 / ms)
+    if latency < 0:  # refit through the origin, same weights
+        w2 = 1.0 / ms**2
+        latency, slope = 0.0, float((w2 * n) @ ms / ((w2 * n) @ n))
     if slope <= 0:  # flat or noisy: the largest message's average rate
         slope = ms[-1] / n[-1]
     return LinkModel(latency_ms=float(latency), bytes_per_ms=float(1.0 / slope))
 
 
 def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue) -> None:
-    """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size."""
+    """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size.
+    Sizes are interleaved within each round, so a burst of load from other processes hits
+    every size alike instead of bending the fit at one size."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -248,11 +253,11 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
     world = comm.init_world(60.0)
     try:
         mailbox = comm.Mailbox(world)
-        results = []
-        for n in sizes:
-            buf = torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device)
-            p2p, ar = [], []
-            for i in range(warmup + repeats):
+        bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device) for n in sizes]
+        p2p: list[list[float]] = [[] for _ in sizes]
+        ar: list[list[float]] = [[] for _ in sizes]
+        for i in range(warmup + repeats):
+            for j, buf in enumerate(bufs):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if rank == 0:
@@ -272,11 +277,11 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
                     torch.cuda.synchronize()
                 t3 = time.perf_counter()
                 if i >= warmup:
-                    p2p.append((t1 - t0) * 1e3 / 2)
-                    ar.append((t3 - t2) * 1e3)
-            results.append((nbytes(buf), float(np.median(p2p)), float(np.median(ar))))
+                    p2p[j].append((t1 - t0) * 1e3 / 2)
+                    ar[j].append((t3 - t2) * 1e3)
         if rank == 0:
-            queue.put({"backend": world.backend, "samples": results})
+            queue.put({"backend": world.backend, "samples": [
+                (nbytes(b), float(np.median(a)), float(np.median(c))) for b, a, c in zip(bufs, p2p, ar)]})
     finally:
         comm.shutdown()
 
@@ -297,6 +302,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int
     from runtime.comm import _free_port
 
     sizes = message_sizes(act_bytes)
+    repeats = max(repeats, 30)  # cheap next to the compute entries, and the noisiest
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_comm_worker, args=(_free_port(), sizes, repeats, warmup, queue), nprocs=2,
@@ -356,6 +362,13 @@ def resolve_spec(model: str, seq_len: int):
     return spec
 
 
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -387,6 +400,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     clock = Clock(dev, repeats, warmup, entry_budget_s)
     cfg = spec.cfg
     started = time.perf_counter()
+    load_before = _load_average()
 
     parts, layers, spread = [], [], {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -426,6 +440,8 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "entry_budget_s": entry_budget_s, "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "pfcompile": __version__, "wall_s": round(time.perf_counter() - started, 2),
+        # other processes share the CPU: the 1-minute load average before and after says how much
+        "load_avg": [load_before, _load_average()], "cpus": os.cpu_count(),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
                  "capture on (a refresh step); precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
