@@ -2,7 +2,9 @@
 
 Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable task by
 task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
-with its sends and receives, all K-FAC work of one layer, and each stage's update. When
+with its sends and receives, the refresh's K-FAC work of one layer (curvature, factor
+sync, inversion, broadcast), and each stage's update (gradient sync, preconditioning,
+optimizer step). When
 even that is too many nodes for `dot` (its layout time grows fast: 1,728 nodes took over
 four minutes), the K-FAC work is grouped per stage instead.
 """
@@ -76,6 +78,8 @@ def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
         return ("B", op.stage, op.mb)
     if k == "recv_grad":
         return ("B", op.stage - 1, op.mb)
+    if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
+        return ("U", plan.layer_stage[op.layer])
     if op.layer is not None:
         return ("K", op.layer) if level == "layer" else ("KS", plan.layer_stage[op.layer])
     return ("U", op.stage)
@@ -186,7 +190,7 @@ def _legend(g, groups: set[str], collapse: str | None) -> None:
     if collapse:
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
                 (f"K-FAC work of one {collapse}", GROUPS["curv"][1]),
-                ("gradient sync + optimizer step", GROUPS["step"][1])]
+                ("update: gradient sync, preconditioning, optimizer step", GROUPS["step"][1])]
     else:
         rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
     cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)

@@ -154,7 +154,8 @@ def test_collapsed_graph_has_one_node_per_stage_microbatch_and_layer(tmp_path):
     plan = plan_from_json(build_plan("1f1b", D, M, kfac=True, layers_per_stage=L))
     out = tmp_path / "g.svg"
     done = render_files(plan, graph=str(out), collapse=True)
-    # forward and backward groups per (stage, mb), one K-FAC group per layer, one update per stage
+    # forward and backward groups per (stage, mb), one K-FAC group per layer, one update
+    # (its preconditioning + step) per stage
     assert len(svg_groups(out, "node")) == 2 * D * M + D * L + D == done["graph"]["nodes"]
     done = render_files(plan, graph=str(out), collapse="stage")
     assert len(svg_groups(out, "node")) == 2 * D * M + D + D == done["graph"]["nodes"]
@@ -395,8 +396,10 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
 
     # graph of step 0, per layer: each forward/backward with its messages, K-FAC per layer, update per stage
     step0 = [(q, p.op) for q, steps in enumerate(plan.ranks) for p in steps[0]]
-    groups = (sum(op.kind in ("fwd", "bwd") for _, op in step0) + len({(q, op.layer) for q, op in step0 if op.layer is not None})
-              + len({(q, op.stage) for q, op in step0 if op.kind in ("sync_grad", "step")}))
+    refresh_work = {(q, op.layer) for q, op in step0 if op.layer is not None and op.kind != "precond"}
+    updates = {(q, op.stage if op.layer is None else plan.layer_stage[op.layer])
+               for q, op in step0 if op.kind in ("sync_grad", "precond", "step")}
+    groups = sum(op.kind in ("fwd", "bwd") for _, op in step0) + len(refresh_work) + len(updates)
     assert len(svg_groups(tmp_path / "g.svg", "node")) == groups == done["graph"]["nodes"]
 
     # torch: one CSV per replica pipeline, each loads, validates and simulates without deadlock
