@@ -4,9 +4,8 @@ Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable
 task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
 with its sends and receives, the refresh's K-FAC work of one layer (curvature, factor
 sync, inversion, broadcast), and each stage's update (gradient sync, preconditioning,
-optimizer step). When
-even that is too many nodes for `dot` (its layout time grows fast: 1,728 nodes took over
-four minutes), the K-FAC work is grouped per stage instead.
+optimizer step). When even that is too many nodes for `dot` (its layout time grows fast:
+1,728 nodes took over four minutes), the K-FAC work is grouped per stage instead.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pfcompile.render_style import GROUPS, color_of, group_of, label_of
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
 AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group K-FAC per stage
 COLLAPSE_LEVELS = ("layer", "stage")
-IMAGE_FORMATS = ("svg", "png", "pdf")
 
 
 @dataclass
@@ -70,14 +68,10 @@ def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
     """The group a task joins in the collapsed view (its kind letter and index)."""
     op = task.op
     k = op.kind
-    if k in ("fwd", "send_act"):
-        return ("F", op.stage, op.mb)
-    if k == "recv_act":  # received for the next stage's forward
-        return ("F", op.stage + 1, op.mb)
-    if k in ("bwd", "send_grad"):
-        return ("B", op.stage, op.mb)
-    if k == "recv_grad":
-        return ("B", op.stage - 1, op.mb)
+    if k in ("fwd", "send_act", "recv_act"):  # a receive joins the forward it feeds
+        return ("F", _stage_served(op), op.mb)
+    if k in ("bwd", "send_grad", "recv_grad"):
+        return ("B", _stage_served(op), op.mb)
     if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
         return ("U", plan.layer_stage[op.layer])
     if op.layer is not None:
