@@ -189,6 +189,11 @@ def test_committed_reference_profiles_match_a_fresh_conversion(model, tmp_path):
     r = cli("profile", "--reference", model, "--gpu", "p100", "--micro-batch", "32", "--seq-len", "128", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert _body_without_date(load_profile(str(out))) == _body_without_date(committed)
+    # --json prints the same profile, hash included
+    r = cli("profile", "--reference", model, "--json")
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout)
+    assert _body_without_date(profile_from_json(printed, "<stdout>")) == _body_without_date(committed)
 
 
 def test_committed_measured_profiles_load():
