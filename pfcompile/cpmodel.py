@@ -177,13 +177,17 @@ class _Progress(cp_model.CpSolverSolutionCallback):
 
 
 def solve(p: Problem, *, time_limit: float = 60.0, workers: int = 2, hint: Schedule | None = None,
-          horizon: int | None = None, on_solution=None, extra_bound: int = 0) -> Result:
+          horizon: int | None = None, on_solution=None, extra_bound: int = 0,
+          pinned: dict[int, int] | None = None) -> Result:
     """Solve to optimality or the time limit. `extra_bound` is a known lower bound on the
-    makespan (pfcompile.bounds); it tightens the model and the reported gap."""
+    makespan (pfcompile.bounds); it tightens the model and the reported gap. `pinned`
+    fixes the start of some tasks (a decomposition's earlier stage)."""
     horizon = horizon or (max(p.horizon(), hint.makespan + 1) if hint else p.horizon())
     m, v = build_model(p, horizon)
     if extra_bound:
         m.add(v.makespan >= extra_bound)
+    for i, t0 in (pinned or {}).items():
+        m.add(v.start[i] == t0)
     if hint is not None:
         add_hint(m, p, v, hint)
     solver = cp_model.CpSolver()

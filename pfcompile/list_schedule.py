@@ -6,7 +6,7 @@ earliest time its predecessors (plus lags) allow where its resource has a gap lo
 first time all of their resources are free. For a choice, the option whose tasks finish
 earliest is taken. Memory is not modelled here (the solver and the replay check it).
 
-`first` tasks are placed before all others: giving the per-step pipeline work first and the
+`order_key(i)` (a tuple) ranks the tasks that are ready at once. `first` tasks are placed before all others: giving the per-step pipeline work first and the
 refresh's K-FAC work second reproduces PipeFisher's greedy filling of the bubbles.
 """
 
@@ -46,7 +46,9 @@ class _Timeline:
         self.ends.insert(i, t + dur)
 
 
-def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> Schedule:
+def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
+                  pinned: dict[int, int] | None = None) -> Schedule:
+    """`pinned`: tasks whose start is given (booked before anything else is placed)."""
     g = nx.DiGraph()
     g.add_nodes_from(range(len(p.tasks)))
     lag = {}
@@ -69,9 +71,9 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> 
             barrier += 1
     group_of = {i: gr for gr in p.rendezvous for i in gr}
     first = first or set()
-    key = order_key or (lambda i: i)
+    key = order_key or (lambda i: (i,))
     order = list(nx.lexicographical_topological_sort(
-        g, key=lambda i: (i < len(p.tasks) and i not in first, key(i) if i < len(p.tasks) else -1)))
+        g, key=lambda i: (i < len(p.tasks) and i not in first, key(i) if i < len(p.tasks) else ())))
 
     by_opt = p.option_tasks()
     chosen: set[int] = set()
@@ -79,6 +81,9 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None) -> 
 
     lines: dict[tuple, _Timeline] = defaultdict(_Timeline)
     start: list[int | None] = [None] * barrier
+    for i, t0 in (pinned or {}).items():
+        start[i] = t0
+        lines[p.tasks[i].resource].book(t0, p.tasks[i].dur)
     decided: set[int] = set()  # choices (by first option id) already decided
 
     def dur(i: int) -> int:

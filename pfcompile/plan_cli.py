@@ -42,16 +42,23 @@ def register(sub) -> None:
     p.add_argument("--replicas", type=int, default=None, metavar="R",
                    help="copies of each stage (data parallel); chimera is always 2")
     p.add_argument("--memory-limit", default=None, metavar="SIZE", help="per device, e.g. 16GiB, 512MiB or bytes")
-    p.add_argument("--method", default="greedy", choices=("none", "greedy", "cpsat"),
+    p.add_argument("--method", default="cpsat", choices=("none", "greedy", "cpsat"),
                    help="none: the family's order (K-FAC after each step's work); greedy: PipeFisher's "
-                        "first-fit bubble filling (default); cpsat: the CP-SAT planner")
+                        "first-fit bubble filling; cpsat: the CP-SAT planner (default)")
     p.add_argument("--no-kfac", action="store_true", help="first-order baseline: no K-FAC ops")
     p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
     p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,
                    help="which replicas invert a factor: one (balanced over replicas, then broadcast) or all")
     p.add_argument("--partition", default=None, metavar="PARTS",
                    help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="cpsat: solver time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="cpsat: solver time limit in seconds for each refresh cycle length k tried")
+    p.add_argument("--workers", type=int, default=2, metavar="W", help="cpsat: parallel search workers")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--fixed-order", dest="fixed_order", action="store_true", default=True,
+                       help="cpsat: keep the family's forward/backward order, place the rest (default)")
+    order.add_argument("--free-order", dest="fixed_order", action="store_false",
+                       help="cpsat: the solver may also reorder forward/backward passes within the dependencies")
     p.add_argument("-o", "--output", default=None, metavar="PLAN", help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     p.set_defaults(func=run)
@@ -71,7 +78,9 @@ def config_from_args(args, profile) -> PipelineConfig:
     return cfg
 
 
-def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan>", progress=None, time_limit=60.0):
+def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan>", progress=None, time_limit=60.0,
+               **solver_options):
+    """`solver_options` (cpsat): workers, fixed_order, describe (a callback for progress text)."""
     """-> (plan, replay result of the plan, replay result of the baseline)."""
     from pfcompile import planner
     from pfcompile.graph import build_task_graph
@@ -113,7 +122,8 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
         import inspect
 
         accepted = inspect.signature(solve_plan).parameters
-        kwargs = {k: v for k, v in (("progress", progress), ("time_limit", time_limit)) if k in accepted}
+        kwargs = {k: v for k, v in (("progress", progress), ("time_limit", time_limit), *solver_options.items())
+                  if k in accepted}
         plan = solve_plan(profile, cfg, **kwargs)
         solver_stats = dict(plan.stats)
         result = planner.finish(plan, profile, where=where)
@@ -139,8 +149,12 @@ def run(args) -> int:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
+        def describe(text: str) -> None:
+            bar.update(task, description=text)
+
         plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
-                                            progress=progress, time_limit=args.time_limit)
+                                            progress=progress, time_limit=args.time_limit,
+                                            workers=args.workers, fixed_order=args.fixed_order, describe=describe)
     if args.output:
         plan.save(args.output)
     keys = ("utilization", "step_time_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",

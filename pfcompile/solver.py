@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from pfcompile import planner
-from pfcompile.bounds import lower_bounds, refresh_steps_lower_bound
+from pfcompile.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound
 from pfcompile.cpmodel import Result, solve
 from pfcompile.errors import InputError
 from pfcompile.graph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
@@ -216,9 +216,9 @@ def memory_error(cm: CycleModel, fixed_order: bool, *, proven: bool = False) -> 
         return None
     how = "under the family's order" if fixed_order else "known (under the family's order)"
     return InputError("--memory-limit", None,
-                      f"{_gib(limit)} is below what rank {q} needs: the smallest feasible limit {how} is "
-                      f"{need[q]} bytes ({_gib(need[q])}: resident {_gib(cm.tg.resident_bytes[q])} + activations "
-                      f"and kept tensors)")
+                      f"rank {q} needs {need[q]} bytes, over the limit of {limit}: the smallest feasible limit "
+                      f"{how} is {need[q]} bytes ({_gib(need[q])} = resident {_gib(cm.tg.resident_bytes[q])} + "
+                      f"activations and kept tensors)")
 
 
 def _gib(n: int) -> str:
@@ -236,7 +236,8 @@ class CycleSolution:
     schedule: Schedule
     bound: int  # best lower bound on the makespan (µs): the solver's or pfcompile.bounds'
     reference: int  # makespan of the same k steps without refresh work (µs)
-    hint_source: str
+    hint_source: str  # where the returned schedule came from
+    stages: list[str] = field(default_factory=list)
 
     @property
     def step_time_ms(self) -> float:
@@ -250,43 +251,93 @@ class CycleSolution:
 
 def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
                 greedy_plan: Plan | None = None, describe=None) -> CycleSolution:
+    """Three stages, each warm-starting the next, each stopping early at a proven optimum:
+    (1) the pipeline timeline: the k steps without refresh work, on their own model (its
+    bound is a lower bound of the whole cycle); (2) the refresh work packed into that
+    timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
+    make room. `time_limit` is shared 20/30/50 between them."""
     cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order)
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
     p = cm.problem
-    hints = [("list", list_schedule(p, first=cm.per_step))]
+    head, _ = heads_and_tails(p)
+    by_head = lambda i: (head[i], i)  # noqa: E731
+    canon = _canonical_position(cm)
+    report = _reporter(describe, k)
+
+    # (1) the pipeline timeline
+    ref_cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order, refresh=False)
+    ref_head, _ = heads_and_tails(ref_cm.problem)
+    ref_canon = _canonical_position(ref_cm)
+    ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
+                    list_schedule(ref_cm.problem, order_key=lambda i: ref_canon.get(i, (ref_head[i], i)))),
+                   key=lambda s: s.makespan)
+    ref = solve(ref_cm.problem, time_limit=0.2 * opts.time_limit, workers=opts.workers, hint=ref_hint,
+                extra_bound=lower_bounds(ref_cm.problem).makespan, on_solution=report("pipeline"))
+    if ref.status == "INFEASIBLE":  # activations alone do not fit (free order)
+        raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
+            "--memory-limit", None, "the activations alone do not fit the limit")
+    ref_sched = ref.schedule or ref_hint
+    bound = max(lower_bounds(p).makespan, ref.bound)
+
+    # candidates: the greedy, a list schedule, and (2) the packing into the timeline
+    cands: list[tuple[str, Schedule]] = [
+        ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
+        ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i))))]
     if greedy_plan is not None and greedy_plan.refresh_steps == k:
         h = schedule_from_steps(cm, greedy_plan)
         if h is not None:
-            hints.append(("greedy", h))
-    # prefer a hint that breaks nothing (memory included), then the shorter
-    source, hint = min(hints, key=lambda h: (bool(violations(p, h[1])), h[1].makespan))
-    lb = lower_bounds(p).makespan
+            cands.append(("greedy", h))
+    pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
+    packed = list_schedule(p, pinned=pinned, order_key=by_head)
+    cands.append(("timeline+first-fit", packed))
+    pack = solve(p, time_limit=0.3 * opts.time_limit, workers=opts.workers, hint=packed, pinned=pinned,
+                 extra_bound=bound, on_solution=report("packing"))
+    if pack.schedule is not None:
+        cands.append(("timeline+cpsat packing", pack.schedule))
+    ok = [c for c in cands if not violations(p, c[1])]
+    source, best = min(ok or cands, key=lambda c: c[1].makespan)
+    status, stages = "FEASIBLE", ["pipeline timeline", "refresh packed into it"]
 
-    def on_solution(sec, obj, bound):
-        if describe:
-            describe(f"cpsat k={k}: {obj / k / 1000:.2f} ms/step, bound {max(bound, lb) / k / 1000:.2f} ({sec:.0f} s)")
+    # (3) the whole model, unless the packing is already within 0.01% of the bound
+    if best.makespan - bound > 1e-4 * best.makespan:
+        full = solve(p, time_limit=0.5 * opts.time_limit, workers=opts.workers, hint=best, extra_bound=bound,
+                     on_solution=report("whole cycle"))
+        stages.append("whole cycle")
+        if full.status == "INFEASIBLE":
+            raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
+                "--memory-limit", None, f"no schedule with k={k} fits the limit")
+        bound = max(bound, full.bound)
+        if full.schedule is not None and full.schedule.makespan < best.makespan:
+            source, best = "whole-cycle cpsat", full.schedule
+    if not ok and violations(p, best):
+        raise InputError("--memory-limit", None, f"no schedule found with k={k} within the time limit")
+    if best.makespan <= bound:
+        status = "OPTIMAL"
+    result = Result(status, best, best.makespan, bound, 0.0)
+    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages)
 
-    res = solve(p, time_limit=opts.time_limit, workers=opts.workers, hint=hint, extra_bound=lb,
-                on_solution=on_solution)
-    if res.status == "INFEASIBLE":
-        err = memory_error(cm, opts.fixed_order, proven=True)
-        raise err or InputError("--memory-limit", None, f"no schedule with k={k} fits the limit")
-    sched = res.schedule
-    if sched is None or (not violations(p, hint) and hint.makespan < sched.makespan):
-        sched, res.status = hint, f"{res.status} (no better solution than the {source} warm start)"
-    ref = _reference_makespan(profile, cfg, k, opts)
-    return CycleSolution(k, cm, res, sched, max(res.bound, lb), ref, source)
+
+def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
+    """(step, position in the family's op list of its rank) of every per-step task: the
+    list scheduler's priority that reproduces the family's order (precond at the end)."""
+    out = {}
+    for q, steps in cm.tg.canonical.items():
+        for t, step in enumerate(steps):
+            for pos, task in enumerate(step):
+                if task in cm.index:
+                    out[cm.index[task]] = (t, pos, 0)
+    return out
 
 
-def _reference_makespan(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions) -> int:
-    """The k steps without the refresh's work: the best step time any k can reach."""
-    cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order, refresh=False)
-    hint = list_schedule(cm.problem, first=cm.per_step)
-    res = solve(cm.problem, time_limit=max(1.0, opts.time_limit / 4), workers=opts.workers, hint=hint,
-                extra_bound=lower_bounds(cm.problem).makespan)
-    return res.objective if res.objective is not None else hint.makespan
+def _reporter(describe, k: int):
+    def stage(name: str):
+        def on_solution(sec, obj, bound):
+            if describe:
+                describe(f"cpsat k={k} {name}: {obj / k / 1000:.2f} ms/step, bound {bound / k / 1000:.2f} ({sec:.0f} s)")
+        return on_solution
+    return stage
 
 
 # --- the plan -------------------------------------------------------------------------------
@@ -299,6 +350,10 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
     solution replayed; stats carry status, bound, gap and the k search."""
     opts = options or SolverOptions(time_limit=time_limit, workers=workers, fixed_order=fixed_order,
                                     refresh_steps=refresh_steps)
+    if not opts.time_limit > 0:
+        raise InputError("--time-limit", None, f"must be positive, got {opts.time_limit}")
+    if opts.workers < 1:
+        raise InputError("--workers", None, f"must be at least 1, got {opts.workers}")
     t0 = time.perf_counter()
     greedy_plan, greedy_info = _greedy(profile, cfg)
     k_lb = refresh_steps_lower_bound(greedy_info["kfac_work_ms"], greedy_info["bubble_ms"]) if cfg.kfac else 1
@@ -326,13 +381,16 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         "solve_seconds": round(time.perf_counter() - t0, 3),
         "refresh_steps_lower_bound": k_lb,
         "lower_bounds_ms": lower_bounds(best.cm.problem).as_dict(1 / 1000 / best.k),
-        "warm_start": best.hint_source,
+        "solution_from": best.hint_source,
         "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
                       "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
                      for s in tried],
         "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
                    f"k steps without refresh work; else the least step time"),
-        "decomposition": "none (one model of the whole cycle)",
+        "decomposition": " -> ".join(best.stages) + (
+            "" if "whole cycle" in best.stages else
+            " (stopped early: the packing reached the bound, nothing given up)" if best.gap == 0 else
+            " (the pipeline was not moved to make room for K-FAC work)"),
         "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
         "workers": opts.workers, "time_limit_s": opts.time_limit,
         "tasks_model": len(best.cm.problem.tasks),
