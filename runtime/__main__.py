@@ -63,10 +63,7 @@ class Job:
 
 def prepare(args, rank: int, world_size: int) -> Job:
     """Validate flags, plan and model against this job; every problem is a one-line InputError."""
-    import torch
-
     from pfcompile.plan import load_plan
-    from runtime.models import MODEL_CONFIGS, ModelSpecError, resolve_config, resolve_model
 
     if args.steps < 1:
         raise InputError("--steps", None, f"must be >= 1, got {args.steps}")
@@ -81,6 +78,10 @@ def prepare(args, rank: int, world_size: int) -> Job:
                          f"the plan is for {plan.world_size} ranks but this job has {world_size} "
                          f"(launch with torchrun --nproc-per-node/--nnodes giving {plan.world_size})")
     _check_rank_ops(plan, rank, where)
+
+    import torch
+
+    from runtime.models import MODEL_CONFIGS, ModelSpecError, resolve_config, resolve_model
 
     name = plan.model.get("name")
     if ":" in name:  # user code: imported only when the user names the same code on the command line
@@ -175,8 +176,12 @@ def make_update(kfac_cfg):
 
 
 def stage_state(sr) -> dict:
+    # A plan may run a curv op in a later step than its fwd/bwd, so mid-cycle the layers
+    # also hold kept inputs / output gradients; KfacLayer.state_dict leaves them out.
     return {"params": sr.module.state_dict(), "optimizer": sr.optimizer.state_dict(),
-            "kfac": {layer.name: layer.state_dict() for layer in sr.kfac.values()}}
+            "kfac": {layer.name: layer.state_dict() for layer in sr.kfac.values()},
+            "kept": {layer.name: {f: dict(saved) for f, saved in layer._saved.items()}
+                     for layer in sr.kfac.values()}}
 
 
 def load_stage_state(sr, state: dict) -> None:
@@ -184,6 +189,7 @@ def load_stage_state(sr, state: dict) -> None:
     sr.optimizer.load_state_dict(state["optimizer"])
     for layer in sr.kfac.values():
         layer.load_state_dict(state["kfac"][layer.name])
+        layer._saved = {f: dict(saved) for f, saved in state["kept"][layer.name].items()}
 
 
 def run(job: Job, args):
@@ -247,7 +253,7 @@ def run(job: Job, args):
         last = args.steps - 1
         warmup = args.warmup if args.warmup is not None else (k if args.steps - first > 2 * k else 1)
         summary = measure.summarize(gathered, float(losses[last]) if last >= first else None,
-                                    plan.stats.get("step_time_ms"), first + warmup)
+                                    plan.stats.get("step_time_ms"), first + warmup, args.steps, first)
         if args.trace:
             measure.write_measured_trace(args.trace, gathered, {
                 "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})
@@ -288,8 +294,8 @@ def _crash_step(rank: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from runtime.comm import env_world
-    rank, world_size, _ = env_world()
+    # From the environment torchrun sets, not from torch: bad input fails before torch loads.
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         job = prepare(args, rank, world_size)
     except InputError as e:

@@ -57,8 +57,21 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
+                            store=_attempt_store(rank, world_size, timeout))
     return World(rank, world_size, local_rank, device, backend, timeout)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with keys prefixed by torchrun's restart count. After a restart
+    (--max-restarts) torchrun's agent store still holds the previous attempt's keys, and
+    gloo would read a dead worker's address from them ("Connection refused")."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=(rank == 0 and not agent_store), timeout=timeout,
+                          multi_tenant=not agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"pfcompile-runtime/attempt-{attempt}", store)
 
 
 def _free_port() -> int:

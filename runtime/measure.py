@@ -52,6 +52,7 @@ class Summary:
     step_ms: float            # measured wall time per step (all ranks, after warm-up)
     bubble: float             # 1 - compute time / (ranks x wall time), over the same steps
     predicted_ms: float | None
+    resumed_at: int = 0       # first step this attempt ran (after --resume)
 
     def line(self) -> str:
         loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
@@ -59,12 +60,13 @@ class Summary:
         if self.predicted_ms:
             pred = (f"predicted {self.predicted_ms:.2f} ms/step, measured/predicted "
                     f"{self.step_ms / self.predicted_ms:.3f}")
-        return (f"runtime: {self.steps} steps, loss {loss}, measured {self.step_ms:.2f} ms/step, "
+        resumed = f" (resumed at step {self.resumed_at})" if self.resumed_at else ""
+        return (f"runtime: {self.steps} steps{resumed}, loss {loss}, measured {self.step_ms:.2f} ms/step, "
                 f"bubble {self.bubble:.1%}, {pred}")
 
 
 def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
-              warmup_steps: int) -> Summary:
+              warmup_steps: int, total_steps: int, resumed_at: int = 0) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -75,7 +77,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     busy = sum(e - s for tl in timelines for step, _, kind, s, e in tl.ops
                if step in kept and kind not in _NOT_COMPUTE)
     bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
-    return Summary(len(all_steps), loss, wall / len(kept), bubble, predicted_ms)
+    return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at)
 
 
 def per_step_ms(timelines: list[Timeline]) -> list[float]:

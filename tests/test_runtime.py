@@ -247,10 +247,7 @@ def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5)
 CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 2), ("chimera", 4, 2)]
 
 
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """Reference parameters, computed once per plan shape (they depend only on the stage grouping)."""
-    return {}
+ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test
 
 
 @pytest.mark.parametrize("schedule,D,R", CASES, ids=[f"{s}-{D}x{R}" for s, D, R in CASES])
@@ -262,7 +259,9 @@ def test_matches_single_process(tmp_path, schedule, D, R):
                  "--checkpoint-every", "3", "--trace", str(trace))
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
-    assert_same_params(distributed_params(tmp_path / "ckpt", 3, plan), want, initial)
+    got = distributed_params(tmp_path / "ckpt", 3, plan)
+    assert_same_params(got, want, initial)
+    ONE_NODE[(schedule, D, R)] = got
 
     # The measured trace has every op of every rank, and rank 0 printed the summary line.
     loaded = json.loads(plan.read_text())
@@ -273,3 +272,94 @@ def test_matches_single_process(tmp_path, schedule, D, R):
     assert all(e["dur"] >= 0 for e in events)
     line = next(l for l in r.stdout.splitlines() if l.startswith("runtime: 3 steps"))
     assert "ms/step" in line and "bubble" in line and "measured/predicted" in line
+
+
+def test_two_nodes_equal_one_node(tmp_path):
+    """A 4-rank plan as two 'nodes' of 2 ranks (c10d rendezvous on 127.0.0.1) ends with the
+    same parameters as one node of 4 and as the single process."""
+    plan = make_plan(tmp_path, "1f1b", 2, 2)
+    port = _free_port()
+    nodes = [torchrun(plan, 2, "--steps", "3", "--checkpoint-dir", str(tmp_path / "two"), "--checkpoint-every", "3",
+                      launcher=["--nnodes", "2", "--node-rank", str(i), "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"], wait=False)
+             for i in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
+    if ("1f1b", 2, 2) not in ONE_NODE:  # run on its own: make the one-node run here
+        one = torchrun(plan, 4, "--steps", "3", "--checkpoint-dir", str(tmp_path / "one"), "--checkpoint-every", "3")
+        assert one.returncode == 0, one.stdout[-3000:]
+        ONE_NODE[("1f1b", 2, 2)] = distributed_params(tmp_path / "one", 3, plan)
+    two_nodes = distributed_params(tmp_path / "two", 3, plan)
+    one_node = ONE_NODE[("1f1b", 2, 2)]
+    for name, t in one_node.items():
+        torch.testing.assert_close(two_nodes[name], t, rtol=1e-12, atol=0)
+    initial, want = reference_params(plan, 3)
+    assert_same_params(two_nodes, want, initial)
+
+
+def test_plan_for_4_ranks_on_2_fails_at_start(tmp_path):
+    plan = make_plan(tmp_path, "gpipe", 4)
+    start = time.monotonic()
+    r = torchrun(plan, 2, "--steps", "2", "--timeout", "20")
+    assert r.returncode != 0
+    assert "config.world_size: the plan is for 4 ranks but this job has 2" in r.stdout
+    assert 'File "' + str(ROOT / "runtime") not in r.stdout  # no traceback from the runtime itself
+    assert time.monotonic() - start < 60  # failed at start, did not wait for a timeout
+
+
+def run_single(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
+    """`python -m runtime` without torchrun: rank 0 of `world_size`, enough to reach validation
+    (which must fail before any collective, else this would wait for absent peers)."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world_size)}
+    return subprocess.run([sys.executable, "-m", "runtime", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_plans_fail_with_one_line(tmp_path):
+    plan = make_plan(tmp_path, "gpipe", 2)
+    text = plan.read_text()
+
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(text[: len(text) // 2])
+    r = run_single(str(truncated))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and f"{truncated}: not valid JSON" in r.stderr
+
+    obj = json.loads(text)
+    obj["ranks"][0]["steps"][0][0]["op"] = "fwdd"
+    bad_op = tmp_path / "bad-op.json"
+    bad_op.write_text(json.dumps(obj))
+    r = run_single(str(bad_op))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "ranks[0].steps[0][0]: unknown op 'fwdd'" in r.stderr
+
+    # A user model is imported only when the command line names the same code.
+    obj = json.loads(text)
+    obj["model"]["name"] = "os:getcwd"
+    user = tmp_path / "user-model.json"
+    user.write_text(json.dumps(obj))
+    r = run_single(str(user), "--steps", "1", world_size=2)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "model.name: is user code 'os:getcwd'; pass --model-code os:getcwd" in r.stderr
+
+    # A one-rank job given a 2-rank plan: the world-size check, before any collective.
+    r = run_single(str(plan))
+    assert r.returncode == 2 and "the plan is for 2 ranks but this job has 1" in r.stderr
+
+
+def test_killed_rank_resumes_from_checkpoint(tmp_path):
+    """Rank 1 dies at step 3 on the first attempt; torchrun restarts the job, which resumes
+    from the checkpoint of step 3 and ends with the parameters of an uninterrupted run."""
+    plan = make_plan(tmp_path, "1f1b", 2)
+    ckpt = tmp_path / "ckpt"
+    r = torchrun(plan, 2, "--steps", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--resume",
+                 "--timeout", "20", launcher=["--standalone", "--max-restarts", "1"],
+                 env={"PFC_RUNTIME_CRASH": "1:3"})
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "resumed from" in r.stdout and "at step 3" in r.stdout
+    assert "runtime: 5 steps" in r.stdout
+    initial, want = reference_params(plan, 5)
+    assert_same_params(distributed_params(ckpt, 5, plan), want, initial)
+    # Older checkpoints are pruned once a newer one is complete (a rank that saved first may
+    # keep its previous file until then).
+    assert sorted(d.name for d in ckpt.iterdir())[-1] == "step-00000005" and len(list(ckpt.iterdir())) <= 2
