@@ -286,6 +286,12 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
         comm.shutdown()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def message_sizes(act_bytes: int) -> list[int]:
     """A spread of sizes around the inter-stage message, for the latency/bandwidth fit."""
     return sorted({4096, 65536, 1 << 20, max(4096, act_bytes // 4), max(4096, act_bytes), 4 * max(4096, act_bytes)})
@@ -299,14 +305,17 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int
         return Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), {"comm_note": note}
     import torch.multiprocessing as mp
 
-    from runtime.comm import _free_port
-
     sizes = message_sizes(act_bytes)
     repeats = max(repeats, 30)  # cheap next to the compute entries, and the noisiest
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_comm_worker, args=(_free_port(), sizes, repeats, warmup, queue), nprocs=2,
-                       join=True, start_method="spawn")
+    try:
+        mp.start_processes(_comm_worker, args=(_free_port(), sizes, repeats, warmup, queue), nprocs=2,
+                           join=True, start_method="spawn")
+    except Exception as e:  # noqa: BLE001 - a rank died: say so in one line, not two tracebacks
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise InputError("communication", None, f"the 2-rank measurement failed ({lines[-1] if lines else type(e).__name__}); "
+                                                "rerun, or use --no-comm for a stated model") from None
     got = queue.get()
     samples = got["samples"]
     p2p = fit_link([(n, t) for n, t, _ in samples])
