@@ -11,8 +11,9 @@
 3. Merge the placed tasks into each rank's step lists by start time -> Plan (then the
    replay checks it and gives the predicted times).
 No memory model (PipeFisher has none): the replay reports a plan over the memory limit.
-If a task is longer than every gap of its rank (no bubbles, e.g. one stage), each step
-is padded at its end by the longest such task so that the work can proceed.
+A task no bubble can hold (longer than every gap of its rank, or with no common idle
+window on a collective's ranks; with one stage there are no bubbles at all) runs, with
+everything that depends on it, after the last step of the cycle.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from pfcompile.ops import Op
 from pfcompile.profile import Profile
 from pfcompile.schedules import PipelineConfig
 
-MAX_STEPS = 256
 EPS = 1e-9
 
 
@@ -112,17 +112,10 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
     base = time_fixed_order(tg, orders)
     T = max((e for _, e in base.values()), default=0.0) or 1.0  # all-zero costs: any unit will do
     floating = [t for t in tg.g.nodes if t.op.kind in FLOATING_KINDS]
-    longest_gap: dict[int, float] = {}
     gaps_of: dict[int, list[tuple[float, float]]] = {}
     for q, ts in orders.items():
         edges = [0.0] + [x for t in ts for x in base[t]] + [T]
         gaps_of[q] = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
-        longest_gap[q] = max((b - a for a, b in gaps_of[q]), default=0.0)
-    # a task longer than every gap of its rank can never be placed: pad each step's end
-    pad = max((tg.duration(t) for t in floating if tg.duration(t) > longest_gap[t.rank] + EPS), default=0.0)
-    if pad > 0:
-        T += pad
-        gaps_of = {q: g[:-1] + [(g[-1][0], T)] for q, g in gaps_of.items()}
     gaps = {q: _Gaps(g, T) for q, g in gaps_of.items()}
     bubble = {q: sum(b - a for a, b in g) for q, g in gaps_of.items()}
 
@@ -131,43 +124,53 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
     est = {g: max((base[p][1] for u in g for p in tg.g.predecessors(u) if p in base), default=0.0) for g in units}
     order = list(nx.lexicographical_topological_sort(units, key=lambda g: (est[g], g[0].rank, str(g[0].op))))
     placed: dict[Task, tuple[float, float]] = {}
+    tail: list[tuple[Task, ...]] = []  # units no bubble can hold, and what depends on them
+    tail_tasks: set[Task] = set()
+    last_step = 0
     for n, group in enumerate(order):
         d = tg.duration(group[0])
-        ready = 0.0
-        for u in group:
-            for p in tg.g.predecessors(u):
-                ready = max(ready, (base[p] if p in base else placed[p])[1] + tg.g.edges[p, u]["lag"])
-        at = _first_fit(group, ready, d, gaps)
-        for u in group:
-            gaps[u.rank].take(at, d)
-            placed[u] = (at, at + d)
+        preds = [(p, u) for u in group for p in tg.g.predecessors(u)]
+        at = None
+        if not any(p in tail_tasks for p, _ in preds):
+            ready = max([0.0] + [(base[p] if p in base else placed[p])[1] + tg.g.edges[p, u]["lag"] for p, u in preds])
+            # bubbles repeat every step: a unit that fits in no fresh step never fits
+            at = _first_fit(group, ready, d, gaps, max(last_step, int(ready // T)) + 2)
+        if at is None:
+            tail.append(group)
+            tail_tasks.update(group)
+        else:
+            for u in group:
+                gaps[u.rank].take(at, d)
+                placed[u] = (at, at + d)
+            last_step = max(last_step, int((at + EPS) // T))
         if progress:
             progress(n + 1, len(order))
 
-    k = max([int((s + EPS) // T) + 1 for s, _ in placed.values()] + [1]) if T > 0 else 1
-    steps: dict[int, list[list[Op]]] = {}
+    k = max([int((s + EPS) // T) + 1 for s, _ in placed.values()] + [1])
+    rows: dict[tuple[int, int], list[tuple]] = {(q, t): [] for q in orders for t in range(k)}
     for q, ts in orders.items():
-        per_step = []
         for step in range(k):
-            rows = [(s + step * T, e + step * T, i, t.op) for i, (t, (s, e)) in enumerate((t, base[t]) for t in ts)]
-            rows += [(s, e, len(ts) + j, t.op) for j, (t, (s, e)) in enumerate(sorted(placed.items(), key=lambda x: x[1]))
-                     if t.rank == q and int((s + EPS) // T) == step]
-            per_step.append([op for _, _, _, op in sorted(rows)])
-        steps[q] = per_step
+            rows[(q, step)] += [(s + step * T, e + step * T, i, t.op) for i, t in enumerate(ts) for s, e in [base[t]]]
+    for j, (t, (s, e)) in enumerate(sorted(placed.items(), key=lambda x: x[1])):
+        rows[(t.rank, int((s + EPS) // T))].append((s, e, 10**9 + j, t.op))
+    steps = {q: [[op for *_, op in sorted(rows[(q, t)])] for t in range(k)] for q in orders}
+    for group in tail:  # after the cycle's last step, in one global order (collectives stay consistent)
+        for t in group:
+            steps[t.rank][k - 1].append(t.op)
     work = {q: sum(tg.duration(t) for t in floating if t.rank == q) for q in orders}
-    info = {"step_time_model_ms": T, "pad_ms": pad, "bubble_ms": bubble, "kfac_work_ms": work,
-            "refresh_steps": k}
+    in_bubbles = {q: sum(tg.duration(t) for t in placed if t.rank == q) for q in orders}
+    info = {"step_time_model_ms": T, "tail_tasks": sum(len(g) for g in tail), "bubble_ms": bubble,
+            "kfac_work_ms": work, "bubble_work_ms": in_bubbles, "refresh_steps": k}
     return tg, steps, info
 
 
-def _first_fit(group: tuple[Task, ...], ready: float, d: float, gaps: dict[int, _Gaps]) -> float:
+def _first_fit(group: tuple[Task, ...], ready: float, d: float, gaps: dict[int, _Gaps], max_steps: int) -> float | None:
+    """Earliest start >= ready at which every member's rank is idle for d, within max_steps."""
     ranks = [t.rank for t in group]
-    for steps in range(1, MAX_STEPS + 1):
-        for q in ranks:
-            gaps[q].grow(steps)
-        cands = sorted({s for q in ranks for s in gaps[q].candidates(ready, d)})
-        for s in cands:
-            if all(gaps[q].fits(s, d) for q in ranks):
-                return s
-    raise InputError("--method greedy", None,
-                     f"{group[0]} does not fit into the bubbles of {MAX_STEPS} steps")
+    for q in ranks:
+        gaps[q].grow(max_steps)
+    cands = sorted({s for q in ranks for s in gaps[q].candidates(ready, d)})
+    for s in cands:
+        if all(gaps[q].fits(s, d) for q in ranks):
+            return s
+    return None

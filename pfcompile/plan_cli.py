@@ -80,8 +80,9 @@ def config_from_args(args, profile) -> PipelineConfig:
 
 def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan>", progress=None, time_limit=60.0,
                **solver_options):
-    """`solver_options` (cpsat): workers, fixed_order, describe (a callback for progress text)."""
-    """-> (plan, replay result of the plan, replay result of the baseline)."""
+    """-> (plan, replay result of the plan, replay result of the baseline).
+
+    `solver_options` (cpsat): workers, fixed_order, describe (a callback for progress text)."""
     from pfcompile import planner
     from pfcompile.graph import build_task_graph
 
@@ -100,7 +101,9 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
 
         tg, steps, info = greedy_steps(profile, cfg, progress=progress)
         plan = planner.assemble(profile, tg, steps, "greedy")
-        lb = planner.refresh_lower_bound(info["kfac_work_ms"], info["bubble_ms"])
+        # k >= ceil(work put into bubbles / bubble per step) on every rank (work no bubble
+        # can hold runs after the cycle's last step instead)
+        lb = planner.refresh_lower_bound(info["bubble_work_ms"], info["bubble_ms"])
         k = len(next(iter(steps.values())))
         try:
             replay(plan, profile, where=where, cycles=1)
@@ -111,6 +114,7 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
             raise
         result = planner.finish(plan, profile, {
             "solver_status": "greedy", "refresh_steps_lower_bound": lb,
+            "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
             # greedy has no bound on its own objective; the gap is on k against the bound
             "gap": round((k - lb) / k, 6) if lb else None,
             "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)

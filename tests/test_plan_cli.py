@@ -80,7 +80,7 @@ def test_baseline_without_kfac_and_explicit_partition(tmp_path):
 ])
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, needle):
     out = tmp_path / "x.json"
-    base = {"--schedule": "chimera", "--stages": "4", "--micro-batches": "4"}
+    base = {"--schedule": "chimera", "--stages": "4", "--micro-batches": "4", "--method": "greedy"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
     r = pfc("plan", PROFILE, *[x for kv in base.items() for x in kv], "-o", str(out))

@@ -229,6 +229,6 @@ def test_any_valid_configuration_plans_and_replays(schedule, D, N, v, R):
         return
     prof = uniform_profile(blocks=cfg.num_stages)
     plan, result, baseline = build_plan(prof, cfg, "greedy")
-    if D > 1:  # bubbles of >= 1 ms hold every K-FAC task (0.1-0.3 ms): filling only adds busy time
+    if plan.stats["tasks_after_last_step"] == 0:  # all work went into bubbles: only adds busy time
         assert result.utilization >= baseline.utilization - 1e-9
     assert plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
