@@ -222,7 +222,10 @@ def memory_error(cm: CycleModel, fixed_order: bool, *, proven: bool = False) -> 
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n} B"
 
 
 # --- one cycle length -----------------------------------------------------------------------
@@ -284,7 +287,8 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     # candidates: the greedy, a list schedule, and (2) the packing into the timeline
     cands: list[tuple[str, Schedule]] = [
         ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
-        ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i))))]
+        ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
+        ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
     if greedy_plan is not None and greedy_plan.refresh_steps == k:
         h = schedule_from_steps(cm, greedy_plan)
         if h is not None:
@@ -329,6 +333,26 @@ def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
                 if task in cm.index:
                     out[cm.index[task]] = (t, pos, 0)
     return out
+
+
+def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
+    """The family's order with each curvature op straight after the op that made its kept
+    tensor (the least memory, as in smallest_feasible_limit); the rest of the refresh after
+    the cycle's per-step work."""
+    k = cm.tg.refresh_steps
+    pred = {}
+    for a, b, _ in cm.problem.edges:
+        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in canon:
+            pred[b] = a
+
+    def key(i: int) -> tuple:
+        if i in canon:
+            return canon[i]
+        if i in pred:
+            t, pos, _ = canon[pred[i]]
+            return (t, pos, 1, i)
+        return (k, head[i], 0, i)
+    return key
 
 
 def _reporter(describe, k: int):
