@@ -253,7 +253,8 @@ def run(job: Job, args):
         last = args.steps - 1
         warmup = args.warmup if args.warmup is not None else (k if args.steps - first > 2 * k else 1)
         summary = measure.summarize(gathered, float(losses[last]) if last >= first else None,
-                                    plan.stats.get("step_time_ms"), first + warmup, args.steps, first)
+                                    plan.stats.get("step_time_ms"), first + warmup, args.steps, first,
+                                    losses[first:].tolist())
         if args.trace:
             measure.write_measured_trace(args.trace, gathered, {
                 "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})
@@ -311,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runtime[rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return EXIT_INPUT
     if summary is not None:
-        print(json.dumps(summary.__dict__) if args.json else summary.line(), flush=True)
+        if args.json:
+            print(json.dumps(summary.__dict__), flush=True)
+        else:
+            print(summary.loss_curve(), flush=True)
+            print(summary.line(), flush=True)
     return 0
 
 

@@ -53,6 +53,15 @@ class Summary:
     bubble: float             # 1 - compute time / (ranks x wall time), over the same steps
     predicted_ms: float | None
     resumed_at: int = 0       # first step this attempt ran (after --resume)
+    losses: list[float] = field(default_factory=list)  # loss of each step this attempt ran
+
+    def loss_curve(self, points: int = 8) -> str:
+        """The loss at about `points` evenly spaced steps, first and last included."""
+        n = len(self.losses)
+        if not n:
+            return "loss: n/a"
+        picks = sorted({round(i * (n - 1) / max(1, points - 1)) for i in range(min(points, n))})
+        return "loss by step: " + ", ".join(f"{self.resumed_at + i}: {self.losses[i]:.3f}" for i in picks)
 
     def line(self) -> str:
         loss = f"{self.loss:.4f}" if self.loss is not None else "n/a"
@@ -66,7 +75,8 @@ class Summary:
 
 
 def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
-              warmup_steps: int, total_steps: int, resumed_at: int = 0) -> Summary:
+              warmup_steps: int, total_steps: int, resumed_at: int = 0,
+              losses: list[float] | None = None) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -77,7 +87,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     busy = sum(e - s for tl in timelines for step, _, kind, s, e in tl.ops
                if step in kept and kind not in _NOT_COMPUTE)
     bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
-    return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at)
+    return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []))
 
 
 def per_step_ms(timelines: list[Timeline]) -> list[float]:
