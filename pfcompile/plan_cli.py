@@ -65,6 +65,8 @@ def register(sub) -> None:
 
 
 def config_from_args(args, profile) -> PipelineConfig:
+    if args.schedule == "chimera" and args.replicas not in (None, 2):
+        raise InputError("--replicas", None, f"chimera is two pipelines (replicas 2), got {args.replicas}")
     replicas = args.replicas if args.replicas is not None else (2 if args.schedule == "chimera" else 1)
     cfg = PipelineConfig(
         schedule=args.schedule, stages=args.stages, micro_batches=args.micro_batches, replicas=replicas,

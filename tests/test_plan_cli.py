@@ -77,6 +77,7 @@ def test_baseline_without_kfac_and_explicit_partition(tmp_path):
     (["--partition", "embed,block0|head"], "--partition: must list every part"),
     (["--stages", "3"], "--stages: chimera needs an even number of stages"),
     (["--micro-batches", "3"], "--micro-batches"),
+    (["--replicas", "1"], "--replicas: chimera is two pipelines"),
 ])
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, needle):
     out = tmp_path / "x.json"
