@@ -401,9 +401,13 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
                for q, op in step0 if op.kind in ("sync_grad", "precond", "step")}
     groups = sum(op.kind in ("fwd", "bwd") for _, op in step0) + len(refresh_work) + len(updates)
     assert len(svg_groups(tmp_path / "g.svg", "node")) == groups == done["graph"]["nodes"]
+    # members of one collective (factor and gradient all-reduce) are linked across devices:
+    # only plans with replicated stages have collectives
+    dashed = [e for e in svg_groups(tmp_path / "g.svg", "edge")
+              if e.find(f"{SVG_NS}path").get("stroke-dasharray")]
+    assert bool(dashed) == (len(replicas := sorted({p["replica"] for p in plan.placement})) > 1)
 
     # torch: one CSV per replica pipeline, each loads, validates and simulates without deadlock
-    replicas = sorted({p["replica"] for p in plan.placement})
     assert len(done["torch_csv"]["paths"]) == len(replicas)
     S = plan.num_stages
     for replica, path in zip(replicas, done["torch_csv"]["paths"]):
