@@ -47,8 +47,12 @@ class Timing:
 class Clock:
     """Times a callable on one device: warm-up, then repeats, each optionally after an untimed setup."""
 
-    def __init__(self, device: torch.device, repeats: int, warmup: int, entry_budget_s: float = 2.0):
+    def __init__(self, device: torch.device, repeats: int, warmup: int, entry_budget_s: float = 2.0,
+                 kind: str = "wall"):
         self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, entry_budget_s
+        # "thread": CPU time of this thread (time.thread_time). With one torch thread all the
+        # work runs on it, so time spent descheduled by other processes is not counted.
+        self.now = time.thread_time if kind == "thread" else time.perf_counter
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -62,9 +66,9 @@ class Clock:
             end.record()
             end.synchronize()
             return float(start.elapsed_time(end))
-        t0 = time.perf_counter()
+        t0 = self.now()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        return (self.now() - t0) * 1e3
 
     def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> Timing:
         samples: list[float] = []
@@ -393,7 +397,7 @@ def device_name(device: torch.device) -> str:
 
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
-                  entry_budget_s: float = 2.0, progress: bool = True) -> Profile:
+                  entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True) -> Profile:
     """Measure every part and K-FAC layer of `model`, and the links between two ranks."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -403,10 +407,14 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     if dtype not in DTYPES:
         raise InputError("--dtype", None, f"unknown dtype {dtype!r} (have: {', '.join(DTYPES)})")
     dev = check_device(device)
+    if clock not in ("wall", "thread"):
+        raise InputError("--clock", None, f"must be 'wall' or 'thread', got {clock!r}")
+    if clock == "thread" and (dev.type != "cpu" or threads != 1):
+        raise InputError("--clock", None, "'thread' needs --device cpu and --threads 1 (it counts one thread's CPU time)")
     spec = resolve_spec(model, seq_len)
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
-    clock = Clock(dev, repeats, warmup, entry_budget_s)
+    timer = Clock(dev, repeats, warmup, entry_budget_s, clock)
     cfg = spec.cfg
     started = time.perf_counter()
     load_before = _load_average()
@@ -418,7 +426,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         for name in spec.part_names:
             bar.update(task, description=f"{name}: fwd/bwd")
             bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
-            part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, clock))
+            part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, timer))
             parts.append(part)
             spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
             bar.advance(task)
@@ -429,7 +437,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
             for layer in bench.kfac:
                 bar.update(task, description=f"{layer.name}: K-FAC")
                 x, gy = captured[layer.name]
-                entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, clock))
+                entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, timer))
                 layers.append(entry)
                 spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
                 bar.advance(task)
@@ -446,7 +454,10 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
         "cuda": torch.version.cuda, "dtype": dtype, "threads": threads,
         "micro_batch": micro_batch, "seq_len": seq_len, "repeats": repeats, "warmup": warmup,
-        "entry_budget_s": entry_budget_s, "host": socket.gethostname(),
+        "entry_budget_s": entry_budget_s,
+        "clock": {"wall": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+                  "thread": "time.thread_time (CPU time of the one torch thread)"}[clock],
+        "host": socket.gethostname(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "pfcompile": __version__, "wall_s": round(time.perf_counter() - started, 2),
         # other processes share the CPU: the 1-minute load average before and after says how much

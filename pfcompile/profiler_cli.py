@@ -36,6 +36,9 @@ def register(sub) -> None:
                    help="torch threads (default 1: the runtime's per-rank default)")
     p.add_argument("--entry-budget", type=float, default=2.0, metavar="S",
                    help="stop repeating an entry once its samples add up to S seconds (at least 3 kept; default 2)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall: perf_counter (CUDA events on GPU); thread: this thread's CPU time, which "
+                        "ignores time taken by other processes on a shared CPU (cpu, --threads 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="skip the 2-rank communication measurement; state a latency/bandwidth model instead")
     p.add_argument("--reference", metavar="MODEL", default=None,
@@ -74,7 +77,7 @@ def run(args) -> int:
 
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
-                             entry_budget_s=args.entry_budget, progress=not args.quiet and not args.json)
+                             entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json)
     if args.output:
         prof.save(args.output)
     else:

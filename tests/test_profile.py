@@ -129,6 +129,23 @@ def test_saved_activation_bytes_of_an_mlp():
     assert saved == 4 * (7 * 12 + 7 * 20)
 
 
+def test_thread_clock_counts_cpu_time_only():
+    import time
+
+    import torch
+
+    from pfcompile.profiler import Clock
+
+    def sleep_then_work():
+        time.sleep(0.02)  # descheduled, as when another process holds the core
+        sum(range(20000))
+
+    wall = Clock(torch.device("cpu"), repeats=3, warmup=0, kind="wall").time(sleep_then_work)
+    thread = Clock(torch.device("cpu"), repeats=3, warmup=0, kind="thread").time(sleep_then_work)
+    assert wall.median >= 20 and wall.samples == 3
+    assert 0 < thread.median < 20
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     from pfcompile.profiler import fit_link
 
