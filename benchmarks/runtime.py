@@ -1,0 +1,193 @@
+"""Runtime benchmark (not a test): CPU, 2 ranks, one thread each, bert-mini, 4 micro-batches.
+
+  (a) our runtime without K-FAC against torch.distributed.pipelining's ScheduleGPipe and
+      Schedule1F1B on the same model, partition, micro-batches and optimizer (AdamW);
+  (b) the compiled plan with K-FAC in the bubbles (CP-SAT) against K-FAC appended after
+      each step's pipeline work (`--method none`) and against no K-FAC;
+  (c) predicted (plan.stats.step_time_ms) against measured step time.
+
+Every variant runs in each round, rounds alternate the order, and the table reports the
+median over rounds, so the ratios compare runs made side by side on the same (shared,
+possibly busy) machine. Usage:
+
+    .venv/bin/python benchmarks/runtime.py [--steps 10] [--rounds 2] [--out bench-out]
+
+The same file is the torch.distributed.pipelining worker (`--pipelining-worker`), run by
+torchrun like the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+# Run as a script, this file's folder comes first on sys.path and its name would shadow
+# the `runtime` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
+    path = out / f"{name}.json"
+    cmd = [PY, "-m", "pfcompile", "plan", profile, "--stages", "2", *flags, "-o", str(path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"benchmark: planning {name} failed:\n{r.stderr[-2000:]}")
+    return path
+
+
+def torchrun(args: list[str]) -> dict:
+    """Run a 2-rank job; its rank 0 prints one JSON line last."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode or not lines:
+        sys.exit(f"benchmark: {' '.join(args[:3])} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def run_ours(plan_path: Path, steps: int, warmup: int) -> float:
+    out = torchrun(["-m", "runtime", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
+                    "--data", "synthetic", "--json"])
+    return out["step_ms"]
+
+
+def run_pipelining(schedule: str, plan_path: Path, steps: int, warmup: int) -> float:
+    out = torchrun([__file__, "--pipelining-worker", schedule, "--plan", str(plan_path),
+                    "--steps", str(steps), "--warmup", str(warmup)])
+    return out["step_ms"]
+
+
+# --- the torch.distributed.pipelining worker ---------------------------------------------------
+def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) -> None:
+    """The same stages, data and AdamW as our runtime's no-K-FAC plan, under torch's schedules."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from pfcompile.plan import load_plan
+    from runtime.data import make_stream
+    from runtime.models import Stage, lm_loss, resolve_config
+    from runtime.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = load_plan(plan_path)
+    N = p.config["micro_batches"]
+    cfg = resolve_config(p.model["name"], vocab=p.model.get("vocab"), seq_len=p.model["seq_len"])
+    module = Stage(cfg, p.partition[rank], seed=0)
+    b, T = p.model["micro_batch"], p.model["seq_len"]
+    example = (torch.zeros(b, T, dtype=torch.long) if rank == 0 else torch.zeros(b, T, cfg.hidden),)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=example)
+    make = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = make(stage, n_microbatches=N, loss_fn=lambda logits, y: lm_loss(logits, y))
+    opt = build_optimizer(module, [])
+    stream = make_stream(cfg.kind, b * N, T, seed=0, synthetic=True, vocab=cfg.vocab)
+
+    def one_step(step: int) -> None:
+        batch = stream.batch(step)
+        if rank == 0:
+            sched.step(batch.tokens)
+        elif rank == world - 1:
+            sched.step(target=batch.targets)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+
+    for step in range(warmup):
+        one_step(step)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(warmup, steps):
+        one_step(step)
+    dist.barrier()
+    step_ms = (time.perf_counter() - t0) * 1000 / (steps - warmup)
+    if rank == 0:
+        print(json.dumps({"step_ms": step_ms}), flush=True)
+    dist.destroy_process_group()
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="profiles/bert-mini-cpu.json")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=4, help="steps excluded from timing (>= one refresh cycle)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per k")
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b"), help=argparse.SUPPRESS)
+    ap.add_argument("--plan", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.pipelining_worker:
+        return pipelining_worker(a.pipelining_worker, a.plan, a.steps, a.warmup)
+
+    from rich.console import Console
+    console = Console(stderr=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n = ["--micro-batches", str(a.micro_batches)]
+    with console.status("planning (CP-SAT for the K-FAC plan)..."):
+        plans = {
+            "gpipe, no K-FAC": plan(a.profile, out, "gpipe-nokfac", "--schedule", "gpipe", *n, "--no-kfac", "--method", "none"),
+            "1f1b, no K-FAC": plan(a.profile, out, "1f1b-nokfac", "--schedule", "1f1b", *n, "--no-kfac", "--method", "none"),
+            "1f1b, K-FAC appended": plan(a.profile, out, "1f1b-kfac-appended", "--schedule", "1f1b", *n, "--method", "none"),
+            "1f1b, K-FAC in bubbles (cpsat)": plan(a.profile, out, "1f1b-kfac-cpsat", "--schedule", "1f1b", *n,
+                                                  "--method", "cpsat", "--time-limit", str(a.time_limit), "--workers", "2"),
+        }
+    k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
+    warmup = max(a.warmup, k_max)
+    steps = max(a.steps, warmup + 2 * k_max)  # whole refresh cycles in the timed part
+    runs = {name: (lambda p=p: run_ours(p, steps, warmup)) for name, p in plans.items()}
+    runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
+    runs["torch Schedule1F1B"] = lambda: run_pipelining("1f1b", plans["1f1b, no K-FAC"], steps, warmup)
+
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for r in range(a.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            with console.status(f"round {r + 1}/{a.rounds}: {name} ({steps} steps)"):
+                times[name].append(runs[name]())
+            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
+    med = {name: statistics.median(v) for name, v in times.items()}
+    predicted = {name: json.loads(p.read_text())["stats"].get("step_time_ms") for name, p in plans.items()}
+
+    print(f"\nbert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches of "
+          f"{json.loads(plans['1f1b, no K-FAC'].read_text())['model']['micro_batch']}, {steps} steps "
+          f"({warmup} warm-up), median of {a.rounds} rounds; load average {os.getloadavg()[0]:.1f}\n")
+    print("| run | measured ms/step | ratio | predicted ms/step | measured / predicted |")
+    print("|---|---:|---:|---:|---:|")
+
+    def row(name: str, ref: str) -> None:
+        pred = predicted.get(name)
+        ratio = f"{med[name] / med[ref]:.3f} vs {ref}" if name != ref else "1"
+        pr = f"{pred:.1f}" if pred else "-"
+        mp = f"{med[name] / pred:.3f}" if pred else "-"
+        print(f"| {name} | {med[name]:.1f} | {ratio} | {pr} | {mp} |")
+
+    print("| **(a) ours vs torch.distributed.pipelining** | | | | |")
+    row("torch ScheduleGPipe", "torch ScheduleGPipe")
+    row("gpipe, no K-FAC", "torch ScheduleGPipe")
+    row("torch Schedule1F1B", "torch Schedule1F1B")
+    row("1f1b, no K-FAC", "torch Schedule1F1B")
+    print("| **(b) K-FAC placement** | | | | |")
+    row("1f1b, no K-FAC", "1f1b, no K-FAC")
+    row("1f1b, K-FAC appended", "1f1b, no K-FAC")
+    row("1f1b, K-FAC in bubbles (cpsat)", "1f1b, no K-FAC")
+    print("\n(c) is the last column. Raw ms/step per round:",
+          json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
+
+
+if __name__ == "__main__":
+    main()
