@@ -10,7 +10,9 @@ two-rank process group.
 Timing: warm-up runs first, then `repeats` samples; an entry stops early once its samples
 add up to `entry_budget_s` (keeping at least 3), so a 1000x1000 eigendecomposition does not
 dominate the profiling time. CUDA entries are timed with events, CPU ones with
-perf_counter; median into the entry, [p10, p90] into `spread`.
+perf_counter (or, with clock="thread", the CPU time of the one torch thread, which leaves
+out time taken by other processes on a shared machine); median into the entry, [p10, p90]
+into `spread`.
 """
 
 from __future__ import annotations
