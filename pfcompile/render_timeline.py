@@ -55,9 +55,9 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
         if starts:
             x = min(starts)
             ax.axvline(x, color="black", linestyle="--", linewidth=0.8)
-            ax.text(x, -0.15, f" step {t}", fontsize=8, va="bottom")
+            ax.text(x, -0.42, f" step {t}", fontsize=8, va="top")
 
-    ax.set_ylim(world, -0.25)
+    ax.set_ylim(world, -0.45)  # room above device 0 for the step labels
     ax.set_xlim(0, t_end * 1.01)
     ax.set_yticks([q + 0.5 for q in range(world)])
     ax.set_yticklabels([f"device {q}" for q in range(world)])
