@@ -1,0 +1,140 @@
+"""Convergence: how many steps K-FAC needs to reach AdamW's validation loss at step 1000.
+
+bert-tiny masked LM on the pydoc corpus (batch 32 x 64 characters), same initial weights
+and same batches for both optimizers. Not a test: it prints a table.
+
+1. Tune on a seed not used for the comparison (seed 100), --tune-steps steps each:
+   AdamW learning rate in ADAMW_GRID; K-FAC damping x KL-clip in KFAC_GRID (lr 0.1,
+   momentum 0.9, refresh every 5 steps, EMA 0.9; the KL clip bounds the step on almost every
+   step, so it, not the lr, sets the step size). K-FAC runs train the embeddings, LayerNorms
+   and head with AdamW at the tuned AdamW lr. Pick the lowest validation loss at the end.
+2. For each seed: AdamW for --steps steps; target = its validation loss at the last step;
+   K-FAC until its validation loss (evaluated every --eval-every steps) reaches the target.
+
+    python benchmarks/convergence.py [--seeds 0 1 2] [--steps 1000] [--tune-steps 400] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+ADAMW_GRID = [1e-3, 2e-3, 4e-3]
+KFAC_GRID = {"damping": [1e-4, 1e-3, 1e-2], "kl_clip": [1e-5, 3e-5, 1e-4]}
+KFAC_FIXED = dict(lr=0.1, momentum=0.9, refresh_steps=5, ema=0.9)
+TUNE_SEED = 100
+
+
+def run_one(job: dict) -> dict:
+    """One training run in a worker process (one thread: two jobs share the two cores)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from runtime.data import make_stream
+    from runtime.kfac import KfacConfig, make_layers
+    from runtime.models import build_model, kfac_linears, resolve_config
+    from runtime.optim import OptimConfig, build_optimizer
+    from runtime.train import evaluate, train_step
+
+    cfg = resolve_config("bert-tiny", seq_len=64)
+    model = build_model(cfg, seed=job["seed"])
+    kfac = KfacConfig(damping=job["damping"], ema=KFAC_FIXED["ema"], refresh_steps=KFAC_FIXED["refresh_steps"],
+                      kl_clip=job["kl_clip"]) if job["kind"] == "kfac" else None
+    layers = make_layers(kfac_linears(model), kfac) if kfac else []
+    opt = build_optimizer(model, layers, OptimConfig(lr=KFAC_FIXED["lr"], momentum=KFAC_FIXED["momentum"],
+                                                     adam_lr=job["adam_lr"]))
+    train = make_stream("bert", 32, 64, seed=job["seed"])
+    val = make_stream("bert", 32, 64, seed=0, split="val").fixed_batches(job["eval_batches"])
+    curve, t0 = [], time.perf_counter()
+    for step in range(job["steps"]):
+        train_step(model, layers, opt, train.batch(step), step, 1, kfac)
+        if (step + 1) % job["eval_every"] == 0 or step + 1 == job["steps"]:
+            v = evaluate(model, val)
+            curve.append((step + 1, v))
+            if job.get("target") is not None and v <= job["target"]:
+                break
+    return {**job, "val": curve, "seconds": time.perf_counter() - t0}
+
+
+def run_all(jobs: list[dict], n_workers: int, title: str) -> list[dict]:
+    from rich.progress import Progress
+
+    with Progress() as bar, ProcessPoolExecutor(n_workers) as pool:
+        task = bar.add_task(title, total=len(jobs))
+        futures = [pool.submit(run_one, j) for j in jobs]
+        out = []
+        for f in futures:
+            out.append(f.result())
+            bar.advance(task)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--tune-steps", type=int, default=400)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-batches", type=int, default=12)
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes, one thread each")
+    ap.add_argument("--json", metavar="PATH", help="also write all curves and the table as JSON")
+    args = ap.parse_args(argv)
+    base = dict(eval_every=args.eval_every, eval_batches=args.eval_batches, damping=None, kl_clip=None)
+    t_start = time.perf_counter()
+
+    # 1. tuning
+    tune = [{**base, "kind": "adamw", "seed": TUNE_SEED, "steps": args.tune_steps, "adam_lr": lr} for lr in ADAMW_GRID]
+    tuned_adam = run_all(tune, args.jobs, "tune adamw")
+    best_adam = min(tuned_adam, key=lambda r: r["val"][-1][1])
+    adam_lr = best_adam["adam_lr"]
+    tune = [{**base, "kind": "kfac", "seed": TUNE_SEED, "steps": args.tune_steps, "adam_lr": adam_lr,
+             "damping": d, "kl_clip": c} for d, c in itertools.product(KFAC_GRID["damping"], KFAC_GRID["kl_clip"])]
+    tuned_kfac = run_all(tune, args.jobs, "tune kfac")
+    best_kfac = min(tuned_kfac, key=lambda r: r["val"][-1][1])
+
+    print(f"\nTuning (seed {TUNE_SEED}, validation loss after {args.tune_steps} steps)")
+    print(f"{'optimizer':10} {'adam lr':>8} {'damping':>8} {'kl_clip':>8} {'val loss':>9}")
+    for r in tuned_adam + tuned_kfac:
+        mark = " *" if r is best_adam or r is best_kfac else ""
+        print(f"{r['kind']:10} {r['adam_lr']:>8g} {r['damping'] or '-':>8} {r['kl_clip'] or '-':>8} {r['val'][-1][1]:>9.4f}{mark}")
+
+    # 2. comparison per seed: AdamW first (its final loss is K-FAC's target)
+    adam_runs = run_all([{**base, "kind": "adamw", "seed": s, "steps": args.steps, "adam_lr": adam_lr}
+                         for s in args.seeds], args.jobs, "adamw")
+    kfac_runs = run_all([{**base, "kind": "kfac", "seed": a["seed"], "steps": args.steps, "adam_lr": adam_lr,
+                          "damping": best_kfac["damping"], "kl_clip": best_kfac["kl_clip"],
+                          "target": a["val"][-1][1]} for a in adam_runs], args.jobs, "kfac")
+
+    print(f"\nbert-tiny MLM, pydoc corpus; AdamW lr {adam_lr:g}; K-FAC damping {best_kfac['damping']:g}, "
+          f"kl_clip {best_kfac['kl_clip']:g}, lr {KFAC_FIXED['lr']}, refresh every {KFAC_FIXED['refresh_steps']}")
+    print(f"{'seed':>4} {'adamw val@' + str(args.steps):>15} {'kfac steps to reach':>20} {'ratio':>6} "
+          f"{'kfac val@same step':>19} {'adamw s/step':>12} {'kfac s/step':>11}")
+    rows = []
+    for a, k in zip(adam_runs, kfac_runs):
+        target = a["val"][-1][1]
+        reached = next((s for s, v in k["val"] if v <= target), None)
+        steps_done = k["val"][-1][0]
+        ratio = reached / args.steps if reached else None
+        rows.append({"seed": a["seed"], "adamw_val": target, "kfac_steps": reached, "ratio": ratio})
+        print(f"{a['seed']:>4} {target:>15.4f} {reached if reached else '>' + str(steps_done):>20} "
+              f"{(f'{ratio:.2f}' if ratio else '-'):>6} {k['val'][-1][1]:>19.4f} "
+              f"{a['seconds'] / a['val'][-1][0]:>12.4f} {k['seconds'] / steps_done:>11.4f}")
+    done = [r["ratio"] for r in rows if r["ratio"]]
+    if done:
+        print(f"mean ratio {sum(done) / len(done):.2f} over {len(done)} of {len(rows)} seeds "
+              f"(aim: <= 0.60); total {time.perf_counter() - t_start:.0f}s")
+    if args.json:
+        from pfcompile.jsonio import write_json
+
+        write_json(args.json, {"rows": rows, "tuning": tuned_adam + tuned_kfac, "adamw": adam_runs, "kfac": kfac_runs,
+                               "args": vars(args)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
