@@ -47,8 +47,9 @@ class _Timeline:
 
 
 def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
-                  pinned: dict[int, int] | None = None) -> Schedule:
-    """`pinned`: tasks whose start is given (booked before anything else is placed)."""
+                  pinned: dict[int, int] | None = None, options: set[int] | None = None) -> Schedule:
+    """`pinned`: tasks whose start is given (booked before anything else is placed);
+    `options`: the option to take in each choice they cover (default: the earliest finish)."""
     g = nx.DiGraph()
     g.add_nodes_from(range(len(p.tasks)))
     lag = {}
@@ -76,7 +77,7 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
         g, key=lambda i: (i < len(p.tasks) and i not in first, key(i) if i < len(p.tasks) else ())))
 
     by_opt = p.option_tasks()
-    chosen: set[int] = set()
+    chosen: set[int] = set(options or ())
     choice_of = {o: c for c in p.choices for o in c}
 
     lines: dict[tuple, _Timeline] = defaultdict(_Timeline)
@@ -84,7 +85,7 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     for i, t0 in (pinned or {}).items():
         start[i] = t0
         lines[p.tasks[i].resource].book(t0, p.tasks[i].dur)
-    decided: set[int] = set()  # choices (by first option id) already decided
+    decided = {c[0] for c in p.choices if any(o in chosen for o in c)}  # choices (by first option id)
 
     def dur(i: int) -> int:
         return p.tasks[i].dur if i < len(p.tasks) else 0

@@ -35,14 +35,14 @@ from pfcompile.cpmodel import Result, solve
 from pfcompile.errors import InputError
 from pfcompile.graph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
 from pfcompile.list_schedule import list_schedule
-from pfcompile.ops import Op
+from pfcompile.ops import P2P_KINDS, Op
 from pfcompile.plan import Plan
 from pfcompile.problem import Problem, Schedule, to_us, violations
 from pfcompile.profile import Profile
-from pfcompile.replay import replay
 from pfcompile.schedules import PipelineConfig
 
 PASS_KINDS = ("fwd", "bwd")
+GROUP_ABOVE = 3000  # curvature ops per cycle above which a producer's curvature ops are one task
 
 
 @dataclass
@@ -53,6 +53,8 @@ class SolverOptions:
     tolerance: float = 0.005  # accept k when within 0.5% of the no-refresh step time
     extra_steps: int = 2  # try at most k_lb + extra_steps
     refresh_steps: int | None = None  # force k
+    group_curvature: bool | None = None  # None: when the curvature ops alone exceed GROUP_ABOVE
+    total_time_limit: float | None = None  # if set: shared evenly by the k tried (overrides time_limit)
 
 
 @dataclass
@@ -64,27 +66,43 @@ class CycleModel:
     tasks: list[Task]
     index: dict[Task, int]
     per_step: set[int] = field(default_factory=set)  # indices of the per-step tasks
+    emit: dict[Task, list[Op]] = field(default_factory=dict)  # ops a task stands for, in order
+    host: dict[Task, Task] = field(default_factory=dict)  # graph task -> the model task it is in
 
 
 # --- graph -> problem ---------------------------------------------------------------------
 
 
 def build_cycle(profile: Profile, cfg: PipelineConfig, k: int, *, fixed_order: bool,
-                refresh: bool = True) -> CycleModel:
+                refresh: bool = True, group_curvature: bool = False) -> CycleModel:
     """The Problem of a k-step cycle. `refresh=False` drops the floating K-FAC work (the
-    reference the refresh is measured against)."""
+    reference the refresh is measured against). Point-to-point ops are glued to the op they
+    follow or precede (see `_contract`); `group_curvature` makes the curvature ops of one
+    producer one task (fewer tasks, coarser packing, kept tensors held to the group's end)."""
+    return cycle_from_graph(cycle_graph(profile, cfg, k), fixed_order=fixed_order, refresh=refresh,
+                            group_curvature=group_curvature)
+
+
+def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int) -> TaskGraph:
+    """The task graph the model is built from: with replicas, every candidate inverts (the
+    model's options choose one)."""
     choose = cfg.kfac and cfg.replicas > 1
-    tg = build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion))
-    keep = [t for t in tg.g.nodes if refresh or t.step is not None]
+    return build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion))
+
+
+def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
+                     group_curvature: bool = False) -> CycleModel:
+    cfg = tg.cfg
+    choose = cfg.kfac and cfg.replicas > 1
+    g, emit, host = _contract(tg, refresh, group_curvature)
     # deterministic task order: by step, rank, op (the tie-break of simultaneous starts)
-    topo = list(nx.lexicographical_topological_sort(tg.g.subgraph(keep), key=lambda t: (_step(t), t.rank, t.op)))
+    topo = list(nx.lexicographical_topological_sort(g, key=lambda t: (_step(t), t.rank, t.op)))
     p = Problem()
     index: dict[Task, int] = {}
-    option_of: dict[Task, int] = {}
-    if choose and refresh:
-        option_of = _inversion_options(tg, topo, p)
+    option_of = _inversion_options(tg, p) if choose and refresh else {}
     for t in topo:
-        index[t] = p.add(t, _model_us(tg.duration(t)), (t.rank,), option_of.get(t))
+        us = sum(_model_us(tg.costs.duration(op)) for op in emit[t] if op.kind not in P2P_KINDS)
+        index[t] = p.add(t, us, (t.rank,), option_of.get(t))
     tasks = list(topo)
     if choose and refresh:  # the broadcasts from each candidate inverter
         for (layer, f), cands in tg.inv_candidates.items():
@@ -95,27 +113,77 @@ def build_cycle(profile: Profile, cfg: PipelineConfig, k: int, *, fixed_order: b
                     b = Task(None, q, Op("bcast_inv", layer=layer, factor=f, peer=c))
                     index[b] = p.add(b, _model_us(tg.costs.duration(b.op)), (q,), option_of[inv])
                     tasks.append(b)
+                    emit[b] = [b.op]
                     p.edges.append((index[inv], index[b], 0))
                     group.append(index[b])
                 p.rendezvous.append(group)
-    for u, v, lag in tg.g.edges(data="lag"):
-        if u in index and v in index:
-            p.edges.append((index[u], index[v], to_us(lag)))
+    for u, v, lag in g.edges(data="lag"):
+        p.edges.append((index[u], index[v], to_us(lag)))
     for group in tg.collectives.values():
         members = [index[t] for t in group if t in index]
         if len(members) > 1:
             p.rendezvous.append(members)
     for b in tg.buffers:
-        if b.alloc in index and b.free in index:
-            p.buffers.append((b.rank, b.nbytes, index[b.alloc], index[b.free]))
+        if b.alloc in host and b.free in host:
+            p.buffers.append((b.rank, b.nbytes, index[host[b.alloc]], index[host[b.free]]))
     limit = cfg.memory_limit_bytes
     p.capacity = {q: (None if limit is None else limit - tg.resident_bytes[q]) for q in tg.ranks}
     for q, steps in tg.canonical.items():
-        p.phases.append([[index[t] for t in step] for step in steps])
+        p.phases.append([[index[t] for t in step if t in index] for step in steps])
         if fixed_order:
             p.chains.append([index[t] for step in steps for t in step if t.op.kind in PASS_KINDS])
     per_step = {i for i, t in enumerate(tasks) if t.step is not None}
-    return CycleModel(tg, p, tasks, index, per_step)
+    return CycleModel(tg, p, tasks, index, per_step, emit, host)
+
+
+def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
+    """-> (graph of the tasks the model places, ops each emits in order, host of every task).
+
+    A send is posted right after the op that made its message and a receive waits right
+    before the op that needs it: nothing is gained by moving them, so they are glued to
+    those ops and their message becomes an edge with the transfer time as lag. This halves
+    the tasks of a pipeline without changing what the replay computes."""
+    g = tg.g.copy()
+    if not refresh:
+        g.remove_nodes_from([t for t in tg.g.nodes if t.step is None])
+    emit = {t: [t.op] for t in g.nodes}
+    host = {t: t for t in g.nodes}
+    for s in [t for t in g.nodes if t.op.kind in ("send_act", "send_grad")]:
+        (u,) = g.predecessors(s)
+        for r in list(g.successors(s)):
+            lag = g.edges[s, r]["lag"]
+            for c in g.successors(r):
+                old = g.edges[u, c]["lag"] if g.has_edge(u, c) else 0.0
+                g.add_edge(u, c, lag=max(old, lag))
+                emit[c].insert(len([o for o in emit[c] if o.kind.startswith("recv")]), r.op)
+                host[r] = c
+            g.remove_node(r)
+        emit[u].append(s.op)
+        host[s] = u
+        g.remove_node(s)
+    if group_curvature:
+        for u in [t for t in g.nodes if t.step == 0 and t.op.kind in PASS_KINDS]:
+            curv = sorted((v for v in g.successors(u) if v.op.kind in ("curv_a", "curv_b")), key=lambda v: v.op)
+            if len(curv) < 2:
+                continue
+            head = curv[0]
+            for v in curv[1:]:
+                for w in g.successors(v):
+                    g.add_edge(head, w, lag=max(g.edges[v, w]["lag"], g.edges[head, w]["lag"] if g.has_edge(head, w) else 0.0))
+                emit[head].append(v.op)
+                host[v] = head
+                g.remove_node(v)
+    return g, {t: emit[t] for t in g.nodes}, host
+
+
+def curvature_ops(profile: Profile, cfg: PipelineConfig) -> int:
+    return 2 * len(profile.kfac_layers) * cfg.micro_batches if cfg.kfac else 0
+
+
+def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
+    if opts.group_curvature is not None:
+        return opts.group_curvature
+    return curvature_ops(profile, cfg) > GROUP_ABOVE
 
 
 def _model_us(ms: float) -> int:
@@ -130,7 +198,7 @@ def _step(t: Task) -> int:
     return -1 if t.step is None else t.step
 
 
-def _inversion_options(tg: TaskGraph, topo: list[Task], p: Problem) -> dict[Task, int]:
+def _inversion_options(tg: TaskGraph, p: Problem) -> dict[Task, int]:
     """One option per (factor, candidate rank): that rank's inv (the graph, built with
     inversion="all", has one on every candidate) and its broadcasts."""
     option_of = {}
@@ -162,23 +230,39 @@ def steps_from_schedule(cm: CycleModel, s: Schedule) -> dict[int, list[list[Op]]
             t = cm.tasks[i]
             if t.step is not None:
                 step = t.step
-            out[q][step].append(t.op)
+            out[q][step] += cm.emit[t]
     return out
 
 
-def schedule_from_steps(cm: CycleModel, plan: Plan) -> Schedule:
-    """A replayed plan's times as a Schedule of this problem (the greedy's warm start)."""
-    start: list[int | None] = [None] * len(cm.tasks)
-    for q, steps in enumerate(plan.ranks):
-        for t, ops in enumerate(steps):
-            for po in ops:
-                task = Task(None if po.op.kind in FLOATING_KINDS else t, q, po.op)
-                if task in cm.index:
-                    start[cm.index[task]] = to_us(po.start)
-    if any(x is None and cm.problem.tasks[i].option is None for i, x in enumerate(start)):
+def schedule_from_steps(cm: CycleModel, steps: dict[int, list[list[Op]]]) -> Schedule | None:
+    """Another planner's op lists (the greedy's) as a Schedule of this problem: each rank's
+    order becomes a chain, its inverting replicas the options, and the list scheduler
+    times it (as soon as possible in that order)."""
+    k = cm.tg.refresh_steps
+    if any(len(s) != k for s in steps.values()):
         return None
-    mk = max(x + cm.problem.tasks[i].dur for i, x in enumerate(start) if x is not None)
-    return Schedule(start, mk)
+    chains, taken = [], set()
+    for q, per_step in steps.items():
+        chain = []
+        for t, ops in enumerate(per_step):
+            for op in ops:
+                task = Task(None if op.kind in FLOATING_KINDS else t, q, op)
+                host = cm.host.get(task, task)
+                i = cm.index.get(host)
+                if i is None:
+                    continue
+                if not chain or chain[-1] != i:
+                    chain.append(i)
+                if cm.problem.tasks[i].option is not None:
+                    taken.add(cm.problem.tasks[i].option)
+        chains.append(chain)
+    if len({i for c in chains for i in c}) != sum(len(c) for c in chains):
+        return None  # grouped curvature split apart by the other plan: no single order
+    p = replace(cm.problem, chains=chains)
+    try:
+        return list_schedule(p, options=taken)
+    except nx.NetworkXUnfeasible:
+        return None
 
 
 # --- memory: the smallest limit that can work -----------------------------------------------
@@ -253,13 +337,14 @@ class CycleSolution:
 
 
 def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
-                greedy_plan: Plan | None = None, describe=None) -> CycleSolution:
+                greedy_steps: dict | None = None, describe=None) -> CycleSolution:
     """Three stages, each warm-starting the next, each stopping early at a proven optimum:
     (1) the pipeline timeline: the k steps without refresh work, on their own model (its
     bound is a lower bound of the whole cycle); (2) the refresh work packed into that
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
     make room. `time_limit` is shared 20/30/50 between them."""
-    cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order)
+    tg = cycle_graph(profile, cfg, k)
+    cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts))
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
@@ -270,7 +355,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     report = _reporter(describe, k)
 
     # (1) the pipeline timeline
-    ref_cm = build_cycle(profile, cfg, k, fixed_order=opts.fixed_order, refresh=False)
+    ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False)
     ref_head, _ = heads_and_tails(ref_cm.problem)
     ref_canon = _canonical_position(ref_cm)
     ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
@@ -289,8 +374,8 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
         ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
         ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
-    if greedy_plan is not None and greedy_plan.refresh_steps == k:
-        h = schedule_from_steps(cm, greedy_plan)
+    if greedy_steps is not None:
+        h = schedule_from_steps(cm, greedy_steps)
         if h is not None:
             cands.append(("greedy", h))
     pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
@@ -379,17 +464,20 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
     if opts.workers < 1:
         raise InputError("--workers", None, f"must be at least 1, got {opts.workers}")
     t0 = time.perf_counter()
-    greedy_plan, greedy_info = _greedy(profile, cfg)
+    greedy, greedy_info = _greedy(profile, cfg)
+    k_greedy = len(next(iter(greedy.values())))
     k_lb = refresh_steps_lower_bound(greedy_info["kfac_work_ms"], greedy_info["bubble_ms"]) if cfg.kfac else 1
     if opts.refresh_steps:
         ks = [opts.refresh_steps]
     else:
-        ks = list(range(k_lb, max(k_lb + opts.extra_steps, greedy_plan.refresh_steps) + 1))
+        ks = list(range(k_lb, max(k_lb + opts.extra_steps, k_greedy) + 1))
+    if opts.total_time_limit:
+        opts = replace(opts, time_limit=opts.total_time_limit / len(ks))
     tried: list[CycleSolution] = []
     for n, k in enumerate(ks):
         if progress:
             progress(n, len(ks))
-        sol = solve_cycle(profile, cfg, k, opts, greedy_plan=greedy_plan, describe=describe)
+        sol = solve_cycle(profile, cfg, k, opts, greedy_steps=greedy if k == k_greedy else None, describe=describe)
         tried.append(sol)
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
             break
@@ -411,6 +499,7 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
                      for s in tried],
         "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
                    f"k steps without refresh work; else the least step time"),
+        "curvature_grouped": _group(profile, cfg, opts),
         "decomposition": " -> ".join(best.stages) + (
             "" if "whole cycle" in best.stages else
             " (stopped early: the packing reached the bound, nothing given up)" if best.gap == 0 else
@@ -426,15 +515,9 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
 
 
 def _greedy(profile: Profile, cfg: PipelineConfig):
-    """PipeFisher's greedy plan (replayed): the warm start and the bar to beat."""
+    """PipeFisher's greedy op lists and its info (k, bubbles, K-FAC work): the warm start
+    and the bar to beat."""
     from pfcompile.greedy import greedy_steps
 
-    tg, steps, info = greedy_steps(profile, cfg)
-    plan = planner.assemble(profile, tg, steps, "greedy")
-    result = replay(plan, profile, check_memory=False)  # the greedy ignores memory; the model does not
-    for q, per_step in enumerate(plan.ranks):
-        for t, ops in enumerate(per_step):
-            for i, po in enumerate(ops):
-                po.start, po.end = result.times[q][t][i]
-    plan.stats = result.stats()
-    return plan, info
+    _, steps, info = greedy_steps(profile, cfg)
+    return steps, info

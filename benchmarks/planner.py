@@ -1,0 +1,171 @@
+"""Planner benchmark: PipeFisher's setting, a memory limit, and scaling. Prints markdown tables.
+
+Not a test (nothing is asserted): every ratio is measured side by side in one run, the
+baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are replayed
+(pfcompile.replay): the step times, utilizations and peaks below are the replay's.
+
+    .venv/bin/python benchmarks/planner.py            # everything (~15 min on 2 cores)
+    .venv/bin/python benchmarks/planner.py --quick    # a small scaling table (~3 min)
+
+Scaling uses a 32-block model with BERT-Large's per-block costs (profiles/bert-large-p100-
+ref.json has 24 blocks; 32 stages need at least 32 parts), so every D cuts it evenly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pfcompile.errors import InputError  # noqa: E402
+from pfcompile.plan_cli import build_plan  # noqa: E402
+from pfcompile.profile import Profile, load_profile  # noqa: E402
+from pfcompile.schedules import PipelineConfig  # noqa: E402
+from pfcompile.solver import SolverOptions, solve_plan  # noqa: E402
+
+PAPER = REPO / "profiles" / "bert-large-p100-ref.json"
+
+
+def scaled_profile(blocks: int) -> Profile:
+    """BERT-Large's block costs, `blocks` blocks (a synthetic model for scaling only)."""
+    prof = load_profile(str(PAPER))
+    b0 = prof.part("block0")
+    lay0 = [l for l in prof.kfac_layers if l.part == "block0"]
+    prof.parts = [prof.parts[0], *(replace(b0, name=f"block{b}") for b in range(blocks)), prof.parts[-1]]
+    prof.kfac_layers = [replace(l, name=f"block{b}.{l.name.split('.', 1)[1]}", part=f"block{b}")
+                        for b in range(blocks) for l in lay0]
+    prof.model = {**prof.model, "name": f"bert-large-{blocks}-blocks", "layers": blocks}
+    prof.provenance = {**prof.provenance, "note": f"benchmark: bert-large block costs x {blocks} blocks"}
+    prof.to_json()
+    return prof
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def row(name: str, plan, base_step: float, t: float) -> list:
+    st = plan.stats
+    return [name, st["refresh_steps"], st.get("refresh_steps_lower_bound", "-"), round(st["step_time_ms"], 2),
+            pct(st["step_time_ms"] / base_step - 1), pct(st["utilization"]), st.get("solver_status", "-"),
+            pct(st.get("gap")), round(t, 1), f"{max(st['peak_memory_bytes']) / 2**30:.2f}"]
+
+
+HEAD = ["method", "k", "k lower bound", "step ms", "step overhead", "utilization", "status", "gap", "seconds",
+        "peak GiB"]
+
+
+def paper(time_limit: float) -> None:
+    prof = load_profile(str(PAPER))
+    cfg = PipelineConfig(schedule="chimera", stages=8, micro_batches=8)
+    print("## PipeFisher's setting: BERT-Large (P100 reference), Chimera, D = 8, N = 8, micro-batch 32\n")
+    t0 = time.perf_counter()
+    base, _, _ = build_plan(prof, replace(cfg, kfac=False), "none")
+    b = base.stats["step_time_ms"]
+    rows = [row("baseline (no K-FAC)", base, b, time.perf_counter() - t0)]
+    t0 = time.perf_counter()
+    greedy, _, _ = build_plan(prof, cfg, "greedy")
+    rows.append(row("greedy (PipeFisher)", greedy, b, time.perf_counter() - t0))
+    for fixed in (True, False):
+        t0 = time.perf_counter()
+        plan = solve_plan(prof, cfg, time_limit=time_limit, fixed_order=fixed)
+        rows.append(row(f"cpsat {'fixed' if fixed else 'free'} order", plan, b, time.perf_counter() - t0))
+        if fixed:
+            ks = ", ".join(f"k={s['k']}: {s['step_time_ms']:.1f} ms ({s['status']}, gap {pct(s['gap'])}, "
+                           f"no-refresh {s['no_refresh_step_time_ms']:.1f})" for s in plan.stats["k_search"])
+            lb = plan.stats["lower_bounds_ms"]
+    print(table(HEAD, rows))
+    print(f"\nCP-SAT k search (fixed order): {ks}\n")
+    print(f"Lower bounds of the chosen cycle (ms/step): {', '.join(f'{k} {v:.1f}' for k, v in lb.items())}\n")
+    print(f"CP-SAT vs greedy step time: {rows[2][3] / rows[1][3]:.4f} (fixed), {rows[3][3] / rows[1][3]:.4f} (free)\n")
+    return greedy
+
+
+def memory(greedy, time_limit: float) -> None:
+    """A limit 20% below the greedy's peak; if the family's order cannot meet it, the free
+    order is tried, and the tightest limit the family's order can meet is shown too."""
+    prof = load_profile(str(PAPER))
+    peak = max(greedy.stats["peak_memory_bytes"])
+    base_step = greedy.stats["baseline_step_time_ms"]
+    print(f"## Memory limit 20% below the greedy plan's peak ({peak / 2**30:.2f} GiB -> {0.8 * peak / 2**30:.2f} GiB)\n")
+    rows = [row("greedy (no memory model)", greedy, base_step, 0.0)]
+    tried = [(int(0.8 * peak), True), (int(0.8 * peak), False)]
+    while tried:
+        limit, fixed = tried.pop(0)
+        cfg = PipelineConfig(schedule="chimera", stages=8, micro_batches=8, memory_limit_bytes=limit)
+        name = f"cpsat {'fixed' if fixed else 'free'} order, limit {limit / 2**30:.2f} GiB"
+        t0 = time.perf_counter()
+        try:
+            plan = solve_plan(prof, cfg, time_limit=time_limit, fixed_order=fixed)
+            rows.append(row(name, plan, base_step, time.perf_counter() - t0))
+        except InputError as e:
+            print(f"- {name}: `{e}`")
+            if fixed and "smallest feasible limit under the family's order is " in str(e):
+                smallest = int(str(e).split("smallest feasible limit under the family's order is ")[1].split()[0])
+                tried.append((smallest, True))
+    print()
+    print(table(HEAD, rows))
+    print()
+
+
+def scaling(quick: bool, instance_limit: float) -> None:
+    prof = scaled_profile(32)
+    Ds = (4, 8) if quick else (4, 8, 16, 32)
+    print(f"## Scaling ({prof.name}; CP-SAT time limit {instance_limit:.0f} s per instance, shared by the k tried; "
+          f"2 workers)\n")
+    rows = []
+    for D in Ds:
+        for N in ((D,) if quick else (D, 4 * D)):
+            for family in ("1f1b", "chimera"):
+                cfg = PipelineConfig(schedule=family, stages=D, micro_batches=N)
+                greedy, _, _ = build_plan(prof, cfg, "greedy")
+                t0 = time.perf_counter()
+                plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit))
+                t = time.perf_counter() - t0
+                st = plan.stats
+                rows.append([family, D, N, st["tasks"], st["tasks_model"], "yes" if st["curvature_grouped"] else "no",
+                             f"{st['refresh_steps']} / {greedy.stats['refresh_steps']}",
+                             round(st["step_time_ms"], 1), f"{st['step_time_ms'] / greedy.stats['step_time_ms']:.4f}",
+                             st["solver_status"].split(" ")[0], pct(st["gap"]), round(t, 1)])
+                print(f"  {family} D={D} N={N}: {rows[-1]}", file=sys.stderr, flush=True)
+    print(table(["family", "D", "N", "plan ops", "model tasks", "curv grouped", "k cpsat / greedy", "step ms",
+                 "cpsat / greedy step", "status", "gap", "seconds"], rows))
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small scaling table, shorter limits")
+    ap.add_argument("--time-limit", type=float, default=None, help="paper/memory: CP-SAT seconds per k tried")
+    ap.add_argument("--instance-limit", type=float, default=None, help="scaling: CP-SAT seconds per instance")
+    ap.add_argument("--only", choices=("paper", "memory", "scaling"), default=None)
+    args = ap.parse_args()
+    tl = args.time_limit or (10.0 if args.quick else 30.0)
+    il = args.instance_limit or (15.0 if args.quick else 60.0)
+    greedy = None
+    if args.only in (None, "paper", "memory"):
+        greedy = paper(tl) if args.only != "memory" else build_plan(
+            load_profile(str(PAPER)), PipelineConfig(schedule="chimera", stages=8, micro_batches=8), "greedy")[0]
+    if args.only in (None, "memory"):
+        memory(greedy, tl)
+    if args.only in (None, "scaling"):
+        scaling(args.quick, il)
+
+
+if __name__ == "__main__":
+    main()
