@@ -81,9 +81,12 @@ class Interpreter:
         self.capturing = refresh
         tl = self.timeline
         step_start = tl.now_ms()
+        # On CUDA, kernels run asynchronously: wait for each op so its measured end is real.
+        sync = torch.cuda.synchronize if self.world.device.type == "cuda" else (lambda: None)
         for op in self.plan.ops(self.world.rank, step):
             start = tl.now_ms()
             self.handlers[op.kind](op)
+            sync()
             tl.record(step, str(op), op.kind, start, tl.now_ms())
         self.mailbox.drain()
         tl.steps.append((step, step_start, tl.now_ms()))
