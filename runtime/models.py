@@ -271,7 +271,7 @@ class Stage(nn.Module):
         self.names = list(names)
         order = list(spec.part_names)
         idx = [order.index(n) if n in order else -1 for n in self.names]
-        if -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
+        if not idx or -1 in idx or idx != list(range(idx[0], idx[0] + len(idx))):
             raise ModelSpecError(f"stage parts {self.names} are not a contiguous run of {order}")
         self.parts = nn.ModuleDict({n: spec.build_part(n, seed) for n in self.names})
         if dtype is not None:
