@@ -41,34 +41,48 @@ def heads_and_tails(p: Problem) -> tuple[list[int], list[int]]:
 
     An edge counts when it binds whatever the choices are: from a mandatory task, or
     inside one option (an optional predecessor may be absent)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(p.tasks)))
-    for a, b, lag in p.edges:
-        g.add_edge(a, b, lag=max(lag, g.edges[a, b]["lag"]) if g.has_edge(a, b) else lag)
-    for chain in p.chains:  # a fixed order is a dependency too
-        for a, b in zip(chain, chain[1:]):
-            if not g.has_edge(a, b):
-                g.add_edge(a, b, lag=0)
-    order = list(nx.topological_sort(g))
+    n = len(p.tasks)
+    succ: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    edges = list(p.edges) + [(a, b, 0) for chain in p.chains for a, b in zip(chain, chain[1:])]
+    for a, b, lag in edges:  # a fixed order is a dependency too
+        succ[a].append((b, lag))
+    order = topological_order(n, succ)
     opt = [t.option for t in p.tasks]
     dur = [t.dur for t in p.tasks]
-    head = [0] * len(p.tasks)
-    for b in order:
-        for a in g.predecessors(b):
-            if opt[a] is None or opt[a] == opt[b]:
-                head[b] = max(head[b], head[a] + dur[a] + g.edges[a, b]["lag"])
-    tail = [0] * len(p.tasks)
+    head = [0] * n
+    for a in order:
+        ha = head[a] + dur[a]
+        for b, lag in succ[a]:
+            if (opt[a] is None or opt[a] == opt[b]) and ha + lag > head[b]:
+                head[b] = ha + lag
+    tail = [0] * n
     for a in reversed(order):
-        for b in g.successors(a):
+        for b, lag in succ[a]:
             if opt[b] is None or opt[b] == opt[a]:
-                tail[a] = max(tail[a], g.edges[a, b]["lag"] + dur[b] + tail[b])
+                tail[a] = max(tail[a], lag + dur[b] + tail[b])
     # rendezvous members start together: each inherits the latest head of its group
     for group in p.rendezvous:
-        if all(opt[i] is None for i in group) or len({opt[i] for i in group}) == 1:
+        if len({opt[i] for i in group}) == 1:
             h = max(head[i] for i in group)
             for i in group:
                 head[i] = h
     return head, tail
+
+
+def topological_order(n: int, succ: list[list[tuple[int, int]]]) -> list[int]:
+    indeg = [0] * n
+    for a in range(n):
+        for b, _ in succ[a]:
+            indeg[b] += 1
+    order = [i for i in range(n) if indeg[i] == 0]
+    for a in order:  # grows while iterating: Kahn's algorithm
+        for b, _ in succ[a]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                order.append(b)
+    if len(order) != n:
+        raise ValueError("the dependencies have a cycle")
+    return order
 
 
 def critical_path_bound(p: Problem, head=None, tail=None) -> int:

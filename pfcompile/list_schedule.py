@@ -13,9 +13,8 @@ refresh's K-FAC work second reproduces PipeFisher's greedy filling of the bubble
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
-
-import networkx as nx
 
 from pfcompile.problem import Problem, Schedule
 
@@ -50,51 +49,54 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
                   pinned: dict[int, int] | None = None, options: set[int] | None = None) -> Schedule:
     """`pinned`: tasks whose start is given (booked before anything else is placed);
     `options`: the option to take in each choice they cover (default: the earliest finish)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(range(len(p.tasks)))
-    lag = {}
+    n = len(p.tasks)
+    preds: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for a, b, l in p.edges:
-        g.add_edge(a, b)
-        lag[a, b] = max(l, lag.get((a, b), l))
+        preds[b].append((a, l))
     for chain in p.chains:
         for a, b in zip(chain, chain[1:]):
-            g.add_edge(a, b)
-            lag.setdefault((a, b), 0)
+            preds[b].append((a, 0))
     # a step boundary is a zero-length barrier node (ids past the tasks): one node, not
     # |step j| x |step j+1| edges
-    barrier = len(p.tasks)
     for groups in p.phases:
         for g0, g1 in zip(groups, groups[1:]):
-            g.add_edges_from((i, barrier) for i in g0)
-            g.add_edges_from((barrier, j) for j in g1)
-            lag.update({(i, barrier): 0 for i in g0})
-            lag.update({(barrier, j): 0 for j in g1})
-            barrier += 1
+            bar = len(preds)
+            preds.append([(i, 0) for i in g0])
+            for j in g1:
+                preds[j].append((bar, 0))
+    total = len(preds)
+    succ: list[list[int]] = [[] for _ in range(total)]
+    for b in range(total):
+        for a, _ in preds[b]:
+            succ[a].append(b)
     group_of = {i: gr for gr in p.rendezvous for i in gr}
     first = first or set()
     key = order_key or (lambda i: (i,))
-    order = list(nx.lexicographical_topological_sort(
-        g, key=lambda i: (i < len(p.tasks) and i not in first, key(i) if i < len(p.tasks) else ())))
+
+    def rank(i: int) -> tuple:
+        return (i < n and i not in first, key(i) if i < n else ())
+
+    order = _lexicographic_topological(total, succ, rank)
 
     by_opt = p.option_tasks()
     chosen: set[int] = set(options or ())
     choice_of = {o: c for c in p.choices for o in c}
 
     lines: dict[tuple, _Timeline] = defaultdict(_Timeline)
-    start: list[int | None] = [None] * barrier
+    start: list[int | None] = [None] * total
     for i, t0 in (pinned or {}).items():
         start[i] = t0
         lines[p.tasks[i].resource].book(t0, p.tasks[i].dur)
     decided = {c[0] for c in p.choices if any(o in chosen for o in c)}  # choices (by first option id)
 
     def dur(i: int) -> int:
-        return p.tasks[i].dur if i < len(p.tasks) else 0
+        return p.tasks[i].dur if i < n else 0
 
     def release(i: int) -> int:
         r = 0
-        for a in g.predecessors(i):
+        for a, l in preds[i]:
             if start[a] is not None:
-                r = max(r, start[a] + dur(a) + lag[a, i])
+                r = max(r, start[a] + dur(a) + l)
         return r
 
     def place_group(members: list[int], trial: bool) -> int:
@@ -113,7 +115,7 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     for i in order:
         if start[i] is not None:
             continue
-        if i >= len(p.tasks):  # a barrier
+        if i >= n:  # a barrier
             start[i] = release(i)
             continue
         o = p.tasks[i].option
@@ -124,13 +126,34 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
                 # the option whose first tasks would finish earliest (the least loaded replica)
                 best = min(c, key=lambda oo: max(
                     (place_group(group_of.get(j, [j]), trial=True) + p.tasks[j].dur
-                     for j in by_opt[oo] if not any(p.tasks[a].option == oo for a in g.predecessors(j))),
+                     for j in by_opt[oo] if not any(a < n and p.tasks[a].option == oo for a, _ in preds[j])),
                     default=0))
                 chosen.add(best)
             if o not in chosen:
                 continue
         members = [j for j in group_of.get(i, [i]) if start[j] is None]
         place_group(members, trial=False)
-    start = start[:len(p.tasks)]
+    start = start[:n]
     mk = max((s + p.tasks[i].dur for i, s in enumerate(start) if s is not None), default=0)
     return Schedule(start, mk)
+
+
+def _lexicographic_topological(n: int, succ: list[list[int]], rank) -> list[int]:
+    """Topological order taking, among the ready nodes, the least `rank` first."""
+    indeg = [0] * n
+    for a in range(n):
+        for b in succ[a]:
+            indeg[b] += 1
+    ready = [(rank(i), i) for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, a = heapq.heappop(ready)
+        order.append(a)
+        for b in succ[a]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                heapq.heappush(ready, (rank(b), b))
+    if len(order) != n:
+        raise ValueError("the dependencies have a cycle")
+    return order

@@ -94,16 +94,17 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
                      group_curvature: bool = False) -> CycleModel:
     cfg = tg.cfg
     choose = cfg.kfac and cfg.replicas > 1
-    g, emit, host = _contract(tg, refresh, group_curvature)
-    # deterministic task order: by step, rank, op (the tie-break of simultaneous starts)
-    topo = list(nx.lexicographical_topological_sort(g, key=lambda t: (_step(t), t.rank, t.op)))
+    host, emit, edges = _contract(tg, refresh, group_curvature)
+    # deterministic task order (every model duration is >= 1 µs, so a task never starts
+    # with its successor: sorting a rank's tasks by start alone respects the dependencies)
+    tasks = sorted(emit, key=lambda t: (_step(t), t.rank, t.op))
     p = Problem()
     index: dict[Task, int] = {}
     option_of = _inversion_options(tg, p) if choose and refresh else {}
-    for t in topo:
-        us = sum(_model_us(tg.costs.duration(op)) for op in emit[t] if op.kind not in P2P_KINDS)
+    duration = tg.costs.duration
+    for t in tasks:
+        us = sum(_model_us(duration(op)) for op in emit[t] if op.kind not in P2P_KINDS)
         index[t] = p.add(t, us, (t.rank,), option_of.get(t))
-    tasks = list(topo)
     if choose and refresh:  # the broadcasts from each candidate inverter
         for (layer, f), cands in tg.inv_candidates.items():
             for c in cands:
@@ -111,14 +112,13 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
                 group = []
                 for q in cands:
                     b = Task(None, q, Op("bcast_inv", layer=layer, factor=f, peer=c))
-                    index[b] = p.add(b, _model_us(tg.costs.duration(b.op)), (q,), option_of[inv])
+                    index[b] = p.add(b, _model_us(duration(b.op)), (q,), option_of[inv])
                     tasks.append(b)
                     emit[b] = [b.op]
                     p.edges.append((index[inv], index[b], 0))
                     group.append(index[b])
                 p.rendezvous.append(group)
-    for u, v, lag in g.edges(data="lag"):
-        p.edges.append((index[u], index[v], to_us(lag)))
+    p.edges += [(index[u], index[v], to_us(lag)) for (u, v), lag in edges.items()]
     for group in tg.collectives.values():
         members = [index[t] for t in group if t in index]
         if len(members) > 1:
@@ -137,43 +137,46 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
 
 
 def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
-    """-> (graph of the tasks the model places, ops each emits in order, host of every task).
+    """-> (host of every graph task, ops each host emits in order, edges between hosts with
+    their lag).
 
     A send is posted right after the op that made its message and a receive waits right
     before the op that needs it: nothing is gained by moving them, so they are glued to
     those ops and their message becomes an edge with the transfer time as lag. This halves
-    the tasks of a pipeline without changing what the replay computes."""
-    g = tg.g.copy()
-    if not refresh:
-        g.remove_nodes_from([t for t in tg.g.nodes if t.step is None])
-    emit = {t: [t.op] for t in g.nodes}
-    host = {t: t for t in g.nodes}
-    for s in [t for t in g.nodes if t.op.kind in ("send_act", "send_grad")]:
-        (u,) = g.predecessors(s)
-        for r in list(g.successors(s)):
-            lag = g.edges[s, r]["lag"]
-            for c in g.successors(r):
-                old = g.edges[u, c]["lag"] if g.has_edge(u, c) else 0.0
-                g.add_edge(u, c, lag=max(old, lag))
-                emit[c].insert(len([o for o in emit[c] if o.kind.startswith("recv")]), r.op)
-                host[r] = c
-            g.remove_node(r)
-        emit[u].append(s.op)
-        host[s] = u
-        g.remove_node(s)
+    the tasks of a pipeline without changing what the replay computes. With
+    `group_curvature`, the curvature ops a forward/backward enables form one task."""
+    g = tg.g
+    nodes = [t for t in g.nodes if refresh or t.step is not None]
+    host = {t: t for t in nodes}
+    for t in nodes:
+        kind = t.op.kind
+        if kind in ("send_act", "send_grad"):
+            (host[t],) = g.predecessors(t)
+        elif kind in ("recv_act", "recv_grad"):
+            (host[t],) = g.successors(t)
     if group_curvature:
-        for u in [t for t in g.nodes if t.step == 0 and t.op.kind in PASS_KINDS]:
-            curv = sorted((v for v in g.successors(u) if v.op.kind in ("curv_a", "curv_b")), key=lambda v: v.op)
-            if len(curv) < 2:
-                continue
-            head = curv[0]
-            for v in curv[1:]:
-                for w in g.successors(v):
-                    g.add_edge(head, w, lag=max(g.edges[v, w]["lag"], g.edges[head, w]["lag"] if g.has_edge(head, w) else 0.0))
-                emit[head].append(v.op)
-                host[v] = head
-                g.remove_node(v)
-    return g, {t: emit[t] for t in g.nodes}, host
+        for u in nodes:
+            if u.step == 0 and u.op.kind in PASS_KINDS:
+                curv = sorted((v for v in g.successors(u) if v.op.kind in ("curv_a", "curv_b")), key=lambda v: v.op)
+                for v in curv[1:]:
+                    host[v] = curv[0]
+    emit: dict[Task, list[Op]] = {t: [] for t in nodes if host[t] == t}
+    for t in nodes:  # receives first, then the op (or the group in layer order), then sends
+        if host[t] != t and t.op.kind.startswith("recv"):
+            emit[host[t]].append(t.op)
+    for t in nodes:
+        if host[t] == t or t.op.kind in ("curv_a", "curv_b"):
+            emit[host[t]].append(t.op)
+    for t in nodes:
+        if host[t] != t and t.op.kind.startswith("send"):
+            emit[host[t]].append(t.op)
+    edges: dict[tuple[Task, Task], float] = {}
+    for u, v, lag in g.edges(data="lag"):
+        if u in host and v in host:
+            hu, hv = host[u], host[v]
+            if hu != hv:
+                edges[hu, hv] = max(lag, edges.get((hu, hv), lag))
+    return host, emit, edges
 
 
 def curvature_ops(profile: Profile, cfg: PipelineConfig) -> int:
@@ -261,7 +264,7 @@ def schedule_from_steps(cm: CycleModel, steps: dict[int, list[list[Op]]]) -> Sch
     p = replace(cm.problem, chains=chains)
     try:
         return list_schedule(p, options=taken)
-    except nx.NetworkXUnfeasible:
+    except ValueError:  # the other plan's order contradicts a dependency
         return None
 
 
