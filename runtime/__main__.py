@@ -225,6 +225,8 @@ def run(job: Job, args):
         first = 0
         if args.resume:
             first = _resume(args.checkpoint_dir, world, stages)
+        if first >= args.steps:
+            raise InputError("--steps", None, f"{args.steps}, but the checkpoint is already at step {first}")
         crash = _crash_step(world.rank)
         losses = torch.zeros(args.steps, dtype=torch.float64)
         dist.barrier()
@@ -276,10 +278,15 @@ def _resume(root: str, world, stages) -> int:
     step = int(latest)
     if step == 0:
         return 0
-    state = checkpoint.load(root, step, world.rank, map_location=world.device)
-    for s, sr in stages.items():
-        load_stage_state(sr, state["stages"][s])
-    checkpoint.restore_rng(state["rng"])
+    try:
+        state = checkpoint.load(root, step, world.rank, map_location=world.device)
+        for s, sr in stages.items():
+            load_stage_state(sr, state["stages"][s])
+        checkpoint.restore_rng(state["rng"])
+    except (KeyError, RuntimeError, ValueError, OSError) as e:  # another plan's or a damaged checkpoint
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{root}/step-{step:08d}/rank-{world.rank}.pt", None,
+                         f"cannot resume this plan from it ({type(e).__name__}: {first})") from None
     if world.rank == 0:
         print(f"runtime: resumed from {root} at step {step}", flush=True)
     return step

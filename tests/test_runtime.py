@@ -158,7 +158,7 @@ import torch  # noqa: E402
 
 from runtime.data import make_stream  # noqa: E402
 from runtime.kfac import KfacConfig, make_layers  # noqa: E402
-from runtime.models import build_model, build_stage, kfac_linears, part_names, resolve_config, split_parts  # noqa: E402
+from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
 from runtime.optim import OptimConfig, build_optimizer  # noqa: E402
 from runtime.train import train_step  # noqa: E402
 
@@ -167,12 +167,24 @@ MODEL, MICRO, SEQ, N, K = "bert-tiny", 2, 16, 4, 2
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+USER_MODEL = "my_model:build"  # examples/my_model.py: a user's GPT-style model with SwiGLU blocks
+EXAMPLES = str(ROOT / "examples")
+
+
+def model_spec(name: str):
+    if ":" in name:
+        if EXAMPLES not in sys.path:
+            sys.path.insert(0, EXAMPLES)
+        return resolve_model(name)
+    return resolve_model(resolve_config(name, seq_len=SEQ))
+
+
 def make_plan(tmp: Path, schedule: str, D: int, R: int = 1, kfac: bool = True, name: str = MODEL) -> Path:
-    cfg = resolve_config(MODEL)
-    partition = split_parts(part_names(cfg), D)
+    spec = model_spec(name)
+    partition = split_parts(list(spec.part_names), D)
     layers, layer_stage = [], []
     for s, parts in enumerate(partition):
-        for layer, _ in kfac_linears(build_stage(cfg, parts)):
+        for layer, _ in kfac_linears(build_stage(spec, parts)):
             layers.append(layer)
             layer_stage.append(s)
     plan = hand_plan(schedule, D, N, R, K, {"name": name, "micro_batch": MICRO, "seq_len": SEQ},
@@ -192,7 +204,8 @@ def torchrun(plan: Path, nproc: int, *args: str, launcher: list[str] = (), env: 
              wait: bool = True, timeout: float = 180):
     cmd = [*TORCHRUN, *(launcher or ["--standalone"]), "--nproc-per-node", str(nproc),
            "-m", "runtime", str(plan), "--dtype", "float64", "--data", "pydoc", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    python_path = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **(env or {})}
     p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
         return p
@@ -218,8 +231,9 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True) -> tuple[di
     """The single-process run (runtime.train.train_step) of the same model, data, optimizer and
     refresh cycle, KL-clipped per stage like the runtime; returns (initial, final) parameters."""
     plan = json.loads(plan_path.read_text())
-    cfg = resolve_config(MODEL, seq_len=SEQ)
-    model = build_model(cfg, seed=0, dtype=torch.float64)
+    spec = model_spec(plan["model"]["name"])
+    cfg = spec.cfg
+    model = build_model(spec, seed=0, dtype=torch.float64)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     kcfg = KfacConfig(refresh_steps=K)
     layers = make_layers(kfac_linears(model), kcfg, N) if kfac else []
@@ -244,19 +258,22 @@ def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5)
 
 
 # --- tests ---------------------------------------------------------------------------------
-CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 2), ("chimera", 4, 2)]
+# (schedule, stages, replicas, model): one case runs the user's model through --model-code.
+CASES = [("gpipe", 2, 1, USER_MODEL), ("1f1b", 2, 1, MODEL), ("gpipe", 4, 1, MODEL), ("1f1b", 2, 2, MODEL),
+         ("chimera", 4, 2, MODEL)]
 
 
 ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test
 
 
-@pytest.mark.parametrize("schedule,D,R", CASES, ids=[f"{s}-{D}x{R}" for s, D, R in CASES])
-def test_matches_single_process(tmp_path, schedule, D, R):
-    plan = make_plan(tmp_path, schedule, D, R)
+@pytest.mark.parametrize("schedule,D,R,model", CASES, ids=[f"{s}-{D}x{R}-{m}" for s, D, R, m in CASES])
+def test_matches_single_process(tmp_path, schedule, D, R, model):
+    plan = make_plan(tmp_path, schedule, D, R, name=model)
     W = D if schedule == "chimera" else D * R
     trace = tmp_path / "trace.json"
+    user = ["--model-code", model] if model == USER_MODEL else []
     r = torchrun(plan, W, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", "3", "--trace", str(trace))
+                 "--checkpoint-every", "3", "--trace", str(trace), *user)
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
     got = distributed_params(tmp_path / "ckpt", 3, plan)
