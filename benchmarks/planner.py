@@ -4,8 +4,9 @@ Not a test (nothing is asserted): every ratio is measured side by side in one ru
 baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are replayed
 (pfcompile.replay): the step times, utilizations and peaks below are the replay's.
 
-    .venv/bin/python benchmarks/planner.py            # everything (~15 min on 2 cores)
-    .venv/bin/python benchmarks/planner.py --quick    # a small scaling table (~3 min)
+    .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32 (~15+ min)
+    .venv/bin/python benchmarks/planner.py --quick    # a small scaling table
+    .venv/bin/python benchmarks/planner.py --only scaling --big   # adds 32 stages x 128 micro-batches
 
 Scaling uses a 32-block model with BERT-Large's per-block costs (profiles/bert-large-p100-
 ref.json has 24 blocks; 32 stages need at least 32 parts), so every D cuts it evenly.
@@ -123,14 +124,14 @@ def memory(greedy, time_limit: float) -> None:
     print()
 
 
-def scaling(quick: bool, instance_limit: float) -> None:
+def scaling(quick: bool, instance_limit: float, big: bool) -> None:
     prof = scaled_profile(32)
     Ds = (4, 8) if quick else (4, 8, 16, 32)
     print(f"## Scaling ({prof.name}; CP-SAT time limit {instance_limit:.0f} s per instance, shared by the k tried; "
           f"2 workers)\n")
     rows = []
     for D in Ds:
-        for N in ((D,) if quick else (D, 4 * D)):
+        for N in ((D,) if quick else (D, 4 * D) if D < 32 or big else (D,)):
             for family in ("1f1b", "chimera"):
                 cfg = PipelineConfig(schedule=family, stages=D, micro_batches=N)
                 greedy, _, _ = build_plan(prof, cfg, "greedy")
@@ -154,9 +155,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="paper/memory: CP-SAT seconds per k tried")
     ap.add_argument("--instance-limit", type=float, default=None, help="scaling: CP-SAT seconds per instance")
     ap.add_argument("--only", choices=("paper", "memory", "scaling"), default=None)
+    ap.add_argument("--big", action="store_true",
+                    help="scaling: also 32 stages x 128 micro-batches (minutes of Python per k tried)")
     args = ap.parse_args()
     tl = args.time_limit or (10.0 if args.quick else 30.0)
-    il = args.instance_limit or (15.0 if args.quick else 60.0)
+    il = args.instance_limit or (15.0 if args.quick else 30.0)
     greedy = None
     if args.only in (None, "paper", "memory"):
         greedy = paper(tl) if args.only != "memory" else build_plan(
@@ -164,7 +167,7 @@ def main() -> None:
     if args.only in (None, "memory"):
         memory(greedy, tl)
     if args.only in (None, "scaling"):
-        scaling(args.quick, il)
+        scaling(args.quick, il, args.big)
 
 
 if __name__ == "__main__":

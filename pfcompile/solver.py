@@ -10,16 +10,29 @@ the step time makespan/k. What this module adds to the graph:
   the runtime runs step t with list t): a boundary per rank and step;
 - `fixed_order`: the family's forward/backward order per rank as a chain; the K-FAC work,
   sync_grad, precond and step are placed freely either way;
-- memory: capacity = memory limit - resident bytes per rank (a reservoir in the model).
+- memory: capacity = memory limit - resident bytes per rank (a reservoir in the model);
+- sends and receives glued to the op they follow / precede (their message an edge with
+  the transfer time as lag): moving them gains nothing, and it halves the tasks;
+- above GROUP_ABOVE curvature ops, the curvature ops one forward/backward enables are one
+  task (its layers back to back; kept tensors held until the group ends): recorded in the
+  plan's stats as `curvature_grouped`.
 
-k, lexicographically after the step time: try k = k_lb, k_lb+1, ... (k_lb from
-pfcompile.bounds) and keep the FIRST k whose step time is within `tolerance` of the step
-time the same k steps reach without any refresh work (the best any k can hope for: the
-refresh then costs nothing); if no k up to k_lb + `extra_steps` gets there, the k with
-the least step time (ties: the smaller k).
+Each k is solved in three stages (`solve_cycle`), each warm-starting the next and each
+stopping at a proven optimum: (1) the pipeline timeline, the k steps without refresh work
+(its bound bounds the whole cycle too); (2) the refresh work packed into that timeline,
+per-step tasks pinned (what it gives up: moving the pipeline to make room); (3) the whole
+cycle, which may move everything. Warm starts: PipeFisher's greedy (its k only), list
+schedules (pfcompile.list_schedule), the packing. The plan's stats say which stages ran.
 
-The solution becomes per-rank op lists (sorted by start; ties by dependency order), is
-assembled with pfcompile.planner and replayed by pfcompile.replay like every plan.
+k, lexicographically after the step time: try k = k_lb, k_lb+1, ... (k_lb: the K-FAC work
+of one refresh over the bubble time per step on the most loaded rank, pfcompile.bounds)
+and keep the FIRST k whose step time is within `tolerance` (0.5%) of the step time the
+same k steps reach without any refresh work (the best any k can hope for: the refresh
+then costs nothing); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
+the k with the least step time (ties: the smaller k).
+
+The solution becomes per-rank op lists (sorted by model start), is assembled with
+pfcompile.planner and replayed by pfcompile.replay like every plan.
 """
 
 from __future__ import annotations
@@ -27,7 +40,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-import networkx as nx
 
 from pfcompile import planner
 from pfcompile.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound
