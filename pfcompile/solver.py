@@ -40,7 +40,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-
 from pfcompile import planner
 from pfcompile.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound
 from pfcompile.cpmodel import Result, solve
