@@ -41,6 +41,10 @@ from pfcompile.problem import Schedule, violations
 from pfcompile.profile import Profile
 from pfcompile.schedules import PipelineConfig
 
+class NoScheduleFound(InputError):
+    """No schedule within the limits found in the time given (none proven impossible)."""
+
+
 GROUP_ABOVE = 3000  # curvature ops per cycle above which a producer's curvature ops are one task
 
 
@@ -151,7 +155,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         if full.schedule is not None and full.schedule.makespan < best.makespan:
             source, best = "whole-cycle cpsat", full.schedule
     if not ok and violations(p, best):
-        raise InputError("--memory-limit", None, f"no schedule found with k={k} within the time limit")
+        raise NoScheduleFound("--memory-limit", None, f"no schedule found within the time limit (k tried up to {k})")
     if best.makespan <= bound:
         status = "OPTIMAL"
     result = Result(status, best, best.makespan, bound, 0.0)
@@ -227,10 +231,17 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
     for n, k in enumerate(ks):
         if progress:
             progress(n, len(ks))
-        sol = solve_cycle(profile, cfg, k, opts, greedy_steps=greedy if k == k_greedy else None, describe=describe)
+        try:
+            sol = solve_cycle(profile, cfg, k, opts, greedy_steps=greedy if k == k_greedy else None,
+                              describe=describe)
+        except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
+            failure = e
+            continue
         tried.append(sol)
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
             break
+    if not tried:
+        raise failure
     best = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
     steps = steps_from_schedule(best.cm, best.schedule)
     tg = replace(best.cm.tg, cfg=replace(cfg, refresh_steps=best.k))
