@@ -63,9 +63,10 @@ def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int) -> TaskGraph:
 
 
 def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
-                     group_curvature: bool = False) -> CycleModel:
+                     group_curvature: bool = False, choose_inverter: bool = True) -> CycleModel:
+    """`choose_inverter=False` (the user's `--inversion all`): every replica inverts."""
     cfg = tg.cfg
-    choose = cfg.kfac and cfg.replicas > 1
+    choose = cfg.kfac and cfg.replicas > 1 and choose_inverter
     host, emit, edges = _contract(tg, refresh, group_curvature)
     # deterministic task order (every model duration is >= 1 µs, so a task never starts
     # with its successor: sorting a rank's tasks by start alone respects the dependencies)

@@ -98,7 +98,8 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
     make room. `time_limit` is shared 20/30/50 between them."""
     tg = cycle_graph(profile, cfg, k)
-    cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts))
+    cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
+                          choose_inverter=cfg.inversion != "all")
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
