@@ -39,6 +39,7 @@ from pfcompile.list_schedule import list_schedule
 from pfcompile.plan import Plan
 from pfcompile.problem import Schedule, violations
 from pfcompile.profile import Profile
+from pfcompile.replay import ReplayError, replay
 from pfcompile.schedules import PipelineConfig
 
 class NoScheduleFound(InputError):
@@ -271,9 +272,39 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         "tasks_model": len(best.cm.problem.tasks),
     }
     planner.finish(plan, profile, stats)
+    if cfg.kfac:
+        plan = _no_worse_than_greedy(profile, cfg, plan, greedy, tried, opts)
     if progress:
         progress(len(ks), len(ks))
     return plan
+
+
+def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, greedy: dict, tried: list,
+                          opts: SolverOptions) -> Plan:
+    """The greedy's plan, replayed, if it is faster than what the solver found in its time
+    (grouped curvature cannot take the greedy's split placement as a warm start): the
+    planner then never returns worse than the baseline it is compared with."""
+    k = len(next(iter(greedy.values())))
+    tg = replace(tried[0].cm.tg, cfg=replace(cfg, refresh_steps=k))
+    other = planner.assemble(profile, tg, greedy, "cpsat", fixed_order=opts.fixed_order)
+    try:
+        result = replay(other, profile)
+    except ReplayError:  # over the memory limit: the greedy has no memory model
+        return plan
+    if result.step_time_ms >= plan.stats["step_time_ms"] - 1e-9:
+        return plan
+    same_k = [s for s in tried if s.k == k]
+    mk = result.cycle_time_ms * 1000
+    gap = max(0.0, (mk - same_k[0].bound) / mk) if same_k else None
+    stats = {**plan.stats, "solver_status": "FEASIBLE", "gap": None if gap is None else round(gap, 6),
+             "solution_from": "greedy (the solver found no faster plan within its time limit)",
+             "objective_step_time_ms": round(result.step_time_ms, 6),
+             "best_bound_step_time_ms": round(same_k[0].bound / k / 1000, 6) if same_k else None}
+    for key in ("utilization", "step_time_ms", "cycle_time_ms", "steady_cycle_time_ms", "busy_ms", "idle_ms",
+                "peak_memory_bytes", "tasks", "refresh_steps"):
+        stats.pop(key, None)
+    planner.finish(other, profile, stats)
+    return other
 
 
 def _greedy(profile: Profile, cfg: PipelineConfig):
