@@ -211,23 +211,20 @@ def schedule_from_steps(cm: CycleModel, steps: dict[int, list[list[Op]]]) -> Sch
     k = cm.tg.refresh_steps
     if any(len(s) != k for s in steps.values()):
         return None
-    chains, taken = [], set()
+    chains, taken, seen = [], set(), set()
     for q, per_step in steps.items():
         chain = []
         for t, ops in enumerate(per_step):
             for op in ops:
                 task = Task(None if op.kind in FLOATING_KINDS else t, q, op)
-                host = cm.host.get(task, task)
-                i = cm.index.get(host)
-                if i is None:
+                i = cm.index.get(cm.host.get(task, task))
+                if i is None or i in seen:  # a grouped curvature op runs with its group's first
                     continue
-                if not chain or chain[-1] != i:
-                    chain.append(i)
+                seen.add(i)
+                chain.append(i)
                 if cm.problem.tasks[i].option is not None:
                     taken.add(cm.problem.tasks[i].option)
         chains.append(chain)
-    if len({i for c in chains for i in c}) != sum(len(c) for c in chains):
-        return None  # grouped curvature split apart by the other plan: no single order
     p = replace(cm.problem, chains=chains)
     try:
         return list_schedule(p, options=taken)
