@@ -226,7 +226,9 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
     if opts.refresh_steps:
         ks = [opts.refresh_steps]
     else:
-        ks = list(range(k_lb, max(k_lb + opts.extra_steps, k_greedy) + 1))
+        # the bound is the greedy's bubbles over its work: a padded greedy step can beat it
+        k_first = min(k_lb, k_greedy)
+        ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
     if opts.total_time_limit:
         opts = replace(opts, time_limit=opts.total_time_limit / len(ks))
     tried: list[CycleSolution] = []
@@ -291,7 +293,10 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, gre
         result = replay(other, profile)
     except ReplayError:  # over the memory limit: the greedy has no memory model
         return plan
-    if result.step_time_ms >= plan.stats["step_time_ms"] - 1e-9:
+    ours = plan.stats["step_time_ms"]
+    faster = result.step_time_ms < ours - 1e-9
+    as_fast_fewer_steps = result.step_time_ms <= ours * (1 + 1e-6) and k < plan.refresh_steps
+    if not (faster or as_fast_fewer_steps):
         return plan
     same_k = [s for s in tried if s.k == k]
     mk = result.cycle_time_ms * 1000
