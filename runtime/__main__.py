@@ -256,7 +256,9 @@ def run(job: Job, args):
         warmup = args.warmup if args.warmup is not None else (k if args.steps - first > 2 * k else 1)
         summary = measure.summarize(gathered, float(losses[last]) if last >= first else None,
                                     plan.stats.get("step_time_ms"), first + warmup, args.steps, first,
-                                    losses[first:].tolist())
+                                    losses[first:].tolist(), predicted_ops=[
+                                        [[(str(po.op), po.end - po.start) for po in ops] for ops in steps]
+                                        for steps in plan.ranks])
         if args.trace:
             measure.write_measured_trace(args.trace, gathered, {
                 "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})

@@ -57,6 +57,8 @@ class Interpreter:
         self.tokens: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
+        # plan layer index -> KfacLayer, over all stages of this rank
+        self.layers = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
         self.handlers = {
             "fwd": self._fwd, "bwd": self._bwd,
             "send_act": self._send, "send_grad": self._send,
@@ -66,9 +68,6 @@ class Interpreter:
             "sync_grad": self._sync_grad, "precond": self._precond, "step": self._step,
         }
 
-    @property
-    def layers(self):
-        return {i: layer for sr in self.stages.values() for i, layer in sr.kfac.items()}
 
     # --- the loop ---------------------------------------------------------------------------
     def run_step(self, step: int, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

@@ -54,6 +54,10 @@ class Summary:
     predicted_ms: float | None
     resumed_at: int = 0       # first step this attempt ran (after --resume)
     losses: list[float] = field(default_factory=list)  # loss of each step this attempt ran
+    # Measured / predicted duration of the compute ops themselves (fwd, bwd, K-FAC, step with
+    # a predicted duration): how far the profile is from this run's machine. The step-time
+    # ratio divided by it is how faithfully the schedule itself ran.
+    op_ratio: float | None = None
 
     def loss_curve(self, points: int = 8) -> str:
         """The loss at about `points` evenly spaced steps, first and last included."""
@@ -69,6 +73,9 @@ class Summary:
         if self.predicted_ms:
             pred = (f"predicted {self.predicted_ms:.2f} ms/step, measured/predicted "
                     f"{self.step_ms / self.predicted_ms:.3f}")
+        if self.predicted_ms and self.op_ratio:
+            pred += (f" (compute ops ran at {self.op_ratio:.2f}x their profiled time; schedule alone "
+                     f"{self.step_ms / self.predicted_ms / self.op_ratio:.3f})")
         resumed = f" (resumed at step {self.resumed_at})" if self.resumed_at else ""
         return (f"runtime: {self.steps} steps{resumed}, loss {loss}, measured {self.step_ms:.2f} ms/step, "
                 f"bubble {self.bubble:.1%}, {pred}")
@@ -76,7 +83,7 @@ class Summary:
 
 def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
               warmup_steps: int, total_steps: int, resumed_at: int = 0,
-              losses: list[float] | None = None) -> Summary:
+              losses: list[float] | None = None, predicted_ops=None) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -87,7 +94,28 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     busy = sum(e - s for tl in timelines for step, _, kind, s, e in tl.ops
                if step in kept and kind not in _NOT_COMPUTE)
     bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
-    return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []))
+    op_ratio = _op_ratio(timelines, set(kept), predicted_ops) if predicted_ops else None
+    return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
+                   op_ratio)
+
+
+def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float | None:
+    """Σ measured / Σ predicted duration over compute ops with a predicted duration.
+    predicted_ops[rank][cycle step] = [(op text, predicted ms)] in execution order."""
+    measured = predicted = 0.0
+    for tl in timelines:
+        k = len(predicted_ops[tl.rank])
+        index: dict[int, int] = {}
+        for step, text, kind, s, e in tl.ops:
+            i = index.get(step, 0)
+            index[step] = i + 1
+            if step not in kept or kind in _NOT_COMPUTE:
+                continue
+            want_text, want_ms = predicted_ops[tl.rank][step % k][i]
+            if want_text == text and want_ms > 0:
+                measured += e - s
+                predicted += want_ms
+    return measured / predicted if predicted > 0 else None
 
 
 def per_step_ms(timelines: list[Timeline]) -> list[float]:

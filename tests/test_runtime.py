@@ -147,6 +147,7 @@ def hand_plan(schedule: str, D: int, N: int, R: int, k: int, model: dict, partit
 # --- running the runtime --------------------------------------------------------------------
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -373,7 +374,10 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
                  "--timeout", "20", launcher=["--standalone", "--max-restarts", "1"],
                  env={"PFC_RUNTIME_CRASH": "1:3"})
     assert r.returncode == 0, r.stdout[-3000:]
-    assert "resumed from" in r.stdout and "at step 3" in r.stdout
+    # Rank 1 saved step 3 and died; torchrun may stop rank 0 before it saves step 3 too, and
+    # then the last checkpoint complete on both ranks is step 2.
+    resumed = re.search(r"resumed from .* at step (\d+)", r.stdout)
+    assert resumed and int(resumed.group(1)) in (2, 3), r.stdout[-3000:]
     assert "runtime: 5 steps" in r.stdout
     initial, want = reference_params(plan, 5)
     assert_same_params(distributed_params(ckpt, 5, plan), want, initial)
