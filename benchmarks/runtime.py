@@ -115,7 +115,8 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     step_ms = (time.perf_counter() - t0) * 1000 / (steps - warmup)
     if rank == 0:
         print(json.dumps({"step_ms": step_ms}), flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    os._exit(0)  # like the runtime: no gloo teardown after the final barrier (it can abort a peer)
 
 
 # --- the benchmark -----------------------------------------------------------------------------

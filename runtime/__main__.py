@@ -329,5 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_without_teardown(code: int) -> None:
+    """All ranks have met at the final barrier and nothing is left to do: exit without
+    running gloo's destructors (see runtime.comm.shutdown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        _exit_without_teardown(0)
+    sys.exit(code)

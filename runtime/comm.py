@@ -92,12 +92,17 @@ def make_stage_groups(world: World, replica_ranks: list[list[int]]) -> None:
 
 
 def shutdown(clean: bool = True) -> None:
-    """Leave the job. After a clean run, wait for every rank first: a rank tearing down its
-    gloo pairs while a peer still uses them aborts the peer ("terminate called ...")."""
+    """Leave the job.
+
+    After a clean run every rank meets at a barrier and then leaves WITHOUT tearing down
+    gloo: a rank destroying its pairs while a peer still closes its own sometimes aborts
+    the peer ("terminate called without an active exception"), so the caller ends the
+    process with os._exit (see runtime.__main__). After an error, tear down normally."""
     if not dist.is_initialized():
         return
     if clean:
         dist.barrier()
+        return
     dist.destroy_process_group()
 
 

@@ -229,21 +229,23 @@ def distributed_params(ckpt: Path, step: int, plan_path: Path) -> dict[str, torc
 
 
 def reference_params(plan_path: Path, steps: int, kfac: bool = True) -> tuple[dict, dict]:
-    """The single-process run (runtime.train.train_step) of the same model, data, optimizer and
-    refresh cycle, KL-clipped per stage like the runtime; returns (initial, final) parameters."""
+    """The single-process run (runtime.train.train_step) of the plan's model, data (global
+    batch of N micro-batches), optimizer and refresh cycle, KL-clipped per stage like the
+    runtime; returns (initial, final) parameters."""
     plan = json.loads(plan_path.read_text())
     spec = model_spec(plan["model"]["name"])
     cfg = spec.cfg
+    n, k = plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     model = build_model(spec, seed=0, dtype=torch.float64)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    kcfg = KfacConfig(refresh_steps=K)
-    layers = make_layers(kfac_linears(model), kcfg, N) if kfac else []
+    initial = {name: v.clone() for name, v in model.state_dict().items()}
+    kcfg = KfacConfig(refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
+    layers = make_layers(kfac_linears(model), kcfg, n) if kfac else []
     stage_of = dict(zip(plan["layers"], plan["layer_stage"]))
     groups = [[l for l in layers if stage_of[l.name] == s] for s in range(len(plan["partition"]))]
     opt = build_optimizer(model, layers, OptimConfig())
-    stream = make_stream(cfg.kind, MICRO * N, SEQ, seed=0)
+    stream = make_stream(cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
     for step in range(steps):
-        train_step(model, layers, opt, stream.batch(step), step, N, kcfg if kfac else None,
+        train_step(model, layers, opt, stream.batch(step), step, n, kcfg if kfac else None,
                    kl_groups=[g for g in groups if g])
     return initial, model.state_dict()
 
@@ -384,3 +386,21 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     # Older checkpoints are pruned once a newer one is complete (a rank that saved first may
     # keep its previous file until then).
     assert sorted(d.name for d in ckpt.iterdir())[-1] == "step-00000005" and len(list(ckpt.iterdir())) <= 2
+
+
+def test_planner_output_matches_single_process(tmp_path):
+    """A real `pfcompile plan` output (Chimera, greedy placement, from the committed bert-tiny
+    profile) runs one whole refresh cycle and one step with the new inverses in force, and
+    ends equal to the single-process run."""
+    plan = tmp_path / "chimera.json"
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),
+                           "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--method", "greedy",
+                           "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr[-2000:]
+    config = json.loads(plan.read_text())["config"]
+    steps = config["refresh_steps"] + 1
+    r = torchrun(plan, config["world_size"], "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", str(steps))
+    assert r.returncode == 0, r.stdout[-3000:]
+    initial, want = reference_params(plan, steps)
+    assert_same_params(distributed_params(tmp_path / "ckpt", steps, plan), want, initial)
