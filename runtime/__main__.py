@@ -275,8 +275,8 @@ def _resume(root: str, world, stages) -> int:
     from runtime import checkpoint
 
     done = checkpoint.complete_steps(root, world.world_size)
-    latest = torch.tensor([done[-1] if done else 0], dtype=torch.int64)
-    dist.all_reduce(latest, op=dist.ReduceOp.MIN)
+    latest = torch.tensor([done[-1] if done else 0], dtype=torch.int64, device=world.device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)  # ranks may see the folder at different moments
     step = int(latest)
     if step == 0:
         return 0
