@@ -22,9 +22,9 @@ from runtime.optim import OptimConfig
 from runtime.train import RunConfig, run_training
 
 # Tuned by benchmarks/convergence.py (bert-tiny, batch 32 x 64 characters; see its grid).
-ADAMW = OptimConfig(adam_lr=4e-3)
-KFAC_OPTIM = OptimConfig(lr=0.1, momentum=0.9, adam_lr=4e-3)
-KFAC = KfacConfig(damping=1e-3, ema=0.9, refresh_steps=5, kl_clip=1e-4)
+ADAMW = OptimConfig(adam_lr=1e-3)
+KFAC_OPTIM = OptimConfig(lr=0.1, momentum=0.9, adam_lr=1e-3)
+KFAC = KfacConfig(damping=1e-4, ema=0.9, refresh_steps=5, kl_clip=1e-5)
 
 
 def main(argv=None) -> int:
