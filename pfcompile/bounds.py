@@ -143,17 +143,21 @@ def lower_bounds(p: Problem) -> Bounds:
                   shared_work_bound(p, head, tail))
 
 
-def refresh_steps_lower_bound(kfac_work_ms: dict, idle_ms: dict) -> int:
+def refresh_steps_lower_bound(kfac_work_ms: dict, idle_ms: dict) -> int | None:
     """k >= ceil(K-FAC work of one refresh / idle time per step) on the most loaded device.
 
-    `kfac_work_ms[d]`: curvature, sync and inversion work of one refresh on device d (with a
-    choice of inverting replica, its even share); `idle_ms[d]`: the device's idle time in
-    one step of the pipeline without K-FAC, less the per-step preconditioning. Below this
-    k, the device cannot absorb the refresh without lengthening the step."""
+    `kfac_work_ms[d]`: the refresh work device d must absorb (curvature, sync and inversion;
+    with a choice of inverting replica, its even share); `idle_ms[d]`: the device's idle
+    time in one step of the pipeline without K-FAC (less what every step must also hold,
+    such as preconditioning). Below this k, the device cannot absorb the refresh without
+    lengthening the step. None when a device has refresh work but no idle time at all: no
+    k hides it (a one-stage pipeline, say)."""
     k = 1
     for d, work in kfac_work_ms.items():
-        idle = idle_ms.get(d, 0.0)
         if work <= 1e-9:
             continue
-        k = max(k, math.ceil(work / idle - 1e-9) if idle > 1e-9 else 10**6)
+        idle = idle_ms.get(d, 0.0)
+        if idle <= 1e-9:
+            return None
+        k = max(k, math.ceil(work / idle - 1e-9))
     return k

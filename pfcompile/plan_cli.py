@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import replace
 
+from pfcompile.bounds import refresh_steps_lower_bound
 from pfcompile.costs import parse_partition
 from pfcompile.errors import InputError
 from pfcompile.profile import load_profile
@@ -105,7 +106,7 @@ def build_plan(profile, cfg: PipelineConfig, method: str, *, where: str = "<plan
         plan = planner.assemble(profile, tg, steps, "greedy")
         # k >= ceil(work put into bubbles / bubble per step) on every rank (work no bubble
         # can hold runs after the cycle's last step instead)
-        lb = planner.refresh_lower_bound(info["bubble_work_ms"], info["bubble_ms"])
+        lb = refresh_steps_lower_bound(info["bubble_work_ms"], info["bubble_ms"])
         k = len(next(iter(steps.values())))
         try:
             replay(plan, profile, where=where, cycles=1)

@@ -7,7 +7,6 @@ what the independent simulator computed, whichever planner placed it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from pfcompile.graph import TaskGraph, build_task_graph
@@ -65,19 +64,6 @@ def add_baseline_stats(plan: Plan, baseline: ReplayResult) -> None:
     plan.stats["baseline_step_time_ms"] = round(b, 6)
     plan.stats["baseline_utilization"] = round(baseline.utilization, 6)
     plan.stats["step_overhead"] = round(plan.stats["step_time_ms"] / b - 1, 6) if b > 0 else None
-
-
-def refresh_lower_bound(work_ms: dict[int, float], bubble_ms: dict[int, float]) -> int | None:
-    """ceil(K-FAC work / bubble time) of the most loaded device; None if some work has no bubble."""
-    best = 1
-    for q, w in work_ms.items():
-        if w <= 1e-12:
-            continue
-        b = bubble_ms.get(q, 0.0)
-        if b <= 1e-12:
-            return None
-        best = max(best, math.ceil(w / b - 1e-9))
-    return best
 
 
 def appended_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:

@@ -227,7 +227,7 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         ks = [opts.refresh_steps]
     else:
         # the bound is the greedy's bubbles over its work: a padded greedy step can beat it
-        k_first = min(k_lb, k_greedy)
+        k_first = min(k_lb or k_greedy, k_greedy)
         ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
     if opts.total_time_limit:
         opts = replace(opts, time_limit=opts.total_time_limit / len(ks))
