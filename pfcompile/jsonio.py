@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -12,19 +13,21 @@ from typing import Any
 from pfcompile.errors import InputError
 
 
-def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: readers never see half a file."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike):
+    """A binary file that appears at `path` whole or not at all.
+
+    Written beside `path` under a temporary name, fsynced, then renamed over it; on any
+    error the temporary file is removed and `path` keeps its old content."""
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    data = text.encode() if isinstance(text, str) else text
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; outputs are ordinary files
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,6 +37,12 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename: readers never see half a file."""
+    with atomic_file(path) as f:
+        f.write(text.encode() if isinstance(text, str) else text)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -93,6 +102,15 @@ class Fields:
         if key not in self.obj or self.obj[key] is None:
             return default
         return self._typed(key, self.obj[key], typ, check, why)
+
+    def schema(self, schema: str, version: int, what: str) -> None:
+        """The file's `schema` and `schema_version` must be ours: a foreign file fails here."""
+        got = self.req("schema", str)
+        if got != schema:
+            raise self.fail("schema", f"expected {schema!r}, got {got!r} (is this a {what}?)")
+        v = self.req("schema_version", int)
+        if v != version:
+            raise self.fail("schema_version", f"unsupported version {v} (this pfcompile reads {version})")
 
     def sub(self, key: str) -> "Fields":
         if key not in self.obj:

@@ -137,12 +137,7 @@ def load_plan(path: str) -> Plan:
 
 def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     top = Fields(obj, where)
-    schema = top.req("schema", str)
-    if schema != SCHEMA:
-        raise top.fail("schema", f"expected {SCHEMA!r}, got {schema!r} (is this a plan?)")
-    version = top.req("schema_version", int)
-    if version != SCHEMA_VERSION:
-        raise top.fail("schema_version", f"unsupported version {version} (this pfcompile reads {SCHEMA_VERSION})")
+    top.schema(SCHEMA, SCHEMA_VERSION, "plan")
 
     cfg = top.sub("config")
     positive = dict(check=lambda v: v > 0, why="must be a positive integer")

@@ -185,12 +185,7 @@ def load_profile(path: str, *, check_hash: bool = True) -> Profile:
 
 def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = True) -> Profile:
     top = Fields(obj, where)
-    schema = top.req("schema", str)
-    if schema != SCHEMA:
-        raise top.fail("schema", f"expected {SCHEMA!r}, got {schema!r} (is this a profile?)")
-    version = top.req("schema_version", int)
-    if version != SCHEMA_VERSION:
-        raise top.fail("schema_version", f"unsupported version {version} (this pfcompile reads {SCHEMA_VERSION})")
+    top.schema(SCHEMA, SCHEMA_VERSION, "profile")
     source = top.req("source", str, check=lambda s: s in ("measured", "reference"), why="must be 'measured' or 'reference'")
     provenance = top.req("provenance", dict)
     model = top.req("model", dict)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pfcompile.jsonio import atomic_file
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -45,20 +46,8 @@ def complete_steps(root: str | os.PathLike, world_size: int) -> list[int]:
 def save(root: str | os.PathLike, step: int, rank: int, world_size: int, state: dict) -> None:
     root = Path(root)
     target = _rank_file(root, step, rank)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".rank-{rank}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_file(target) as f:
+        torch.save(state, f)
     _prune(root, rank, world_size)
 
 
