@@ -16,7 +16,8 @@ setup: $(STAMP) dot
 # would pull a multi-GB CUDA build. pyproject's torch range admits 2.13.0, so the
 # package install afterwards adds nothing to it.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || { [ "$$(id -u)" = 0 ] && \
+	  apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
