@@ -7,6 +7,7 @@ baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are rep
     .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32 (~15+ min)
     .venv/bin/python benchmarks/planner.py --quick    # a small scaling table
     .venv/bin/python benchmarks/planner.py --only scaling --big   # adds 32 stages x 128 micro-batches
+    .venv/bin/python benchmarks/planner.py --only scaling --sizes 32x128 --instance-limit 100
 
 Scaling uses a 32-block model with BERT-Large's per-block costs (profiles/bert-large-p100-
 ref.json has 24 blocks; 32 stages need at least 32 parts), so every D cuts it evenly.
@@ -124,26 +125,29 @@ def memory(greedy, time_limit: float) -> None:
     print()
 
 
-def scaling(quick: bool, instance_limit: float, big: bool) -> None:
+def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int, int]] | None = None) -> None:
     prof = scaled_profile(32)
     Ds = (4, 8) if quick else (4, 8, 16, 32)
+    if sizes:
+        grid = sizes
+    else:
+        grid = [(D, N) for D in Ds for N in ((D,) if quick else (D, 4 * D) if D < 32 or big else (D,))]
     print(f"## Scaling ({prof.name}; CP-SAT time limit {instance_limit:.0f} s per instance, shared by the k tried; "
           f"2 workers)\n")
     rows = []
-    for D in Ds:
-        for N in ((D,) if quick else (D, 4 * D) if D < 32 or big else (D,)):
-            for family in ("1f1b", "chimera"):
-                cfg = PipelineConfig(schedule=family, stages=D, micro_batches=N)
-                greedy, _, _ = build_plan(prof, cfg, "greedy")
-                t0 = time.perf_counter()
-                plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit))
-                t = time.perf_counter() - t0
-                st = plan.stats
-                rows.append([family, D, N, st["tasks"], st["tasks_model"], "yes" if st["curvature_grouped"] else "no",
-                             f"{st['refresh_steps']} / {greedy.stats['refresh_steps']}",
-                             round(st["step_time_ms"], 1), f"{st['step_time_ms'] / greedy.stats['step_time_ms']:.4f}",
-                             st["solver_status"].split(" ")[0], pct(st["gap"]), round(t, 1)])
-                print(f"  {family} D={D} N={N}: {rows[-1]}", file=sys.stderr, flush=True)
+    for D, N in grid:
+        for family in ("1f1b", "chimera"):
+            cfg = PipelineConfig(schedule=family, stages=D, micro_batches=N)
+            greedy, _, _ = build_plan(prof, cfg, "greedy")
+            t0 = time.perf_counter()
+            plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit))
+            t = time.perf_counter() - t0
+            st = plan.stats
+            rows.append([family, D, N, st["tasks"], st["tasks_model"], "yes" if st["curvature_grouped"] else "no",
+                         f"{st['refresh_steps']} / {greedy.stats['refresh_steps']}",
+                         round(st["step_time_ms"], 1), f"{st['step_time_ms'] / greedy.stats['step_time_ms']:.4f}",
+                         st["solver_status"].split(" ")[0], pct(st["gap"]), round(t, 1)])
+            print(f"  {family} D={D} N={N}: {rows[-1]}", file=sys.stderr, flush=True)
     print(table(["family", "D", "N", "plan ops", "model tasks", "curv grouped", "k cpsat / greedy", "step ms",
                  "cpsat / greedy step", "status", "gap", "seconds"], rows))
     print()
@@ -157,7 +161,16 @@ def main() -> None:
     ap.add_argument("--only", choices=("paper", "memory", "scaling"), default=None)
     ap.add_argument("--big", action="store_true",
                     help="scaling: also 32 stages x 128 micro-batches (minutes of Python per k tried)")
+    ap.add_argument("--sizes", nargs="+", default=None, metavar="DxN",
+                    help="scaling: only these stages x micro-batches, e.g. 32x128")
     args = ap.parse_args()
+    sizes = None
+    if args.sizes:
+        try:
+            sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes]
+            assert all(len(t) == 2 for t in sizes)
+        except (ValueError, AssertionError):
+            ap.error(f"--sizes: expected DxN like 32x128, got {' '.join(args.sizes)}")
     tl = args.time_limit or (10.0 if args.quick else 30.0)
     il = args.instance_limit or (15.0 if args.quick else 30.0)
     greedy = None
@@ -167,7 +180,7 @@ def main() -> None:
     if args.only in (None, "memory"):
         memory(greedy, tl)
     if args.only in (None, "scaling"):
-        scaling(args.quick, il, args.big)
+        scaling(args.quick, il, args.big, sizes)
 
 
 if __name__ == "__main__":
