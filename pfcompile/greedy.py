@@ -25,7 +25,6 @@ import networkx as nx
 
 from pfcompile.errors import InputError
 from pfcompile.graph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
-from pfcompile.ops import Op
 from pfcompile.profile import Profile
 from pfcompile.schedules import PipelineConfig
 

@@ -7,7 +7,6 @@ module (`profile.format_profile`, `plan_view.format_plan`), which import no torc
 from __future__ import annotations
 
 import json
-import sys
 
 from pfcompile.errors import InputError
 from pfcompile.jsonio import read_json

@@ -41,7 +41,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pfcompile.errors import InputError
 from pfcompile.jsonio import Fields, canonical_hash, read_json, write_json
 
 SCHEMA = "pfcompile-profile"
