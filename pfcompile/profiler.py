@@ -32,6 +32,7 @@ from pfcompile import __version__
 from pfcompile.errors import InputError
 from pfcompile.profile import Comm, KfacLayer, LinkModel, Part, Profile
 from pfcompile.reference import LINK as MODEL_LINK
+from runtime.comm import free_port
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 SEED = 0
@@ -292,12 +293,6 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
         comm.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def message_sizes(act_bytes: int) -> list[int]:
     """A spread of sizes around the inter-stage message, for the latency/bandwidth fit."""
     return sorted({4096, 65536, 1 << 20, max(4096, act_bytes // 4), max(4096, act_bytes), 4 * max(4096, act_bytes)})
@@ -316,7 +311,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     try:
-        mp.start_processes(_comm_worker, args=(_free_port(), sizes, repeats, warmup, queue), nprocs=2,
+        mp.start_processes(_comm_worker, args=(free_port(), sizes, repeats, warmup, queue), nprocs=2,
                            join=True, start_method="spawn")
     except Exception as e:  # noqa: BLE001 - a rank died: say so in one line, not two tracebacks
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]

@@ -56,7 +56,7 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
                             store=_attempt_store(rank, world_size, timeout))
     return World(rank, world_size, local_rank, device, backend, timeout)
@@ -74,7 +74,8 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     return dist.PrefixStore(f"pfcompile-runtime/attempt-{attempt}", store)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous on 127.0.0.1)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

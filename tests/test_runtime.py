@@ -148,7 +148,6 @@ def hand_plan(schedule: str, D: int, N: int, R: int, k: int, model: dict, partit
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -157,6 +156,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from runtime.comm import free_port  # noqa: E402
 from runtime.data import make_stream  # noqa: E402
 from runtime.kfac import KfacConfig, make_layers  # noqa: E402
 from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
@@ -193,12 +193,6 @@ def make_plan(tmp: Path, schedule: str, D: int, R: int = 1, kfac: bool = True, n
     path = tmp / f"{schedule}-{D}x{R}.json"
     path.write_text(json.dumps(plan))
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(plan: Path, nproc: int, *args: str, launcher: list[str] = (), env: dict | None = None,
@@ -298,7 +292,7 @@ def test_two_nodes_equal_one_node(tmp_path):
     """A 4-rank plan as two 'nodes' of 2 ranks (c10d rendezvous on 127.0.0.1) ends with the
     same parameters as one node of 4 and as the single process."""
     plan = make_plan(tmp_path, "1f1b", 2, 2)
-    port = _free_port()
+    port = free_port()
     nodes = [torchrun(plan, 2, "--steps", "3", "--checkpoint-dir", str(tmp_path / "two"), "--checkpoint-every", "3",
                       launcher=["--nnodes", "2", "--node-rank", str(i), "--rdzv-backend", "c10d",
                                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"], wait=False)
