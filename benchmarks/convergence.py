@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         print(f"mean ratio {sum(done) / len(done):.2f} over {len(done)} of {len(rows)} seeds "
               f"(aim: <= 0.60); total {time.perf_counter() - t_start:.0f}s")
     if args.json:
-        from pfcompile.jsonio import write_json
+        from pfcompile.formats.jsonio import write_json
 
         write_json(args.json, {"rows": rows, "tuning": [{"config": c, "val": v} for c, v in tuned_adam + tuned_kfac],
                                "adamw": adam_runs, "kfac": kfac_runs,

@@ -2,7 +2,7 @@
 
 Not a test (nothing is asserted): every ratio is measured side by side in one run, the
 baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are replayed
-(pfcompile.replay): the step times, utilizations and peaks below are the replay's.
+(pfcompile.check.replay): the step times, utilizations and peaks below are the replay's.
 
     .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32 (~15+ min)
     .venv/bin/python benchmarks/planner.py --quick    # a small scaling table
@@ -24,11 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pfcompile.errors import InputError  # noqa: E402
-from pfcompile.plan_cli import build_plan  # noqa: E402
-from pfcompile.profile import Profile, load_profile  # noqa: E402
-from pfcompile.schedules import PipelineConfig  # noqa: E402
-from pfcompile.solver import SolverOptions, solve_plan  # noqa: E402
+from pfcompile.formats.errors import InputError  # noqa: E402
+from pfcompile.place.build import build_plan  # noqa: E402
+from pfcompile.formats.profile import Profile, load_profile  # noqa: E402
+from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
+from pfcompile.place.solver import SolverOptions, solve_plan  # noqa: E402
 
 PAPER = REPO / "profiles" / "bert-large-p100-ref.json"
 

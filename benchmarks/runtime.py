@@ -74,7 +74,7 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from pfcompile.plan import load_plan
+    from pfcompile.formats.plan import load_plan
     from runtime.data import make_stream
     from runtime.models import Stage, lm_loss, resolve_config
     from runtime.optim import build_optimizer

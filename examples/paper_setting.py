@@ -40,8 +40,8 @@ PAPER = {"baseline_utilization": 0.598, "kfac_utilization": 0.976, "step_overhea
 
 
 def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit: float):
-    from pfcompile.plan_cli import build_plan
-    from pfcompile.schedules import PipelineConfig
+    from pfcompile.place.build import build_plan
+    from pfcompile.graph.schedules import PipelineConfig
 
     cfg = PipelineConfig(schedule=schedule, stages=stages, micro_batches=micro_batches,
                          replicas=2 if schedule == "chimera" else 1, kfac=True)
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("-o", "--output", type=Path, default=Path("out/paper"))
     args = ap.parse_args()
 
-    from pfcompile.profile import load_profile
+    from pfcompile.formats.profile import load_profile
     from pfcompile.render import render_files
 
     args.output.mkdir(parents=True, exist_ok=True)
@@ -140,7 +140,7 @@ def main() -> int:
                 "Time to target = steps ratio x (1 + step overhead); see this script's docstring for what is assumed.",
                 "", "Timelines: chimera8-baseline.png, chimera8-greedy.png, chimera8-cpsat.png", ""]
     text = "\n".join(out)
-    from pfcompile.jsonio import write_atomic
+    from pfcompile.formats.jsonio import write_atomic
 
     write_atomic(args.output / "paper_setting.md", text)
     print(text)

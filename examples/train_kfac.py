@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         mean = lambda c: sum(l for s, l in c.train[max(0, step - window):step]) / len(c.train[max(0, step - window):step])  # noqa: E731
         print(f"{step:>6} {mean(a):>12.4f} {mean(k):>11.4f} {va:>10.4f} {vk:>9.4f}")
     if args.json:
-        from pfcompile.jsonio import write_json
+        from pfcompile.formats.jsonio import write_json
 
         write_json(args.json, {n: {"train": c.train, "val": c.val, "seconds": c.seconds} for n, c in curves.items()})
     return 0

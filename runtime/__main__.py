@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pfcompile.errors import InputError
+from pfcompile.formats.errors import InputError
 
 EXIT_INPUT, EXIT_COMM = 2, 3
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Job:
     """What a rank knows after validation, before touching the network."""
-    plan: object                 # pfcompile.plan.Plan
+    plan: object                 # pfcompile.formats.plan.Plan
     spec: object                 # model spec: cfg, part_names, build_part
     dtype: object                # torch dtype
     rank: int
@@ -63,7 +63,7 @@ class Job:
 
 def prepare(args, rank: int, world_size: int) -> Job:
     """Validate flags, plan and model against this job; every problem is a one-line InputError."""
-    from pfcompile.plan import load_plan
+    from pfcompile.formats.plan import load_plan
 
     if args.steps < 1:
         raise InputError("--steps", None, f"must be >= 1, got {args.steps}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pfcompile.jsonio import atomic_file
+from pfcompile.formats.jsonio import atomic_file
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from pfcompile.ops import Op
-from pfcompile.plan import Plan
+from pfcompile.formats.ops import Op
+from pfcompile.formats.plan import Plan
 from runtime import comm, kfac
 from runtime.measure import Timeline
 

@@ -1,5 +1,5 @@
 """The measured timeline: every op's start and end on every rank, as a Perfetto trace in the
-renderer's format (pfcompile.trace), and the one-line summary of a run.
+renderer's format (pfcompile.formats.trace), and the one-line summary of a run.
 
 Times are milliseconds from a start instant all ranks agree on (a barrier right before the
 first step), so the ranks' rows line up in the trace like the plan's predicted rows.
@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from pfcompile.trace import stream_of, write_trace
+from pfcompile.formats.trace import stream_of, write_trace
 
 # Ops during which a rank computes; the rest (receives, collectives) is waiting or
 # communicating, i.e. bubble from the point of view of the compute stream.

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pfcompile.errors import InputError
-from pfcompile.jsonio import canonical_hash, read_json, write_json
-from pfcompile.ops import OP_KINDS, Op, parse_op
-from pfcompile.plan import plan_from_json
-from pfcompile.profile import load_profile, profile_from_json
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import canonical_hash, read_json, write_json
+from pfcompile.formats.ops import OP_KINDS, Op, parse_op
+from pfcompile.formats.plan import plan_from_json
+from pfcompile.formats.profile import load_profile, profile_from_json
 
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "profiles", "bert-base-p100-ref.json")
 

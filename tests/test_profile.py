@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pfcompile.profile import format_profile, load_profile, profile_from_json
-from pfcompile.reference import reference_profile
+from pfcompile.formats.profile import format_profile, load_profile, profile_from_json
+from pfcompile.profiler.reference import reference_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_DIR = ROOT / "pfcompile" / "data" / "pipe-fisher-prof"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pfcompile.plan import load_plan, plan_from_json
+from pfcompile.formats.plan import load_plan, plan_from_json
 from pfcompile.render import plan_events, render_files
-from pfcompile.render_graph import TaskFilter
+from pfcompile.render.graph import TaskFilter
 
 REPO = Path(__file__).resolve().parents[1]
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -224,7 +224,7 @@ def test_timeline_png_shows_forward_backward_and_kfac_colours(tmp_path):
         rgb = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)])
         return (np.abs(px - rgb).sum(-1) <= 6).mean()
 
-    from pfcompile.render_style import GROUPS
+    from pfcompile.render.style import GROUPS
     fwd, bwd, curv = share(GROUPS["fwd"][1]), share(GROUPS["bwd"][1]), share(GROUPS["curv"][1])
     assert fwd > 0.005 and curv > 0.001
     assert bwd > 1.3 * fwd  # backward takes twice as long as forward in this plan
@@ -341,7 +341,7 @@ def test_plan_events_carry_op_fields():
 
 
 def test_dependencies_follow_the_op_vocabulary_across_the_refresh_cycle():
-    from pfcompile.plan_deps import dependencies
+    from pfcompile.check.deps import dependencies
 
     obj = build_plan("1f1b", 2, 2, kfac=True)
     obj["config"]["refresh_steps"] = 2

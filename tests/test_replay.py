@@ -5,13 +5,13 @@ import copy
 
 import pytest
 
-from pfcompile.graph import build_task_graph
-from pfcompile.ops import Op
-from pfcompile.plan import plan_from_json
-from pfcompile.plan_cli import build_plan
-from pfcompile.planner import assemble, baseline_plan, canonical_steps
-from pfcompile.replay import ReplayError, replay
-from pfcompile.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.formats.ops import Op
+from pfcompile.formats.plan import plan_from_json
+from pfcompile.place.build import build_plan
+from pfcompile.place.assemble import assemble, baseline_plan, canonical_steps
+from pfcompile.check.replay import ReplayError, replay
+from pfcompile.graph.schedules import PipelineConfig
 from test_graph import uniform_profile
 
 FAMILIES = [
@@ -220,7 +220,7 @@ def test_random_edits_never_crash_or_hang_the_replay(chimera_small, data):
 @given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved", "chimera"]), D=st.integers(1, 6),
        N=st.integers(1, 12), v=st.integers(1, 3), R=st.integers(1, 2))
 def test_any_valid_configuration_plans_and_replays(schedule, D, N, v, R):
-    from pfcompile.errors import InputError
+    from pfcompile.formats.errors import InputError
 
     try:
         cfg = PipelineConfig(schedule, D, N, replicas=R if schedule != "chimera" else 2,

@@ -1,13 +1,13 @@
 """Schedule families against closed forms: bubble fractions, Chimera's bubble counts, 1F1B memory.
 
-Every number comes from the replay (pfcompile.replay) of the family's baseline plan on a
+Every number comes from the replay (pfcompile.check.replay) of the family's baseline plan on a
 synthetic profile with equal blocks and zero communication.
 """
 
 import pytest
 
-from pfcompile.planner import baseline_plan
-from pfcompile.schedules import PipelineConfig
+from pfcompile.place.assemble import baseline_plan
+from pfcompile.graph.schedules import PipelineConfig
 from test_graph import uniform_profile
 
 TOL = 1e-3  # the synthetic profile's all-reduce of 100 bytes takes 1e-4 ms
@@ -95,7 +95,7 @@ def test_1f1b_keeps_at_most_D_minus_s_micro_batches_in_flight(D, N):
     dict(schedule="gpipe", stages=2, micro_batches=2, virtual_stages=2),
 ])
 def test_impossible_configurations_are_refused(kw):
-    from pfcompile.errors import InputError
+    from pfcompile.formats.errors import InputError
 
     with pytest.raises(InputError, match="--"):
         PipelineConfig(**kw)

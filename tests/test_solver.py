@@ -7,9 +7,9 @@ import itertools
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pfcompile.bounds import lower_bounds
-from pfcompile.cpmodel import solve
-from pfcompile.problem import Problem, violations
+from pfcompile.place.bounds import lower_bounds
+from pfcompile.place.cpmodel import solve
+from pfcompile.place.problem import Problem, violations
 
 # --- tiny random problems against exhaustive search -------------------------------------
 
@@ -95,7 +95,7 @@ def test_optimal_on_tiny_instances_matches_exhaustive_search(p):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_problems())
 def test_list_schedule_is_feasible_and_never_below_the_optimum(p):
-    from pfcompile.list_schedule import list_schedule
+    from pfcompile.place.list_schedule import list_schedule
 
     want = brute_force(Problem(p.tasks, p.edges, p.rendezvous, p.choices, [], {}, p.chains))
     assume(want is not None)  # a collective whose members depend on each other: no schedule
@@ -113,13 +113,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from pfcompile.errors import InputError  # noqa: E402
-from pfcompile.ops import Op  # noqa: E402
-from pfcompile.plan import plan_from_json  # noqa: E402
-from pfcompile.plan_cli import build_plan  # noqa: E402
-from pfcompile.replay import replay  # noqa: E402
-from pfcompile.schedules import PipelineConfig  # noqa: E402
-from pfcompile.solver import solve_plan  # noqa: E402
+from pfcompile.formats.errors import InputError  # noqa: E402
+from pfcompile.formats.ops import Op  # noqa: E402
+from pfcompile.formats.plan import plan_from_json  # noqa: E402
+from pfcompile.place.build import build_plan  # noqa: E402
+from pfcompile.check.replay import replay  # noqa: E402
+from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
+from pfcompile.place.solver import solve_plan  # noqa: E402
 from test_graph import uniform_profile  # noqa: E402
 
 FAMILIES = {

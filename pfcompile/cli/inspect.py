@@ -1,0 +1,48 @@
+"""`pfcompile inspect FILE`: a profile or a plan as tables (or `--json`).
+
+Dispatches on the file's `schema`; the tables themselves are drawn by the format's
+module (`profile.format_profile`, `plan_view.format_plan`), which import no torch.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import read_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="print a profile or a plan as tables",
+                       description="Print a profile's per-layer costs, or a plan's statistics and "
+                                   "each rank's ops in compact text form.")
+    p.add_argument("file", help="a profile JSON (pfcompile profile) or a plan JSON (pfcompile plan)")
+    p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+    p.add_argument("--ops", type=int, default=None, metavar="N",
+                   help="plans: show at most N ops per rank and step (default: all)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    obj = read_json(args.file)
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    if schema == "pfcompile-profile":
+        from pfcompile.formats.profile import format_profile, profile_from_json
+
+        prof = profile_from_json(obj, args.file)
+        if args.json:
+            print(json.dumps(prof.to_json()))
+        else:
+            print(format_profile(prof))
+        return 0
+    if schema == "pfcompile-plan":
+        from pfcompile.formats.plan import plan_from_json
+        from pfcompile.render.text import format_plan
+
+        plan = plan_from_json(obj, args.file)
+        if args.json:
+            print(json.dumps(plan.stats))
+        else:
+            print(format_plan(plan, max_ops=args.ops))
+        return 0
+    raise InputError(args.file, "schema", f"expected 'pfcompile-profile' or 'pfcompile-plan', got {schema!r}")

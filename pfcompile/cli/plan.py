@@ -1,0 +1,116 @@
+"""`pfcompile plan PROFILE ...`: build a plan (baseline, greedy or CP-SAT), replay it, write it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pfcompile.graph.costs import parse_partition
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.profile import load_profile
+from pfcompile.place.build import METHODS, build_plan
+from pfcompile.graph.schedules import INVERSION_POLICIES, SCHEDULES, PipelineConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str = "--memory-limit") -> int:
+    """"16GiB", "512MiB", "1.5GB", "123456" -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InputError(flag, None, f"not a size: {text!r} (e.g. 16GiB, 512MiB, 1000000)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise InputError(flag, None, f"must be positive, got {text!r}")
+    return int(value)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="compile a pipeline schedule with K-FAC into a plan file",
+                       description="Build the task graph of a pipeline schedule with K-FAC from a profile, "
+                                   "place the K-FAC work into the pipeline's bubbles, check the result by "
+                                   "replaying it, and write the plan (the runtime's schedule file).")
+    p.add_argument("profile", help="profile JSON (pfcompile profile, or profiles/*-ref.json)")
+    p.add_argument("--schedule", required=True, choices=SCHEDULES, help="pipeline schedule family")
+    p.add_argument("--stages", type=int, required=True, metavar="D", help="devices per pipeline")
+    p.add_argument("--micro-batches", type=int, required=True, metavar="N",
+                   help="micro-batches per training step, all replicas together")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V", help="model chunks per device (interleaved)")
+    p.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help="copies of each stage (data parallel); chimera is always 2")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE", help="per device, e.g. 16GiB, 512MiB or bytes")
+    p.add_argument("--method", default="cpsat", choices=METHODS,
+                   help="none: the family's order (K-FAC after each step's work); greedy: PipeFisher's "
+                        "first-fit bubble filling; cpsat: the CP-SAT planner (default)")
+    p.add_argument("--no-kfac", action="store_true", help="first-order baseline: no K-FAC ops")
+    p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
+    p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,
+                   help="which replicas invert a factor: one (balanced over replicas, then broadcast) or all")
+    p.add_argument("--partition", default=None, metavar="PARTS",
+                   help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="cpsat: solver time limit in seconds for each refresh cycle length k tried")
+    p.add_argument("--workers", type=int, default=2, metavar="W", help="cpsat: parallel search workers")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--fixed-order", dest="fixed_order", action="store_true", default=True,
+                       help="cpsat: keep the family's forward/backward order, place the rest (default)")
+    order.add_argument("--free-order", dest="fixed_order", action="store_false",
+                       help="cpsat: the solver may also reorder forward/backward passes within the dependencies")
+    p.add_argument("-o", "--output", default=None, metavar="PLAN", help="write the plan here (JSON)")
+    p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args, profile) -> PipelineConfig:
+    if args.schedule == "chimera" and args.replicas not in (None, 2):
+        raise InputError("--replicas", None, f"chimera is two pipelines (replicas 2), got {args.replicas}")
+    replicas = args.replicas if args.replicas is not None else (2 if args.schedule == "chimera" else 1)
+    cfg = PipelineConfig(
+        schedule=args.schedule, stages=args.stages, micro_batches=args.micro_batches, replicas=replicas,
+        virtual_stages=args.virtual_stages, kfac=not args.no_kfac, inverse=args.inverse,
+        memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit else None,
+        inversion=args.inversion)
+    if args.partition is not None:
+        cfg.partition = parse_partition(args.partition, profile, cfg.num_stages)
+    elif cfg.num_stages > len(profile.parts):
+        raise InputError("--stages", None, f"{cfg.num_stages} model stages but the profile has only {len(profile.parts)} parts")
+    return cfg
+
+
+def run(args) -> int:
+    profile = load_profile(args.profile)
+    cfg = config_from_args(args, profile)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(f"{args.method}: placing K-FAC work", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def describe(text: str) -> None:
+            bar.update(task, description=text)
+
+        plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
+                                            progress=progress, describe=describe, time_limit=args.time_limit,
+                                            workers=args.workers, fixed_order=args.fixed_order)
+    if args.output:
+        plan.save(args.output)
+    keys = ("utilization", "step_time_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
+            "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
+            "peak_memory_bytes")
+    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
+           **{k: plan.stats.get(k) for k in keys}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        from pfcompile.render.text import format_stats
+
+        if args.output:
+            print(f"wrote {args.output}")
+        print(format_stats(plan))
+    return 0

@@ -1,0 +1,230 @@
+"""The plan file: the only contract between compiler and runtime.
+
+Imports no torch, networkx or ortools: the runtime loads plans through `load_plan` alone.
+
+    {
+      "schema": "pfcompile-plan", "schema_version": 1,
+      "config": {
+        "schedule": "gpipe"|"1f1b"|"interleaved"|"chimera",
+        "stages": D,                 # pipeline depth (devices per pipeline)
+        "virtual_stages": v,         # model chunks per device (interleaved), else 1
+        "micro_batches": N,          # micro-batches per step, all replicas together
+        "replicas": R,               # copies of each stage (chimera: 2; data parallel: R)
+        "world_size": W,
+        "method": "none"|"greedy"|"cpsat",
+        "kfac": bool,                # false: a first-order baseline plan
+        "refresh_steps": k,          # the cycle: curvature of step 0, inverses in force from step k
+        "inverse": "cholesky"|"eigen",
+        "fixed_order": bool,
+        "memory_limit_bytes": int|null
+      },
+      "model": {...},                # the profile's model spec (name, sizes, micro_batch, seq_len, dtype)
+      "partition": [["embed","block0"], ["block1","head"]],   # parts of each model stage
+      "layers": ["block0.attn.q", ...],                       # K-FAC layers; ops refer by index
+      "layer_stage": [0, 0, ..., 1],                          # model stage of each K-FAC layer
+      "placement": [{"stage": s, "replica": r, "rank": q}],   # every (stage, replica) once
+      "micro_batch_replica": [r of mb 0, r of mb 1, ...],     # which replica runs each mb
+      "ranks": [{"rank": q, "steps": [[{"op": "fwd", "stage": 0, "mb": 0,
+                                         "start": ms, "end": ms}, ...],   # step 0 of the cycle
+                                        ...]}],                            # k lists
+      "stats": {"utilization", "step_time_ms", "baseline_step_time_ms", "refresh_steps",
+                "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
+                "tasks", "peak_memory_bytes": [per rank], ...},
+      "profile": {"name", "hash", "source"}
+    }
+
+Times are milliseconds from the start of the cycle (step 0's start). The runtime runs
+step t with `ranks[rank].steps[t % k]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import Fields, read_json, write_json
+from pfcompile.formats.ops import Op
+
+SCHEMA = "pfcompile-plan"
+SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+METHODS = ("none", "greedy", "cpsat")
+
+
+@dataclass
+class PlannedOp:
+    op: Op
+    start: float
+    end: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.op.to_dict(), "start": round(self.start, 6), "end": round(self.end, 6)}
+
+
+@dataclass
+class Plan:
+    config: dict[str, Any]
+    model: dict[str, Any]
+    partition: list[list[str]]
+    layers: list[str]
+    layer_stage: list[int]
+    placement: list[dict[str, int]]
+    micro_batch_replica: list[int]
+    ranks: list[list[list[PlannedOp]]]  # ranks[q][step] -> ops in execution order
+    stats: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
+
+    # --- derived views -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return int(self.config["world_size"])
+
+    @property
+    def refresh_steps(self) -> int:
+        return int(self.config["refresh_steps"])
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.partition)
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        for p in self.placement:
+            if p["stage"] == stage and p["replica"] == replica:
+                return p["rank"]
+        raise KeyError((stage, replica))
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """(stage, replica) pairs held by a rank, in stage order."""
+        return sorted((p["stage"], p["replica"]) for p in self.placement if p["rank"] == rank)
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """Ranks holding a replica of the stage, by replica index: the stage's process group."""
+        return [p["rank"] for p in sorted(self.placement, key=lambda p: p["replica"]) if p["stage"] == stage]
+
+    def ops(self, rank: int, step: int) -> list[Op]:
+        return [p.op for p in self.ranks[rank][step % self.refresh_steps]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "config": self.config,
+            "model": self.model,
+            "partition": self.partition,
+            "layers": self.layers,
+            "layer_stage": self.layer_stage,
+            "placement": self.placement,
+            "micro_batch_replica": self.micro_batch_replica,
+            "ranks": [{"rank": q, "steps": [[p.to_dict() for p in step] for step in steps]}
+                      for q, steps in enumerate(self.ranks)],
+            "stats": self.stats,
+            "profile": self.profile,
+        }
+
+    def save(self, path: str) -> None:
+        write_json(path, self.to_json())
+
+
+def _nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def load_plan(path: str) -> Plan:
+    """Read and validate a plan file; any problem is an InputError naming the file and field."""
+    return plan_from_json(read_json(path), str(path))
+
+
+def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
+    top = Fields(obj, where)
+    top.schema(SCHEMA, SCHEMA_VERSION, "plan")
+
+    cfg = top.sub("config")
+    positive = dict(check=lambda v: v > 0, why="must be a positive integer")
+    cfg.req("schedule", str, check=lambda s: s in SCHEDULES, why=f"must be one of {', '.join(SCHEDULES)}")
+    cfg.req("method", str, check=lambda s: s in METHODS, why=f"must be one of {', '.join(METHODS)}")
+    for k in ("stages", "micro_batches", "replicas", "world_size", "refresh_steps"):
+        cfg.req(k, int, **positive)
+    cfg.opt("virtual_stages", int, 1, **positive)
+    cfg.req("kfac", bool)
+    cfg.opt("inverse", str, "cholesky", check=lambda s: s in ("cholesky", "eigen"), why="must be 'cholesky' or 'eigen'")
+    cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
+    world = cfg.obj["world_size"]
+    k = cfg.obj["refresh_steps"]
+
+    model = top.req("model", dict)
+    top.sub("model").req("name", str)
+
+    partition = top.req("partition", list, check=lambda v: len(v) > 0, why="must list at least one stage")
+    for s, parts in enumerate(partition):
+        if not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts):
+            raise top.fail(f"partition[{s}]", "must be a non-empty list of part names")
+    n_stages = len(partition)
+
+    layers = top.req("layers", list)
+    if not all(isinstance(l, str) for l in layers):
+        raise top.fail("layers", "must be a list of layer names")
+    layer_stage = top.req("layer_stage", list)
+    if len(layer_stage) != len(layers) or not all(_nonneg_int(s) and s < n_stages for s in layer_stage):
+        raise top.fail("layer_stage", f"must give a stage in 0..{n_stages - 1} for each of the {len(layers)} layers")
+
+    placement = top.req("placement", list)
+    seen = set()
+    for i, p in enumerate(placement):
+        f = Fields(p, where, f"placement[{i}]")
+        s = f.req("stage", int, check=lambda v: 0 <= v < n_stages, why=f"must be in 0..{n_stages - 1}")
+        r = f.req("replica", int, check=lambda v: v >= 0, why="must be >= 0")
+        f.req("rank", int, check=lambda v: 0 <= v < world, why=f"must be in 0..{world - 1}")
+        if (s, r) in seen:
+            raise f.fail(None, f"stage {s} replica {r} placed twice")
+        seen.add((s, r))
+    for s in range(n_stages):
+        if not any(st == s for st, _ in seen):
+            raise top.fail("placement", f"stage {s} is placed on no rank")
+
+    mbr = top.req("micro_batch_replica", list)
+    if not all(_nonneg_int(r) for r in mbr) or len(mbr) == 0:
+        raise top.fail("micro_batch_replica", "must be a non-empty list of replica indices")
+
+    ranks_raw = top.req("ranks", list)
+    if len(ranks_raw) != world:
+        raise top.fail("ranks", f"lists {len(ranks_raw)} ranks but config.world_size is {world}")
+    ranks: list[list[list[PlannedOp]]] = []
+    for q, rr in enumerate(ranks_raw):
+        rf = Fields(rr, where, f"ranks[{q}]")
+        if rf.req("rank", int) != q:
+            raise rf.fail("rank", f"expected {q} (ranks are listed in order)")
+        steps = rf.req("steps", list)
+        if len(steps) != k:
+            raise rf.fail("steps", f"has {len(steps)} steps but config.refresh_steps is {k}")
+        rank_steps = []
+        for j, step in enumerate(steps):
+            if not isinstance(step, list):
+                raise rf.fail(f"steps[{j}]", "must be a list of ops")
+            ops = []
+            for i, d in enumerate(step):
+                name = f"ranks[{q}].steps[{j}][{i}]"
+                try:
+                    op = Op.from_dict(d)
+                except ValueError as e:
+                    raise InputError(where, name, str(e)) from None
+                of = Fields(d, where, name)
+                start = of.req("start", float)
+                end = of.req("end", float, check=lambda v: v >= start, why="must be >= start")
+                if op.stage is not None and op.stage >= n_stages:
+                    raise InputError(where, f"{name}.stage", f"{op.stage} is not a stage (0..{n_stages - 1})")
+                if op.layer is not None and op.layer >= len(layers):
+                    raise InputError(where, f"{name}.layer", f"{op.layer} is not a layer (0..{len(layers) - 1})")
+                if op.peer is not None and op.peer >= world:
+                    raise InputError(where, f"{name}.peer", f"{op.peer} is not a rank (0..{world - 1})")
+                if op.mb is not None and op.mb >= len(mbr):
+                    raise InputError(where, f"{name}.mb", f"{op.mb} is not a micro-batch (0..{len(mbr) - 1})")
+                ops.append(PlannedOp(op, float(start), float(end)))
+            rank_steps.append(ops)
+        ranks.append(rank_steps)
+
+    return Plan(
+        config=cfg.obj, model=model, partition=partition, layers=layers, layer_stage=layer_stage,
+        placement=placement, micro_batch_replica=mbr, ranks=ranks,
+        stats=top.opt("stats", dict, {}), profile=top.opt("profile", dict, {}),
+    )

@@ -1,0 +1,312 @@
+"""The profile format: per-part and per-K-FAC-layer costs of one model on one device.
+
+A profile is measured by `pfcompile profile` (pfcompile.profiler) or converted from
+published numbers (pfcompile.profiler.reference). This module only reads, validates and writes it,
+and imports no torch, so the planner can use it anywhere.
+
+Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, precond);
+sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where measured.
+
+    {
+      "schema": "pfcompile-profile", "schema_version": 1,
+      "source": "measured" | "reference",
+      "provenance": {...},                   # device, torch, dtype, host, date, repeats, ...
+      "model": {"name", "kind", "layers", "hidden", "heads", "ffn", "vocab", "seq_len",
+                "micro_batch", "dtype"},
+      "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
+                 "param_bytes", "grad_bytes", "out_bytes"}],
+      "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
+                 "out_features", "bias", "curv_a_ms", "curv_b_ms",
+                 "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
+                 "precond_ms", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
+                 "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes"}],
+      "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
+               "p2p": {"latency_ms", "bytes_per_ms"},
+               "allreduce": {"latency_ms", "bytes_per_ms"}},
+      "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
+      "hash": "sha256:..."                   # of everything above, canonical JSON
+    }
+
+`parts` are the units the partitioner cuts into contiguous stages: embeddings first,
+then the blocks in order, then the head with the loss. `out_bytes` is the size of the
+part's output for one micro-batch: the point-to-point message when a stage ends there.
+`act_bytes` is what the forward saves for the backward (freed by the backward);
+`kept_a_bytes`/`kept_b_bytes` are the layer input / output gradient K-FAC keeps until
+its curvature op has run. `factor_*_bytes` is one factor; `inverse_*_bytes` one inverse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
+
+SCHEMA = "pfcompile-profile"
+SCHEMA_VERSION = 1
+INVERSE_METHODS = ("cholesky", "eigen")
+
+
+@dataclass
+class Part:
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    act_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    out_bytes: int
+
+
+@dataclass
+class KfacLayer:
+    name: str
+    part: str
+    in_features: int
+    out_features: int
+    bias: bool
+    curv_a_ms: float
+    curv_b_ms: float
+    inv_a_ms: dict[str, float]
+    inv_b_ms: dict[str, float]
+    precond_ms: float
+    kept_a_bytes: int
+    kept_b_bytes: int
+    factor_a_bytes: int
+    factor_b_bytes: int
+    inverse_a_bytes: int
+    inverse_b_bytes: int
+
+    def inv_ms(self, factor: str, method: str = "cholesky") -> float:
+        return (self.inv_a_ms if factor == "A" else self.inv_b_ms)[method]
+
+    def curv_ms(self, factor: str) -> float:
+        return self.curv_a_ms if factor == "A" else self.curv_b_ms
+
+    def factor_bytes(self, factor: str) -> int:
+        return self.factor_a_bytes if factor == "A" else self.factor_b_bytes
+
+    def inverse_bytes(self, factor: str) -> int:
+        return self.inverse_a_bytes if factor == "A" else self.inverse_b_bytes
+
+    def kept_bytes(self, factor: str) -> int:
+        return self.kept_a_bytes if factor == "A" else self.kept_b_bytes
+
+
+@dataclass
+class LinkModel:
+    """Time of one message of n bytes: latency_ms + n / bytes_per_ms."""
+
+    latency_ms: float
+    bytes_per_ms: float
+
+    def time_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / self.bytes_per_ms
+
+
+@dataclass
+class Comm:
+    method: str
+    act_bytes: int
+    p2p: LinkModel
+    allreduce: LinkModel
+
+    def allreduce_ms(self, nbytes: int, ranks: int) -> float:
+        """Ring all-reduce: 2(r-1)/r of the bytes cross each link; nothing for one rank."""
+        if ranks <= 1:
+            return 0.0
+        return self.allreduce.latency_ms + 2 * (ranks - 1) / ranks * nbytes / self.allreduce.bytes_per_ms
+
+    def bcast_ms(self, nbytes: int, ranks: int) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.p2p.time_ms(nbytes)
+
+
+@dataclass
+class Profile:
+    source: str
+    provenance: dict[str, Any]
+    model: dict[str, Any]
+    parts: list[Part]
+    kfac_layers: list[KfacLayer]
+    comm: Comm
+    spread: dict[str, list[float]] = field(default_factory=dict)
+    hash: str = ""
+
+    # --- queries the planner uses ---------------------------------------------------------
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def layers_of(self, part_name: str) -> list[int]:
+        """Indices (into kfac_layers) of the K-FAC layers inside one part, in order."""
+        return [i for i, l in enumerate(self.kfac_layers) if l.part == part_name]
+
+    @property
+    def name(self) -> str:
+        return str(self.model.get("name", "?"))
+
+    # --- serialisation ----------------------------------------------------------------------
+    def body(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "source": self.source,
+            "provenance": self.provenance,
+            "model": self.model,
+            "parts": [asdict(p) for p in self.parts],
+            "kfac_layers": [asdict(l) for l in self.kfac_layers],
+            "comm": asdict(self.comm),
+            "spread": self.spread,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        body = self.body()
+        self.hash = canonical_hash(body)
+        return {**body, "hash": self.hash}
+
+    def save(self, path: str) -> None:
+        write_json(path, self.to_json())
+
+
+def _pos(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
+def load_profile(path: str, *, check_hash: bool = True) -> Profile:
+    """Read and validate a profile; any problem is an InputError naming the file and field."""
+    return profile_from_json(read_json(path), str(path), check_hash=check_hash)
+
+
+def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = True) -> Profile:
+    top = Fields(obj, where)
+    top.schema(SCHEMA, SCHEMA_VERSION, "profile")
+    source = top.req("source", str, check=lambda s: s in ("measured", "reference"), why="must be 'measured' or 'reference'")
+    provenance = top.req("provenance", dict)
+    model = top.req("model", dict)
+    mf = top.sub("model")
+    mf.req("name", str)
+    for k in ("micro_batch", "seq_len"):
+        mf.req(k, int, check=lambda v: v > 0, why="must be a positive integer")
+
+    parts_raw = top.req("parts", list, check=lambda v: len(v) > 0, why="must list at least one part")
+    parts = []
+    for i, p in enumerate(parts_raw):
+        f = Fields(p, where, f"parts[{i}]")
+        parts.append(Part(
+            name=f.req("name", str),
+            **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},
+            **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
+               for k in ("act_bytes", "param_bytes", "grad_bytes", "out_bytes")},
+        ))
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise top.fail("parts", "part names must be unique")
+
+    layers = []
+    for i, l in enumerate(top.req("kfac_layers", list)):
+        f = Fields(l, where, f"kfac_layers[{i}]")
+        part = f.req("part", str)
+        if part not in names:
+            raise f.fail("part", f"names no part of this profile: {part!r}")
+        invs = {}
+        for key in ("inv_a_ms", "inv_b_ms"):
+            sub = f.sub(key)
+            invs[key] = {m: sub.req(m, float, check=_pos, why="must be a finite number >= 0") for m in INVERSE_METHODS}
+        layers.append(KfacLayer(
+            name=f.req("name", str), part=part,
+            in_features=f.req("in_features", int, check=lambda v: v > 0, why="must be positive"),
+            out_features=f.req("out_features", int, check=lambda v: v > 0, why="must be positive"),
+            bias=f.req("bias", bool),
+            **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0")
+               for k in ("curv_a_ms", "curv_b_ms", "precond_ms")},
+            **invs,
+            **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
+               for k in ("kept_a_bytes", "kept_b_bytes", "factor_a_bytes", "factor_b_bytes",
+                         "inverse_a_bytes", "inverse_b_bytes")},
+        ))
+
+    cf = top.sub("comm")
+    links = {}
+    for key in ("p2p", "allreduce"):
+        lf = cf.sub(key)
+        links[key] = LinkModel(
+            latency_ms=lf.req("latency_ms", float, check=_pos, why="must be a finite number >= 0"),
+            bytes_per_ms=lf.req("bytes_per_ms", float, check=lambda v: _pos(v) and v > 0, why="must be positive"),
+        )
+    comm = Comm(method=cf.req("method", str), act_bytes=cf.req("act_bytes", int, check=_pos, why="must be >= 0"), **links)
+    spread = top.opt("spread", dict, {})
+
+    prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
+                   kfac_layers=layers, comm=comm, spread=spread)
+    stored = top.opt("hash", str)
+    actual = canonical_hash(prof.body())
+    if check_hash and stored is not None and stored != actual:
+        raise top.fail("hash", "does not match the content (the file was edited or truncated)")
+    prof.hash = actual
+    return prof
+
+
+# --- the table `pfcompile inspect PROFILE` prints ---------------------------------------------
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    """Plain aligned columns: first column left, the numbers right (no rich, no torch)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def format_profile(profile: Profile) -> str:
+    """Human-readable summary: provenance, per-part and per-K-FAC-layer costs, communication."""
+    m, pv = profile.model, profile.provenance
+    shape = ", ".join(f"{k} {m[k]}" for k in ("layers", "hidden", "heads", "ffn", "vocab",
+                                               "micro_batch", "seq_len", "dtype") if k in m)
+    head = [f"profile {profile.name} ({profile.source}) {profile.hash}", f"model: {shape}"]
+    prov_keys = ("device", "torch", "cuda", "threads", "clock", "repeats", "warmup", "host", "date",
+                 "created", "wall_s", "load_avg", "pfcompile", "source", "file")
+    prov = ", ".join(f"{k} {pv[k]}" for k in prov_keys if pv.get(k) not in (None, ""))
+    if prov:
+        head.append(f"provenance: {prov}")
+    if pv.get("note"):
+        head.append(f"note: {pv['note']}")
+
+    parts = _table(
+        ["part", "fwd ms", "bwd ms", "act MiB", "param MiB", "grad MiB", "out MiB", "K-FAC layers"],
+        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), _mib(p.act_bytes), _mib(p.param_bytes),
+          _mib(p.grad_bytes), _mib(p.out_bytes), str(len(profile.layers_of(p.name)))] for p in profile.parts]
+        + [["total", _ms(sum(p.fwd_ms for p in profile.parts)), _ms(sum(p.bwd_ms for p in profile.parts)),
+            _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
+            _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.kfac_layers))]],
+    )
+    layers = _table(
+        ["K-FAC layer", "in", "out", "curv A", "curv B", "inv A chol", "inv A eig", "inv B chol",
+         "inv B eig", "precond", "kept A MiB", "kept B MiB", "factors MiB", "inverses MiB"],
+        [[l.name, str(l.in_features), str(l.out_features), _ms(l.curv_a_ms), _ms(l.curv_b_ms),
+          _ms(l.inv_a_ms["cholesky"]), _ms(l.inv_a_ms["eigen"]), _ms(l.inv_b_ms["cholesky"]),
+          _ms(l.inv_b_ms["eigen"]), _ms(l.precond_ms), _mib(l.kept_a_bytes), _mib(l.kept_b_bytes),
+          _mib(l.factor_a_bytes + l.factor_b_bytes), _mib(l.inverse_a_bytes + l.inverse_b_bytes)]
+         for l in profile.kfac_layers],
+    )
+    c = profile.comm
+    comm = (f"communication ({c.method}): message {_mib(c.act_bytes)} MiB; "
+            f"p2p {c.p2p.latency_ms:.4f} ms + {c.p2p.bytes_per_ms / 1e6:.3f} GB/s "
+            f"-> {c.p2p.time_ms(c.act_bytes):.3f} ms per message; "
+            f"all-reduce {c.allreduce.latency_ms:.4f} ms + {c.allreduce.bytes_per_ms / 1e6:.3f} GB/s")
+    spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread
+              else "spread: none recorded")
+    return "\n\n".join(["\n".join(head), parts, "times in ms per micro-batch (inversion, preconditioning: once)\n"
+                        + layers, comm + "\n" + spread])

@@ -1,0 +1,197 @@
+"""Op durations and memory effects, from a profile: one place for the graph and the replay.
+
+The task graph (what a planner places) and the replay (what checks a plan) must agree
+on what an op costs, so both ask a `Costs`. It knows the partition (parts of each model
+stage), the K-FAC layers of each stage, the number of replicas and the inversion method.
+
+Memory model (DESIGN.md, plan semantics):
+- resident per rank: parameters + gradients of the stages it holds, and per K-FAC layer
+  held: accumulators A, B, factors A, B, inverses in force A, B, pending inverses A, B;
+- dynamic: `fwd(s, m)` allocates the activations it saves at its start; `bwd(s, m)` frees
+  them at its end. On the refresh step (step 0 of the cycle) `fwd` also allocates each
+  layer's kept input (freed at the end of its `curv_a`) and `bwd` each layer's kept output
+  gradient (freed at the end of its `curv_b`).
+Buffers are named by keys: ("act", stage, mb), ("kept_a", layer, mb), ("kept_b", layer, mb).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.ops import Op
+from pfcompile.formats.profile import Profile
+
+# Ops whose compute time counts as a device being busy (communication is waiting).
+COMPUTE_KINDS = frozenset({"fwd", "bwd", "curv_a", "curv_b", "inv", "precond", "step"})
+
+
+def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
+    """"embed,block0|block1,head" -> [["embed", "block0"], ["block1", "head"]], checked."""
+    cut = [[p.strip() for p in group.split(",") if p.strip()] for group in text.split("|")]
+    return check_partition(cut, profile, stages, where)
+
+
+def check_partition(cut: list[list[str]], profile: Profile, stages: int, where: str = "partition") -> list[list[str]]:
+    names = [p.name for p in profile.parts]
+    flat = [p for group in cut for p in group]
+    if any(not group for group in cut):
+        raise InputError(where, None, "every stage needs at least one part")
+    unknown = [p for p in flat if p not in names]
+    if unknown:
+        raise InputError(where, None, f"names no part of the profile: {unknown[0]!r} (parts: {names[0]}..{names[-1]})")
+    if flat != names:
+        raise InputError(where, None, f"must list every part of the profile once, in order ({names[0]}..{names[-1]})")
+    if len(cut) != stages:
+        raise InputError(where, None, f"has {len(cut)} stages but the configuration needs {stages}")
+    return cut
+
+
+def balanced_partition(profile: Profile, stages: int) -> list[list[str]]:
+    """Cut the parts into `stages` contiguous groups minimising the slowest group's fwd+bwd.
+
+    Dynamic programme over (parts used, stages made); ties prefer the smaller sum of squared
+    stage costs so that equal blocks split evenly (3+3+3 rather than 2+3+4).
+    """
+    parts = profile.parts
+    n = len(parts)
+    if stages > n:
+        raise InputError("--stages", None, f"{stages} model stages but the profile has only {n} parts")
+    cost = [p.fwd_ms + p.bwd_ms for p in parts]
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (max stage cost, sum of squares) for the first i parts in j stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut_at = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for j in range(1, stages + 1):
+        for i in range(j, n - (stages - j) + 1):
+            for h in range(j - 1, i):
+                prev = best[j - 1][h]
+                if prev == inf:
+                    continue
+                c = prefix[i] - prefix[h]
+                cand = (max(prev[0], c), prev[1] + c * c)
+                if cand < best[j][i]:
+                    best[j][i], cut_at[j][i] = cand, h
+    groups, i = [], n
+    for j in range(stages, 0, -1):
+        h = cut_at[j][i]
+        groups.append([p.name for p in parts[h:i]])
+        i = h
+    return groups[::-1]
+
+
+@dataclass
+class Costs:
+    profile: Profile
+    partition: list[list[str]]
+    replicas: int
+    inverse: str = "cholesky"
+    kfac: bool = True
+
+    def __post_init__(self):
+        part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
+        self.layer_stage = [part_stage[l.part] for l in self.profile.kfac_layers]
+        self.stage_layers = [[i for i, s in enumerate(self.layer_stage) if s == st] for st in range(len(self.partition))]
+        self._parts = [[self.profile.part(p) for p in group] for group in self.partition]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.partition)
+
+    # --- per-stage sums ----------------------------------------------------------------------
+    def fwd_ms(self, stage: int) -> float:
+        return sum(p.fwd_ms for p in self._parts[stage])
+
+    def bwd_ms(self, stage: int) -> float:
+        return sum(p.bwd_ms for p in self._parts[stage])
+
+    def act_bytes(self, stage: int) -> int:
+        return sum(p.act_bytes for p in self._parts[stage])
+
+    def out_bytes(self, stage: int) -> int:
+        """The stage's output for one micro-batch: the activation message it sends on."""
+        return self._parts[stage][-1].out_bytes
+
+    def grad_message_bytes(self, stage: int) -> int:
+        """The input-gradient stage `stage` sends back: the size of its input."""
+        return self.out_bytes(stage - 1) if stage > 0 else 0
+
+    def param_bytes(self, stage: int) -> int:
+        return sum(p.param_bytes for p in self._parts[stage])
+
+    def grad_bytes(self, stage: int) -> int:
+        return sum(p.grad_bytes for p in self._parts[stage])
+
+    # --- durations ------------------------------------------------------------------------------
+    def duration(self, op: Op) -> float:
+        """Milliseconds the op occupies its rank. Sends are non-blocking (0); a receive's
+        waiting is the message's lag, not its duration."""
+        k = op.kind
+        layers = self.profile.kfac_layers
+        if k == "fwd":
+            return self.fwd_ms(op.stage)
+        if k == "bwd":
+            return self.bwd_ms(op.stage)
+        if k in ("send_act", "recv_act", "send_grad", "recv_grad"):
+            return 0.0
+        if k == "curv_a":
+            return layers[op.layer].curv_a_ms
+        if k == "curv_b":
+            return layers[op.layer].curv_b_ms
+        if k == "inv":
+            return layers[op.layer].inv_ms(op.factor, self.inverse)
+        if k == "precond":
+            return layers[op.layer].precond_ms
+        if k == "sync_curv":
+            return self.profile.comm.allreduce_ms(layers[op.layer].factor_bytes(op.factor), self.replicas)
+        if k == "bcast_inv":
+            return self.profile.comm.bcast_ms(layers[op.layer].inverse_bytes(op.factor), self.replicas)
+        if k == "sync_grad":
+            return self.profile.comm.allreduce_ms(self.grad_bytes(op.stage), self.replicas)
+        if k == "step":
+            return 0.0  # the profile does not time the optimizer update
+        raise ValueError(f"no cost for {op}")
+
+    def message_ms(self, op: Op) -> float:
+        """Transfer time of a point-to-point message (send -> its receive)."""
+        nbytes = self.out_bytes(op.stage) if op.kind.endswith("act") else self.grad_message_bytes(op.stage)
+        return self.profile.comm.p2p.time_ms(nbytes)
+
+    # --- memory ---------------------------------------------------------------------------------
+    def allocates(self, op: Op, refresh: bool) -> list[tuple[tuple, int]]:
+        """Buffers the op allocates at its start: [(key, bytes)]. `refresh`: step 0 of the cycle."""
+        out: list[tuple[tuple, int]] = []
+        layers = self.profile.kfac_layers
+        if op.kind == "fwd":
+            out.append((("act", op.stage, op.mb), self.act_bytes(op.stage)))
+            if refresh and self.kfac:
+                out += [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
+        elif op.kind == "bwd" and refresh and self.kfac:
+            out += [(("kept_b", l, op.mb), layers[l].kept_b_bytes) for l in self.stage_layers[op.stage]]
+        return out
+
+    def frees(self, op: Op) -> list[tuple]:
+        """Buffer keys the op frees at its end."""
+        if op.kind == "bwd":
+            return [("act", op.stage, op.mb)]
+        if op.kind == "curv_a":
+            return [("kept_a", op.layer, op.mb)]
+        if op.kind == "curv_b":
+            return [("kept_b", op.layer, op.mb)]
+        return []
+
+    def resident_bytes(self, stages_held: list[int]) -> int:
+        """Parameters, gradients and (with K-FAC) the layers' factor state, always held."""
+        total = 0
+        for s in stages_held:
+            total += self.param_bytes(s) + self.grad_bytes(s)
+            if self.kfac:
+                for l in self.stage_layers[s]:
+                    L = self.profile.kfac_layers[l]
+                    # accumulator + factor, inverse in force + pending inverse, for A and B
+                    total += 2 * (L.factor_a_bytes + L.factor_b_bytes) + 2 * (L.inverse_a_bytes + L.inverse_b_bytes)
+        return total

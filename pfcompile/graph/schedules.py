@@ -1,0 +1,264 @@
+"""Pipeline schedule families: the configuration, the layout and the canonical per-rank orders.
+
+A family fixes, for one training step, the order in which each rank runs the forward and
+backward passes of its (stage, micro-batch) pairs; the point-to-point ops and the end of
+step (sync_grad, precond, step) follow from it. Without K-FAC this is the bubble baseline.
+
+Layout (DESIGN.md, shared plan semantics): D = stages (devices per pipeline), v =
+virtual_stages, S = D·v model stages, N = micro_batches of ALL replicas, R = replicas.
+- gpipe / 1f1b:  rank = r·D + s, W = D·R
+- interleaved:   rank = r·D + (s mod D): device d holds stages d, d+D, ..., d+(v-1)·D
+- chimera:       R = 2, W = D: replica 0 ("down") stage s on rank s, replica 1 ("up")
+                 stage s on rank D-1-s; N/2 micro-batches each way
+Replica r runs the contiguous block of micro-batches r·N/R .. (r+1)·N/R - 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.ops import Op
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+INVERSION_POLICIES = ("balanced", "all")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything that defines a plan besides the profile.
+
+    `inversion`: "balanced" inverts each factor on ONE replica of its stage (round-robin
+    weighted by load, then broadcast), "all" inverts on every replica (no broadcast).
+    `refresh_steps` is k, the cycle length; planners that choose k overwrite it.
+    """
+
+    schedule: str
+    stages: int
+    micro_batches: int
+    replicas: int = 1
+    virtual_stages: int = 1
+    kfac: bool = True
+    inverse: str = "cholesky"
+    refresh_steps: int = 1
+    memory_limit_bytes: int | None = None
+    partition: list[list[str]] | None = None
+    inversion: str = "balanced"
+
+    def __post_init__(self):
+        if self.schedule == "chimera" and self.replicas == 1:
+            self.replicas = 2  # Chimera is two pipelines by construction
+        self.validate()
+
+    def validate(self) -> None:
+        D, N, R, v = self.stages, self.micro_batches, self.replicas, self.virtual_stages
+        if self.schedule not in SCHEDULES:
+            raise InputError("--schedule", None, f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
+        for flag, val in (("--stages", D), ("--micro-batches", N), ("--replicas", R), ("--virtual-stages", v)):
+            if not isinstance(val, int) or val < 1:
+                raise InputError(flag, None, f"must be a positive integer, got {val!r}")
+        if self.refresh_steps < 1:
+            raise InputError("refresh_steps", None, "must be >= 1")
+        if self.inversion not in INVERSION_POLICIES:
+            raise InputError("--inversion", None, f"must be one of {', '.join(INVERSION_POLICIES)}")
+        if self.inverse not in ("cholesky", "eigen"):
+            raise InputError("--inverse", None, "must be 'cholesky' or 'eigen'")
+        if v != 1 and self.schedule != "interleaved":
+            raise InputError("--virtual-stages", None, f"only the interleaved schedule has virtual stages (got {v} with {self.schedule})")
+        if N % R:
+            raise InputError("--micro-batches", None, f"{N} micro-batches do not split evenly over {R} replicas")
+        if self.schedule == "interleaved" and (N // R) % D:
+            raise InputError("--micro-batches", None, f"interleaved needs the micro-batches per replica ({N // R}) to be a multiple of --stages {D}")
+        if self.schedule == "chimera":
+            if R != 2:
+                raise InputError("--replicas", None, f"chimera is two pipelines (replicas 2), got {R}")
+            if D % 2:
+                raise InputError("--stages", None, f"chimera needs an even number of stages, got {D}")
+            if N % 2 or N % max(1, D // 2):
+                raise InputError("--micro-batches", None, f"chimera needs an even multiple of D/2 = {D // 2} micro-batches, got {N}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise InputError("--memory-limit", None, "must be positive")
+
+    # --- layout ---------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.stages * self.virtual_stages
+
+    @property
+    def world_size(self) -> int:
+        return self.stages if self.schedule == "chimera" else self.stages * self.replicas
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        D = self.stages
+        if self.schedule == "chimera":
+            return stage if replica == 0 else D - 1 - stage
+        return replica * D + stage % D
+
+    def placement(self) -> list[dict[str, int]]:
+        return [{"stage": s, "replica": r, "rank": self.rank_of(s, r)}
+                for s in range(self.num_stages) for r in range(self.replicas)]
+
+    def micro_batch_replica(self) -> list[int]:
+        per = self.micro_batches // self.replicas
+        return [m // per for m in range(self.micro_batches)]
+
+    def replica_mbs(self, replica: int) -> list[int]:
+        per = self.micro_batches // self.replicas
+        return list(range(replica * per, (replica + 1) * per))
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """(stage, replica) pairs held by a rank, in stage order."""
+        return sorted((p["stage"], p["replica"]) for p in self.placement() if p["rank"] == rank)
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(stage, r) for r in range(self.replicas)]
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual_stages,
+            "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
+            "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
+            "inversion": self.inversion, "memory_limit_bytes": self.memory_limit_bytes,
+        }
+
+
+# --- compute orders: per rank, the (kind, stage, mb) passes of one step ------------------------
+
+Pass = tuple[str, int, int]  # ("fwd" | "bwd", stage, mb)
+
+
+def _gpipe(D: int, stage_local: int, stage: int, mbs: list[int]) -> list[Pass]:
+    return [("fwd", stage, m) for m in mbs] + [("bwd", stage, m) for m in mbs]
+
+
+def _one_f_one_b(D: int, s: int, stage: int, mbs: list[int]) -> list[Pass]:
+    """PipeDream-flush: D-s-1 warm-up forwards, then alternate, then drain: at most D-s in flight."""
+    warm = min(D - s - 1, len(mbs))
+    order: list[Pass] = [("fwd", stage, m) for m in mbs[:warm]]
+    for i in range(len(mbs) - warm):
+        order += [("fwd", stage, mbs[warm + i]), ("bwd", stage, mbs[i])]
+    order += [("bwd", stage, m) for m in mbs[len(mbs) - warm:]]
+    return order
+
+
+def _interleaved(D: int, v: int, d: int, mbs: list[int]) -> list[Pass]:
+    """Megatron-LM's interleaved 1F1B on device d (chunks d, d+D, ...; len(mbs) a multiple of D)."""
+    n = len(mbs)
+    total = n * v
+
+    def virtual(k: int, forward: bool) -> Pass:
+        chunk = (k % (D * v)) // D
+        if not forward:
+            chunk = v - 1 - chunk
+        m = mbs[(k // (D * v)) * D + k % D]
+        return ("fwd" if forward else "bwd", chunk * D + d, m)
+
+    # Megatron's warm-up count (for N = D Megatron runs all forwards first; the same count
+    # keeps fewer activations alive at the same bubble); v = 1 is plain 1F1B
+    warm = min((D - d - 1) * 2 + (v - 1) * D if v > 1 else D - d - 1, total)
+    order = [virtual(k, True) for k in range(warm)]
+    for i in range(total - warm):
+        order += [virtual(warm + i, True), virtual(i, False)]
+    order += [virtual(k, False) for k in range(total - warm, total)]
+    return order
+
+
+def _chimera(cfg: PipelineConfig) -> dict[int, list[Pass]]:
+    """Chimera's merged bidirectional schedule, by list scheduling in slots (the paper draws
+    forward and backward as equal slots): a free worker runs a ready backward first
+    (lowest stage first, to drain), else the ready forward deepest in its pipeline (it is
+    on the critical path), down before up on ties. For N = D this is
+    the paper's basic unit, D-2 bubble slots per worker against 1F1B's 2(D-1); more
+    micro-batches concatenate units (tests/test_schedules.py checks the counts)."""
+    D, S = cfg.stages, cfg.num_stages
+    dur = {"fwd": 1, "bwd": 1}
+    replica_of = cfg.micro_batch_replica()
+    ready: dict[int, list] = {q: [] for q in range(D)}  # rank -> [(is_fwd, depth, ready_t, replica, seq, pass)]
+    running: list[tuple[int, int, Pass]] = []  # heap of (end, seq, pass)
+    order: dict[int, list[Pass]] = {q: [] for q in range(D)}
+    busy_until = [0] * D
+    seq = 0
+
+    def make_ready(t: int, p: Pass) -> None:
+        nonlocal seq
+        kind, s, m = p
+        depth = s if kind == "bwd" else -s
+        ready[cfg.rank_of(s, replica_of[m])].append((kind == "fwd", depth, t, replica_of[m], seq, p))
+        seq += 1
+
+    for m in range(cfg.micro_batches):
+        make_ready(0, ("fwd", 0, m))
+    t = 0
+    while True:
+        for q in range(D):
+            if busy_until[q] <= t and ready[q]:
+                best = min(ready[q])
+                ready[q].remove(best)
+                p = best[-1]
+                order[q].append(p)
+                busy_until[q] = t + dur[p[0]]
+                heapq.heappush(running, (busy_until[q], seq, p))
+                seq += 1
+        if not running:
+            return order
+        t = running[0][0]
+        while running and running[0][0] == t:
+            _, _, (kind, s, m) = heapq.heappop(running)
+            if kind == "fwd":
+                make_ready(t, ("fwd", s + 1, m) if s + 1 < S else ("bwd", s, m))
+            elif s > 0:
+                make_ready(t, ("bwd", s - 1, m))
+
+
+def compute_orders(cfg: PipelineConfig) -> dict[int, list[Pass]]:
+    """rank -> the fwd/bwd passes of one step in the family's order."""
+    if cfg.schedule == "chimera":
+        return _chimera(cfg)
+    orders: dict[int, list[Pass]] = {}
+    D = cfg.stages
+    for r in range(cfg.replicas):
+        mbs = cfg.replica_mbs(r)
+        for d in range(D):
+            q = cfg.rank_of(d, r)
+            if cfg.schedule == "gpipe":
+                orders[q] = _gpipe(D, d, d, mbs)
+            elif cfg.schedule == "1f1b":
+                orders[q] = _one_f_one_b(D, d, d, mbs)
+            else:
+                orders[q] = _interleaved(D, cfg.virtual_stages, d, mbs)
+    return orders
+
+
+def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]]) -> dict[int, list[Op]]:
+    """rank -> the ops of one step: passes with their receives before and sends after, then,
+    for each stage held in ascending stage order (one global order, so the collectives of
+    ranks sharing two groups never cross), sync_grad (R > 1), precond of each K-FAC layer
+    (K-FAC on), step. `stage_layers[s]`: the K-FAC layer indices of stage s."""
+    S = cfg.num_stages
+    replica_of = cfg.micro_batch_replica()
+    out: dict[int, list[Op]] = {}
+    for q, passes in compute_orders(cfg).items():
+        ops: list[Op] = []
+        for kind, s, m in passes:
+            r = replica_of[m]
+            if kind == "fwd":
+                if s > 0 and cfg.rank_of(s - 1, r) != q:
+                    ops.append(Op("recv_act", stage=s - 1, mb=m, peer=cfg.rank_of(s - 1, r)))
+                ops.append(Op("fwd", stage=s, mb=m))
+                if s + 1 < S and cfg.rank_of(s + 1, r) != q:
+                    ops.append(Op("send_act", stage=s, mb=m, peer=cfg.rank_of(s + 1, r)))
+            else:
+                if s + 1 < S and cfg.rank_of(s + 1, r) != q:
+                    ops.append(Op("recv_grad", stage=s + 1, mb=m, peer=cfg.rank_of(s + 1, r)))
+                ops.append(Op("bwd", stage=s, mb=m))
+                if s > 0 and cfg.rank_of(s - 1, r) != q:
+                    ops.append(Op("send_grad", stage=s, mb=m, peer=cfg.rank_of(s - 1, r)))
+        for s, _r in cfg.stages_of(q):
+            if cfg.replicas > 1:
+                ops.append(Op("sync_grad", stage=s))
+            if cfg.kfac:
+                ops += [Op("precond", layer=l) for l in stage_layers[s]]
+            ops.append(Op("step", stage=s))
+        out[q] = ops
+    return dict(sorted(out.items()))

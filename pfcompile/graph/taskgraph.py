@@ -1,0 +1,276 @@
+"""The task graph of one refresh cycle: what every planner (greedy, CP-SAT) places in time.
+
+`build_task_graph(profile, cfg)` -> `TaskGraph`, with
+
+- `g`: a networkx DiGraph. Nodes are `Task(step, rank, op)` (a NamedTuple):
+    step   int, the step of the cycle (0..k-1) for pipeline and per-step tasks (fwd, bwd,
+           send/recv, sync_grad, precond, step); None for the FLOATING K-FAC tasks
+           (curv_a, curv_b, sync_curv, inv, bcast_inv), which a planner may put in any
+           step of the cycle (curvature is of step 0's micro-batches; it must finish
+           within the cycle: the new inverses come into force at the next cycle's start).
+    rank   the rank that executes it; op the pfcompile.formats.ops.Op.
+  Node attributes: op, rank, step, duration (ms), stream ("compute" | "p2p" | "collective"),
+  floating (bool). A rank executes ALL its tasks one at a time, in one op list: whatever
+  the stream, tasks of a rank must not overlap (sends and receives take 0 ms; a receive
+  just waits for its message).
+  Edges u -> v: v may start only when u has ended, plus the edge attribute `lag` (ms):
+  the message's transfer time on send -> recv edges, 0 elsewhere. Edges implied by the
+  shared plan semantics: fwd(s,m) -> send_act -> recv_act -> fwd(s+1,m) (direct edge if
+  both stages are on one rank); last stage fwd -> bwd; bwd(s+1,m) -> send_grad -> recv_grad
+  -> bwd(s,m); fwd(s,m) -> bwd(s,m); fwd(s,m)@0 -> curv_a(l,m); bwd(s,m)@0 -> curv_b(l,m);
+  curv of the factor (all replicas) -> sync_curv members; sync_curv (A and B) or the
+  curv ops (R = 1) -> inv (BOTH factors, for the pi-corrected damping); inv -> bcast_inv
+  members; bwd of the stage (all replicas) -> sync_grad members; sync_grad (or the
+  replica's bwd when R = 1) -> precond; precond (or sync_grad / bwd) -> step(s);
+  step(s)@t -> fwd(s, m)@t+1.
+- `collectives`: {(step, op): [member tasks]}: blocking rendezvous, so all members start
+  at the same time (sync_curv, bcast_inv have step None).
+- `buffers`: [Buffer(rank, nbytes, alloc, free, key)]: allocated at the start of `alloc`,
+  freed at the end of `free` (activations fwd -> bwd; K-FAC kept input fwd@0 -> curv_a;
+  kept output gradient bwd@0 -> curv_b). `resident_bytes[rank]`: always held.
+- `canonical[rank][step]`: the schedule family's order of the per-step tasks of the rank
+  (fwd/bwd/send/recv, then sync_grad, precond, step): the bubble baseline's op list.
+- `inv_candidates[(layer, factor)]`: the ranks that could invert it (one per replica of
+  the layer's stage); `inverters[(layer, factor)]`: the ranks that do in this graph
+  (policy `cfg.inversion`, or the `inverters=` argument: a solver that chooses rebuilds
+  the graph with its choice). With one inverter and R > 1 a bcast_inv follows.
+
+All durations and memory come from pfcompile.graph.costs.Costs (`tg.costs`), the replay's too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import networkx as nx
+
+from pfcompile.graph.costs import Costs, balanced_partition, check_partition
+from pfcompile.formats.ops import COLLECTIVE_KINDS, FACTORS, P2P_KINDS, Op
+from pfcompile.formats.profile import Profile
+from pfcompile.graph.schedules import PipelineConfig, canonical_orders
+
+FLOATING_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
+
+
+class Task(NamedTuple):
+    step: int | None
+    rank: int
+    op: Op
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "cycle"
+        return f"rank {self.rank} {where} {self.op}"
+
+
+@dataclass
+class Buffer:
+    rank: int
+    nbytes: int
+    alloc: Task
+    free: Task
+    key: tuple
+
+
+def stream_of(op: Op) -> str:
+    if op.kind in P2P_KINDS:
+        return "p2p"
+    if op.kind in COLLECTIVE_KINDS:
+        return "collective"
+    return "compute"
+
+
+@dataclass
+class TaskGraph:
+    cfg: PipelineConfig
+    costs: Costs
+    partition: list[list[str]]
+    g: nx.DiGraph = field(default_factory=nx.DiGraph)
+    collectives: dict[tuple, list[Task]] = field(default_factory=dict)
+    buffers: list[Buffer] = field(default_factory=list)
+    resident_bytes: dict[int, int] = field(default_factory=dict)
+    canonical: dict[int, list[list[Task]]] = field(default_factory=dict)
+    inv_candidates: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    inverters: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+
+    # --- views ---------------------------------------------------------------------------------
+    @property
+    def refresh_steps(self) -> int:
+        return self.cfg.refresh_steps
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.cfg.world_size))
+
+    @property
+    def layer_stage(self) -> list[int]:
+        return self.costs.layer_stage
+
+    def duration(self, t: Task) -> float:
+        return self.g.nodes[t]["duration"]
+
+    def tasks_of(self, rank: int) -> list[Task]:
+        return [t for t in self.g.nodes if t.rank == rank]
+
+    def floating_tasks(self, rank: int | None = None) -> list[Task]:
+        return [t for t in self.g.nodes if t.step is None and (rank is None or t.rank == rank)]
+
+    def unit_graph(self, tasks) -> nx.DiGraph:
+        """The graph among `tasks` with each collective's members merged into one node, a
+        tuple of tasks (others are 1-tuples): a planner that places a unit at once keeps
+        every member of a collective together and in one order on all ranks."""
+        tasks = set(tasks)
+        unit_of = {t: (t,) for t in tasks}
+        for group in self.collectives.values():
+            inside = tuple(t for t in group if t in tasks)
+            for t in inside:
+                unit_of[t] = inside
+        units = nx.DiGraph()
+        units.add_nodes_from(set(unit_of.values()))
+        units.add_edges_from((unit_of[u], unit_of[v]) for u, v in self.g.subgraph(tasks).edges
+                             if unit_of[u] != unit_of[v])
+        return units
+
+    def add_task(self, t: Task) -> Task:
+        self.g.add_node(t, op=t.op, rank=t.rank, step=t.step, duration=self.costs.duration(t.op),
+                        stream=stream_of(t.op), floating=t.step is None)
+        return t
+
+    def add_edge(self, u: Task, v: Task, lag: float = 0.0) -> None:
+        assert u in self.g and v in self.g, (u, v)
+        self.g.add_edge(u, v, lag=lag)
+
+
+def build_task_graph(profile: Profile, cfg: PipelineConfig,
+                     inverters: dict[tuple[int, str], list[int]] | None = None) -> TaskGraph:
+    partition = (check_partition(cfg.partition, profile, cfg.num_stages)
+                 if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac)
+    tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
+    orders = canonical_orders(cfg, costs.stage_layers)
+    for k in range(cfg.refresh_steps):
+        _add_step(tg, k, orders)
+    if cfg.kfac:
+        _add_kfac(tg, inverters)
+    for q in tg.ranks:
+        tg.resident_bytes[q] = costs.resident_bytes([s for s, _ in cfg.stages_of(q)])
+    return tg
+
+
+def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
+    """The per-step tasks of step k, their edges, and the activation buffers."""
+    cfg, costs = tg.cfg, tg.costs
+    S, R = cfg.num_stages, cfg.replicas
+    rep = cfg.micro_batch_replica()
+    for q, ops in orders.items():
+        tg.canonical.setdefault(q, []).append([tg.add_task(Task(k, q, op)) for op in ops])
+
+    def T(op: Op, stage: int, replica: int) -> Task:
+        return Task(k, cfg.rank_of(stage, replica), op)
+
+    for m in range(cfg.micro_batches):
+        r = rep[m]
+        for s in range(S):
+            fwd, bwd = T(Op("fwd", stage=s, mb=m), s, r), T(Op("bwd", stage=s, mb=m), s, r)
+            tg.add_edge(fwd, bwd)
+            tg.buffers.append(Buffer(fwd.rank, costs.act_bytes(s), fwd, bwd, ("act", s, m)))
+            if s + 1 < S:
+                nxt_f, nxt_b = T(Op("fwd", stage=s + 1, mb=m), s + 1, r), T(Op("bwd", stage=s + 1, mb=m), s + 1, r)
+                if nxt_f.rank == fwd.rank:
+                    tg.add_edge(fwd, nxt_f)
+                    tg.add_edge(nxt_b, bwd)
+                else:
+                    for kind, src, dst, stage, before, after in (
+                            ("act", fwd, nxt_f, s, fwd, nxt_f), ("grad", nxt_b, bwd, s + 1, nxt_b, bwd)):
+                        send = Task(k, src.rank, Op(f"send_{kind}", stage=stage, mb=m, peer=dst.rank))
+                        recv = Task(k, dst.rank, Op(f"recv_{kind}", stage=stage, mb=m, peer=src.rank))
+                        tg.add_edge(before, send)
+                        tg.add_edge(send, recv, lag=costs.message_ms(send.op))
+                        tg.add_edge(recv, after)
+            if k > 0:
+                tg.add_edge(Task(k - 1, fwd.rank, Op("step", stage=s)), fwd)
+
+    for s in range(S):
+        bwds = [T(Op("bwd", stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
+        for r in range(R):
+            q = cfg.rank_of(s, r)
+            before_precond = [b for b in bwds if b.rank == q]
+            if R > 1:
+                sync = Task(k, q, Op("sync_grad", stage=s))
+                for b in bwds:
+                    tg.add_edge(b, sync)
+                tg.collectives.setdefault((k, Op("sync_grad", stage=s)), []).append(sync)
+                before_precond = [sync]
+            step = Task(k, q, Op("step", stage=s))
+            preconds = [Task(k, q, Op("precond", layer=l)) for l in costs.stage_layers[s]] if cfg.kfac else []
+            for p in preconds:
+                for b in before_precond:
+                    tg.add_edge(b, p)
+            for b in preconds or before_precond:
+                tg.add_edge(b, step)
+
+
+def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
+    """The floating K-FAC tasks of the cycle: curvature of step 0, factor all-reduce,
+    inversion (policy or given), broadcast of the inverse; and the kept-tensor buffers."""
+    cfg, costs = tg.cfg, tg.costs
+    R = cfg.replicas
+    rep = cfg.micro_batch_replica()
+    layers = costs.profile.kfac_layers
+    for l, s in enumerate(costs.layer_stage):
+        for f in FACTORS:
+            tg.inv_candidates[(l, f)] = cfg.replica_ranks(s)
+    tg.inverters = dict(inverters) if inverters is not None else _inversion_policy(tg)
+
+    for l, s in enumerate(costs.layer_stage):
+        curv = {f: [] for f in FACTORS}
+        for m in range(cfg.micro_batches):
+            q = cfg.rank_of(s, rep[m])
+            for f, kind, after in (("A", "curv_a", "fwd"), ("B", "curv_b", "bwd")):
+                c = tg.add_task(Task(None, q, Op(kind, layer=l, mb=m)))
+                made_by = Task(0, q, Op(after, stage=s, mb=m))
+                tg.add_edge(made_by, c)
+                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, (f"kept_{f.lower()}", l, m)))
+                curv[f].append(c)
+        ready_for_inv: dict[int, list[Task]] = {}
+        for r in range(R):
+            q = cfg.rank_of(s, r)
+            if R > 1:
+                syncs = []
+                for f in FACTORS:
+                    y = tg.add_task(Task(None, q, Op("sync_curv", layer=l, factor=f)))
+                    for c in curv[f]:
+                        tg.add_edge(c, y)
+                    tg.collectives.setdefault((None, y.op), []).append(y)
+                    syncs.append(y)
+                ready_for_inv[q] = syncs
+            else:
+                ready_for_inv[q] = curv["A"] + curv["B"]
+        for f in FACTORS:
+            who = tg.inverters[(l, f)]
+            for q in who:
+                inv = tg.add_task(Task(None, q, Op("inv", layer=l, factor=f)))
+                for y in ready_for_inv[q]:
+                    tg.add_edge(y, inv)
+            if R > 1 and len(who) < R:
+                src = who[0]
+                for q in cfg.replica_ranks(s):
+                    b = tg.add_task(Task(None, q, Op("bcast_inv", layer=l, factor=f, peer=src)))
+                    tg.add_edge(Task(None, src, Op("inv", layer=l, factor=f)), b)
+                    tg.collectives.setdefault((None, b.op), []).append(b)
+
+
+def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
+    """"all": every replica inverts. "balanced": longest inversion first, each to the
+    candidate rank with the least inversion work so far (LPT), so R replicas share a
+    stage's inversions about evenly, as PipeFisher and KAISA do."""
+    if tg.cfg.inversion == "all":
+        return {key: list(c) for key, c in tg.inv_candidates.items()}
+    load = {q: 0.0 for q in tg.ranks}
+    out = {}
+    by_cost = sorted(tg.inv_candidates, key=lambda key: -tg.costs.duration(Op("inv", layer=key[0], factor=key[1])))
+    for key in by_cost:
+        q = min(tg.inv_candidates[key], key=lambda q: (load[q], q))
+        load[q] += tg.costs.duration(Op("inv", layer=key[0], factor=key[1]))
+        out[key] = [q]
+    return dict(sorted(out.items()))

@@ -1,0 +1,80 @@
+"""Assemble a Plan from a placed schedule (per rank, per step, ops in execution order).
+
+Every plan goes through the replay (pfcompile.check.replay): its times become the plan's
+predicted start/end and its statistics the plan's stats, so what a plan file says is
+what the independent simulator computed, whichever planner placed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.formats.ops import Op
+from pfcompile.formats.plan import Plan, PlannedOp
+from pfcompile.formats.profile import Profile
+from pfcompile.check.replay import ReplayResult, replay
+from pfcompile.graph.schedules import PipelineConfig
+
+
+def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], method: str,
+             *, fixed_order: bool = True) -> Plan:
+    """A Plan with zero times from `steps[rank][step]` (op lists in execution order)."""
+    cfg = tg.cfg
+    k = len(next(iter(steps.values())))
+    config = {**cfg.to_json(), "refresh_steps": k, "method": method, "fixed_order": fixed_order}
+    ranks = [[[PlannedOp(op, 0.0, 0.0) for op in steps[q][t]] for t in range(k)] for q in range(cfg.world_size)]
+    return Plan(
+        config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],
+        layers=[l.name for l in profile.kfac_layers], layer_stage=list(tg.layer_stage),
+        placement=cfg.placement(), micro_batch_replica=cfg.micro_batch_replica(), ranks=ranks,
+        profile={"name": profile.name, "hash": profile.hash, "source": profile.source},
+    )
+
+
+def finish(plan: Plan, profile: Profile, extra_stats: dict | None = None, *, where: str = "<plan>",
+           check_memory: bool = True) -> ReplayResult:
+    """Replay the plan; write the replayed times and statistics into it."""
+    result = replay(plan, profile, where=where, check_memory=check_memory)
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for i, po in enumerate(ops):
+                po.start, po.end = result.times[q][t][i]
+    plan.stats = {**result.stats(), "tasks": sum(len(ops) for steps in plan.ranks for ops in steps),
+                  "refresh_steps": plan.refresh_steps, **(extra_stats or {})}
+    return result
+
+
+def canonical_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
+    return {q: [[t.op for t in step] for step in steps] for q, steps in tg.canonical.items()}
+
+
+def baseline_plan(profile: Profile, cfg: PipelineConfig, *, check_memory: bool = True) -> tuple[Plan, ReplayResult]:
+    """The family's plan without K-FAC: the bubble baseline."""
+    base_cfg = replace(cfg, kfac=False, refresh_steps=1)
+    tg = build_task_graph(profile, base_cfg)
+    plan = assemble(profile, tg, canonical_steps(tg), "none")
+    result = finish(plan, profile, {"solver_status": "fixed", "gap": None, "solve_seconds": 0.0,
+                                    "refresh_steps_lower_bound": 1}, check_memory=check_memory)
+    return plan, result
+
+
+def add_baseline_stats(plan: Plan, baseline: ReplayResult) -> None:
+    b = baseline.step_time_ms
+    plan.stats["baseline_step_time_ms"] = round(b, 6)
+    plan.stats["baseline_utilization"] = round(baseline.utilization, 6)
+    plan.stats["step_overhead"] = round(plan.stats["step_time_ms"] / b - 1, 6) if b > 0 else None
+
+
+def appended_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
+    """Method "none" with K-FAC: no bubble filling; the K-FAC work of the cycle runs after
+    the step's own ops (k = 1), in one global dependency order (so every member of a
+    collective reaches it in the same order)."""
+    import networkx as nx
+
+    steps = {q: [list(ops) for ops in s] for q, s in canonical_steps(tg).items()}
+    units = tg.unit_graph(tg.floating_tasks())
+    for unit in nx.lexicographical_topological_sort(units, key=lambda u: (u[0].op.kind, u[0].op, u[0].rank)):
+        for t in unit:
+            steps[t.rank][0].append(t.op)
+    return steps

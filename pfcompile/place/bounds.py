@@ -1,0 +1,163 @@
+"""Lower bounds on the cycle makespan and on the refresh cycle k: every plan states its distance
+from the best possible.
+
+All bounds relax the problem (drop constraints), so each is below every feasible schedule:
+
+- critical path: the longest chain of durations and lags through the dependencies;
+  a task of an option counts only under that option (min over the options of a choice);
+- device work: on each resource, the earliest any of its tasks can start + its mandatory
+  work + the shortest tail after its tasks;
+- shared work: resources linked by a choice (the replicas that may invert a factor)
+  together carry their mandatory work plus the cheapest option of each choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pfcompile.place.problem import Problem
+
+
+@dataclass
+class Bounds:
+    critical_path: int
+    device_work: int
+    shared_work: int
+
+    @property
+    def makespan(self) -> int:
+        return max(self.critical_path, self.device_work, self.shared_work)
+
+    def as_dict(self, scale: float = 1.0) -> dict[str, float]:
+        return {"critical_path": self.critical_path * scale, "device_work": self.device_work * scale,
+                "shared_work": self.shared_work * scale, "makespan": self.makespan * scale}
+
+
+def heads_and_tails(p: Problem) -> tuple[list[int], list[int]]:
+    """head[i]: earliest start of i; tail[i]: least time from i's end to the makespan.
+
+    An edge counts when it binds whatever the choices are: from a mandatory task, or
+    inside one option (an optional predecessor may be absent)."""
+    n = len(p.tasks)
+    succ: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    edges = list(p.edges) + [(a, b, 0) for chain in p.chains for a, b in zip(chain, chain[1:])]
+    for a, b, lag in edges:  # a fixed order is a dependency too
+        succ[a].append((b, lag))
+    order = topological_order(n, succ)
+    opt = [t.option for t in p.tasks]
+    dur = [t.dur for t in p.tasks]
+    head = [0] * n
+    for a in order:
+        ha = head[a] + dur[a]
+        for b, lag in succ[a]:
+            if (opt[a] is None or opt[a] == opt[b]) and ha + lag > head[b]:
+                head[b] = ha + lag
+    tail = [0] * n
+    for a in reversed(order):
+        for b, lag in succ[a]:
+            if opt[b] is None or opt[b] == opt[a]:
+                tail[a] = max(tail[a], lag + dur[b] + tail[b])
+    # rendezvous members start together: each inherits the latest head of its group
+    for group in p.rendezvous:
+        if len({opt[i] for i in group}) == 1:
+            h = max(head[i] for i in group)
+            for i in group:
+                head[i] = h
+    return head, tail
+
+
+def topological_order(n: int, succ: list[list[tuple[int, int]]]) -> list[int]:
+    indeg = [0] * n
+    for a in range(n):
+        for b, _ in succ[a]:
+            indeg[b] += 1
+    order = [i for i in range(n) if indeg[i] == 0]
+    for a in order:  # grows while iterating: Kahn's algorithm
+        for b, _ in succ[a]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                order.append(b)
+    if len(order) != n:
+        raise ValueError("the dependencies have a cycle")
+    return order
+
+
+def critical_path_bound(p: Problem, head=None, tail=None) -> int:
+    if head is None:
+        head, tail = heads_and_tails(p)
+    best = max((head[i] + t.dur + tail[i] for i, t in enumerate(p.tasks) if t.option is None), default=0)
+    by_opt = p.option_tasks()
+    for options in p.choices:
+        best = max(best, min(max((head[i] + p.tasks[i].dur + tail[i] for i in by_opt[o]), default=0)
+                             for o in options))
+    return best
+
+
+def device_work_bound(p: Problem, head=None, tail=None) -> int:
+    if head is None:
+        head, tail = heads_and_tails(p)
+    best = 0
+    for tasks in p.resources().values():
+        mand = [i for i in tasks if p.tasks[i].option is None]
+        if not mand:
+            continue
+        work = sum(p.tasks[i].dur for i in mand)
+        best = max(best, min(head[i] for i in tasks) + work + min(tail[i] for i in tasks))
+    return best
+
+
+def shared_work_bound(p: Problem, head=None, tail=None) -> int:
+    """Resources coupled by choices share the optional work: |G|·C >= their total."""
+    if not p.choices:
+        return 0
+    if head is None:
+        head, tail = heads_and_tails(p)
+    by_opt = p.option_tasks()
+    res = p.resources()
+    link = nx.Graph()
+    link.add_nodes_from(res)
+    for options in p.choices:
+        touched = [p.tasks[i].resource for o in options for i in by_opt[o]]
+        link.add_edges_from(zip(touched, touched[1:]))
+    best = 0
+    for group in nx.connected_components(link):
+        if len(group) < 2:
+            continue
+        total = 0
+        for r in group:
+            total += min(head[i] for i in res[r]) + min(tail[i] for i in res[r])
+            total += sum(p.tasks[i].dur for i in res[r] if p.tasks[i].option is None)
+        for options in p.choices:
+            work = [sum(p.tasks[i].dur for i in by_opt[o] if p.tasks[i].resource in group) for o in options]
+            total += min(work)
+        best = max(best, math.ceil(total / len(group)))
+    return best
+
+
+def lower_bounds(p: Problem) -> Bounds:
+    head, tail = heads_and_tails(p)
+    return Bounds(critical_path_bound(p, head, tail), device_work_bound(p, head, tail),
+                  shared_work_bound(p, head, tail))
+
+
+def refresh_steps_lower_bound(kfac_work_ms: dict, idle_ms: dict) -> int | None:
+    """k >= ceil(K-FAC work of one refresh / idle time per step) on the most loaded device.
+
+    `kfac_work_ms[d]`: the refresh work device d must absorb (curvature, sync and inversion;
+    with a choice of inverting replica, its even share); `idle_ms[d]`: the device's idle
+    time in one step of the pipeline without K-FAC (less what every step must also hold,
+    such as preconditioning). Below this k, the device cannot absorb the refresh without
+    lengthening the step. None when a device has refresh work but no idle time at all: no
+    k hides it (a one-stage pipeline, say)."""
+    k = 1
+    for d, work in kfac_work_ms.items():
+        if work <= 1e-9:
+            continue
+        idle = idle_ms.get(d, 0.0)
+        if idle <= 1e-9:
+            return None
+        k = max(k, math.ceil(work / idle - 1e-9))
+    return k

@@ -1,0 +1,80 @@
+"""build_plan: profile + pipeline configuration -> a replayed plan, by any method.
+
+The one entry point of planning that the CLI, the tests, the benchmarks and the examples
+all call. The methods: "none" (the family's order, K-FAC appended to each step), "greedy"
+(PipeFisher's first-fit into the bubbles) and "cpsat" (pfcompile.place.solver).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from pfcompile.check.replay import ReplayError, ReplayResult, replay
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.plan import Plan
+from pfcompile.formats.profile import Profile
+from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.place import assemble
+from pfcompile.place.bounds import refresh_steps_lower_bound
+from pfcompile.place.greedy import greedy_steps
+
+METHODS = ("none", "greedy", "cpsat")
+
+
+def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, where: str = "<plan>",
+               progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
+               fixed_order: bool = True) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
+
+    -> (plan, replay result of the plan, replay result of the first-order baseline).
+    `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`
+    and `fixed_order` are CP-SAT's (per k tried)."""
+    if method not in METHODS:
+        raise InputError("--method", None, f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    t0 = time.perf_counter()
+    # the baseline is only a reference here: the memory limit applies to the plan made
+    base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
+    if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
+        plan, result = base_plan, baseline
+    elif method == "none":
+        tg = build_task_graph(profile, replace(cfg, refresh_steps=1))
+        plan = assemble.assemble(profile, tg, assemble.appended_steps(tg), "none")
+        result = assemble.finish(plan, profile, {"solver_status": "fixed", "gap": None,
+                                                "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
+    elif method == "greedy":
+        tg, steps, info = greedy_steps(profile, cfg, progress=progress)
+        plan = assemble.assemble(profile, tg, steps, "greedy")
+        # k >= ceil(work put into bubbles / bubble per step) on every rank (work no bubble
+        # can hold runs after the cycle's last step instead)
+        lb = refresh_steps_lower_bound(info["bubble_work_ms"], info["bubble_ms"])
+        k = len(next(iter(steps.values())))
+        try:
+            replay(plan, profile, where=where, cycles=1)
+        except ReplayError as e:
+            if e.field == "config.memory_limit_bytes":  # PipeFisher's greedy has no memory model
+                raise ReplayError(e.where, e.field, e.message + "; the greedy plans without memory, "
+                                  "try --method cpsat") from None
+            raise
+        result = assemble.finish(plan, profile, {
+            "solver_status": "greedy", "refresh_steps_lower_bound": lb,
+            "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
+            # greedy has no bound on its own objective; the gap is on k against the bound
+            "gap": round((k - lb) / k, 6) if lb else None,
+            "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
+    else:
+        try:
+            from pfcompile.place.solver import solve_plan
+        except ImportError as e:
+            raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
+        plan = solve_plan(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                          progress=progress, describe=describe)
+        solver_stats = dict(plan.stats)
+        result = assemble.finish(plan, profile, where=where)
+        plan.stats = {**solver_stats, **plan.stats,
+                      **{k: solver_stats[k] for k in ("solver_status", "gap", "solve_seconds", "refresh_steps_lower_bound")
+                         if k in solver_stats}}
+    plan.stats.setdefault("refresh_steps_lower_bound", 1)
+    assemble.add_baseline_stats(plan, baseline)
+    return plan, result, baseline

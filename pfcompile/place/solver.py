@@ -1,0 +1,323 @@
+"""`pfcompile plan --method cpsat`: place the K-FAC work of a refresh cycle with CP-SAT.
+
+A refresh cycle of k steps becomes a `Problem` (pfcompile.place.cycle_model: the task graph plus
+the inversion choice, step boundaries, fixed order, memory capacity, glued sends/receives)
+in integer microseconds; pfcompile.place.cpmodel minimises its makespan, i.e. the step time
+makespan/k. Above GROUP_ABOVE curvature ops, the curvature ops one forward/backward
+enables are one task (recorded in the plan's stats as `curvature_grouped`).
+
+Each k is solved in three stages (`solve_cycle`), each warm-starting the next and each
+stopping at a proven optimum: (1) the pipeline timeline, the k steps without refresh work
+(its bound bounds the whole cycle too); (2) the refresh work packed into that timeline,
+per-step tasks pinned (what it gives up: moving the pipeline to make room); (3) the whole
+cycle, which may move everything. Warm starts: PipeFisher's greedy (its k only), list
+schedules (pfcompile.place.list_schedule), the packing. The plan's stats say which stages ran.
+
+k, lexicographically after the step time: try k = k_lb, k_lb+1, ... (k_lb: the K-FAC work
+of one refresh over the bubble time per step on the most loaded rank, pfcompile.place.bounds)
+and keep the FIRST k whose step time is within `tolerance` (0.5%) of the step time the
+same k steps reach without any refresh work (the best any k can hope for: the refresh
+then costs nothing); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
+the k with the least step time (ties: the smaller k).
+
+The solution becomes per-rank op lists (sorted by model start), is assembled with
+pfcompile.place.assemble and replayed by pfcompile.check.replay like every plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from pfcompile.place import assemble
+from pfcompile.place.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound
+from pfcompile.place.cpmodel import Result, solve
+from pfcompile.place.cycle_model import (CycleModel, curvature_ops, cycle_from_graph, cycle_graph, memory_error,
+                                   schedule_from_steps, steps_from_schedule)
+from pfcompile.formats.errors import InputError
+from pfcompile.place.list_schedule import list_schedule
+from pfcompile.formats.plan import Plan
+from pfcompile.place.problem import Schedule, violations
+from pfcompile.formats.profile import Profile
+from pfcompile.check.replay import ReplayError, replay
+from pfcompile.graph.schedules import PipelineConfig
+
+class NoScheduleFound(InputError):
+    """No schedule within the limits found in the time given (none proven impossible)."""
+
+
+GROUP_ABOVE = 3000  # curvature ops per cycle above which a producer's curvature ops are one task
+
+
+@dataclass
+class SolverOptions:
+    time_limit: float = 60.0  # seconds per solve (each k tried is one solve)
+    workers: int = 2
+    fixed_order: bool = True
+    tolerance: float = 0.005  # accept k when within 0.5% of the no-refresh step time
+    extra_steps: int = 2  # try at most k_lb + extra_steps
+    refresh_steps: int | None = None  # force k
+    group_curvature: bool | None = None  # None: when the curvature ops alone exceed GROUP_ABOVE
+    total_time_limit: float | None = None  # if set: shared evenly by the k tried (overrides time_limit)
+
+
+def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
+    if opts.group_curvature is not None:
+        return opts.group_curvature
+    return curvature_ops(profile, cfg) > GROUP_ABOVE
+
+
+# --- one cycle length -----------------------------------------------------------------------
+
+
+@dataclass
+class CycleSolution:
+    k: int
+    cm: CycleModel
+    result: Result
+    schedule: Schedule
+    bound: int  # best lower bound on the makespan (µs): the solver's or pfcompile.place.bounds'
+    reference: int  # makespan of the same k steps without refresh work (µs)
+    hint_source: str  # where the returned schedule came from
+    stages: list[str] = field(default_factory=list)
+
+    @property
+    def step_time_ms(self) -> float:
+        return self.schedule.makespan / self.k / 1000
+
+    @property
+    def gap(self) -> float:
+        mk = self.schedule.makespan
+        return max(0.0, (mk - self.bound) / mk) if mk else 0.0
+
+
+def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
+                greedy_steps: dict | None = None, describe=None) -> CycleSolution:
+    """Three stages, each warm-starting the next, each stopping early at a proven optimum:
+    (1) the pipeline timeline: the k steps without refresh work, on their own model (its
+    bound is a lower bound of the whole cycle); (2) the refresh work packed into that
+    timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
+    make room. `time_limit` is shared 20/30/50 between them."""
+    tg = cycle_graph(profile, cfg, k)
+    cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
+                          choose_inverter=cfg.inversion != "all")
+    err = memory_error(cm, opts.fixed_order)
+    if err:
+        raise err
+    p = cm.problem
+    head, _ = heads_and_tails(p)
+    by_head = lambda i: (head[i], i)  # noqa: E731
+    canon = _canonical_position(cm)
+    report = _reporter(describe, k)
+
+    # (1) the pipeline timeline
+    ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False)
+    ref_head, _ = heads_and_tails(ref_cm.problem)
+    ref_canon = _canonical_position(ref_cm)
+    ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
+                    list_schedule(ref_cm.problem, order_key=lambda i: ref_canon.get(i, (ref_head[i], i)))),
+                   key=lambda s: s.makespan)
+    ref = solve(ref_cm.problem, time_limit=0.2 * opts.time_limit, workers=opts.workers, hint=ref_hint,
+                extra_bound=lower_bounds(ref_cm.problem).makespan, on_solution=report("pipeline"))
+    if ref.status == "INFEASIBLE":  # activations alone do not fit (free order)
+        raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
+            "--memory-limit", None, "the activations alone do not fit the limit")
+    ref_sched = ref.schedule or ref_hint
+    bound = max(lower_bounds(p).makespan, ref.bound)
+
+    # candidates: the greedy, a list schedule, and (2) the packing into the timeline
+    cands: list[tuple[str, Schedule]] = [
+        ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
+        ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
+        ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
+    if greedy_steps is not None:
+        h = schedule_from_steps(cm, greedy_steps)
+        if h is not None:
+            cands.append(("greedy", h))
+    pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
+    packed = list_schedule(p, pinned=pinned, order_key=by_head)
+    cands.append(("timeline+first-fit", packed))
+    pack = solve(p, time_limit=0.3 * opts.time_limit, workers=opts.workers, hint=packed, pinned=pinned,
+                 extra_bound=bound, on_solution=report("packing"))
+    if pack.schedule is not None:
+        cands.append(("timeline+cpsat packing", pack.schedule))
+    ok = [c for c in cands if not violations(p, c[1])]
+    source, best = min(ok or cands, key=lambda c: c[1].makespan)
+    status, stages = "FEASIBLE", ["pipeline timeline", "refresh packed into it"]
+
+    # (3) the whole model, unless the packing is already within 0.01% of the bound
+    if best.makespan - bound > 1e-4 * best.makespan:
+        full = solve(p, time_limit=0.5 * opts.time_limit, workers=opts.workers, hint=best, extra_bound=bound,
+                     on_solution=report("whole cycle"))
+        stages.append("whole cycle")
+        if full.status == "INFEASIBLE":
+            raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
+                "--memory-limit", None, f"no schedule with k={k} fits the limit")
+        bound = max(bound, full.bound)
+        if full.schedule is not None and full.schedule.makespan < best.makespan:
+            source, best = "whole-cycle cpsat", full.schedule
+    if not ok and violations(p, best):
+        raise NoScheduleFound("--memory-limit", None, f"no schedule found within the time limit (k tried up to {k})")
+    if best.makespan <= bound:
+        status = "OPTIMAL"
+    result = Result(status, best, best.makespan, bound, 0.0)
+    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages)
+
+
+def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
+    """(step, position in the family's op list of its rank) of every per-step task: the
+    list scheduler's priority that reproduces the family's order (precond at the end)."""
+    out = {}
+    for q, steps in cm.tg.canonical.items():
+        for t, step in enumerate(steps):
+            for pos, task in enumerate(step):
+                if task in cm.index:
+                    out[cm.index[task]] = (t, pos, 0)
+    return out
+
+
+def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
+    """The family's order with each curvature op straight after the op that made its kept
+    tensor (the least memory, as in smallest_feasible_limit); the rest of the refresh after
+    the cycle's per-step work."""
+    k = cm.tg.refresh_steps
+    pred = {}
+    for a, b, _ in cm.problem.edges:
+        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in canon:
+            pred[b] = a
+
+    def key(i: int) -> tuple:
+        if i in canon:
+            return canon[i]
+        if i in pred:
+            t, pos, _ = canon[pred[i]]
+            return (t, pos, 1, i)
+        return (k, head[i], 0, i)
+    return key
+
+
+def _reporter(describe, k: int):
+    def stage(name: str):
+        def on_solution(sec, obj, bound):
+            if describe:
+                describe(f"cpsat k={k} {name}: {obj / k / 1000:.2f} ms/step, bound {bound / k / 1000:.2f} ({sec:.0f} s)")
+        return on_solution
+    return stage
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
+               fixed_order: bool = True, refresh_steps: int | None = None, progress=None, describe=None,
+               options: SolverOptions | None = None) -> Plan:
+    """The CP-SAT plan: k searched upwards from its lower bound (module docstring), the
+    solution replayed; stats carry status, bound, gap and the k search."""
+    opts = options or SolverOptions(time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                                    refresh_steps=refresh_steps)
+    if not opts.time_limit > 0:
+        raise InputError("--time-limit", None, f"must be positive, got {opts.time_limit}")
+    if opts.workers < 1:
+        raise InputError("--workers", None, f"must be at least 1, got {opts.workers}")
+    t0 = time.perf_counter()
+    greedy, greedy_info = _greedy(profile, cfg)
+    k_greedy = len(next(iter(greedy.values())))
+    k_lb = refresh_steps_lower_bound(greedy_info["kfac_work_ms"], greedy_info["bubble_ms"]) if cfg.kfac else 1
+    if opts.refresh_steps:
+        ks = [opts.refresh_steps]
+    else:
+        # the bound is the greedy's bubbles over its work: a padded greedy step can beat it
+        k_first = min(k_lb or k_greedy, k_greedy)
+        ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
+    if opts.total_time_limit:
+        opts = replace(opts, time_limit=opts.total_time_limit / len(ks))
+    tried: list[CycleSolution] = []
+    for n, k in enumerate(ks):
+        if progress:
+            progress(n, len(ks))
+        try:
+            sol = solve_cycle(profile, cfg, k, opts, greedy_steps=greedy if k == k_greedy else None,
+                              describe=describe)
+        except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
+            failure = e
+            continue
+        tried.append(sol)
+        if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+            break
+    if not tried:
+        raise failure
+    best = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
+    steps = steps_from_schedule(best.cm, best.schedule)
+    tg = replace(best.cm.tg, cfg=replace(cfg, refresh_steps=best.k))
+    plan = assemble.assemble(profile, tg, steps, "cpsat", fixed_order=opts.fixed_order)
+    stats = {
+        "solver_status": best.result.status,
+        "objective_step_time_ms": round(best.step_time_ms, 6),
+        "best_bound_step_time_ms": round(best.bound / best.k / 1000, 6),
+        "gap": round(best.gap, 6),
+        "solve_seconds": round(time.perf_counter() - t0, 3),
+        "refresh_steps_lower_bound": k_lb,
+        "lower_bounds_ms": lower_bounds(best.cm.problem).as_dict(1 / 1000 / best.k),
+        "solution_from": best.hint_source,
+        "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
+                      "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
+                     for s in tried],
+        "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
+                   f"k steps without refresh work; else the least step time"),
+        "curvature_grouped": _group(profile, cfg, opts),
+        "decomposition": " -> ".join(best.stages) + (
+            "" if "whole cycle" in best.stages else
+            " (stopped early: the packing reached the bound, nothing given up)" if best.gap == 0 else
+            " (the pipeline was not moved to make room for K-FAC work)"),
+        "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
+        "workers": opts.workers, "time_limit_s": opts.time_limit,
+        "tasks_model": len(best.cm.problem.tasks),
+    }
+    assemble.finish(plan, profile, stats)
+    if cfg.kfac:
+        plan = _no_worse_than_greedy(profile, cfg, plan, greedy, tried, opts)
+    if progress:
+        progress(len(ks), len(ks))
+    return plan
+
+
+def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, greedy: dict, tried: list,
+                          opts: SolverOptions) -> Plan:
+    """The greedy's plan, replayed, if it is faster than what the solver found in its time
+    (grouped curvature cannot take the greedy's split placement as a warm start): the
+    planner then never returns worse than the baseline it is compared with."""
+    k = len(next(iter(greedy.values())))
+    tg = replace(tried[0].cm.tg, cfg=replace(cfg, refresh_steps=k))
+    other = assemble.assemble(profile, tg, greedy, "cpsat", fixed_order=opts.fixed_order)
+    try:
+        result = replay(other, profile)
+    except ReplayError:  # over the memory limit: the greedy has no memory model
+        return plan
+    ours = plan.stats["step_time_ms"]
+    faster = result.step_time_ms < ours - 1e-9
+    as_fast_fewer_steps = result.step_time_ms <= ours * (1 + 1e-6) and k < plan.refresh_steps
+    if not (faster or as_fast_fewer_steps):
+        return plan
+    same_k = [s for s in tried if s.k == k]
+    mk = result.cycle_time_ms * 1000
+    gap = max(0.0, (mk - same_k[0].bound) / mk) if same_k else None
+    # within rounding of a proven optimum (µs durations, 1 µs floors) the optimum stands
+    status = same_k[0].result.status if same_k and gap is not None and gap <= 1e-4 else "FEASIBLE"
+    stats = {**plan.stats, "solver_status": status, "gap": None if gap is None else round(gap, 6),
+             "solution_from": "greedy (the solver found no faster plan within its time limit)",
+             "objective_step_time_ms": round(result.step_time_ms, 6),
+             "best_bound_step_time_ms": round(same_k[0].bound / k / 1000, 6) if same_k else None}
+    for key in ("utilization", "step_time_ms", "cycle_time_ms", "steady_cycle_time_ms", "busy_ms", "idle_ms",
+                "peak_memory_bytes", "tasks", "refresh_steps"):
+        stats.pop(key, None)
+    assemble.finish(other, profile, stats)
+    return other
+
+
+def _greedy(profile: Profile, cfg: PipelineConfig):
+    """PipeFisher's greedy op lists and its info (k, bubbles, K-FAC work): the warm start
+    and the bar to beat."""
+    from pfcompile.place.greedy import greedy_steps
+
+    _, steps, info = greedy_steps(profile, cfg)
+    return steps, info

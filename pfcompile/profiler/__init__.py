@@ -1,0 +1,473 @@
+"""Measure a model's costs with the runtime's own code: what is timed is what runs.
+
+Every entry is timed by calling the function the runtime's interpreter calls for that op:
+a part's forward/backward is `runtime.models.Stage` over that one part with the K-FAC hooks
+attached and capturing (a refresh step, the costlier case); curvature, inversion and
+preconditioning are `runtime.kfac.KfacLayer.curv_a/curv_b/invert/precondition`;
+messages go through `runtime.comm.Mailbox` and `runtime.comm.all_reduce_sum` in a real
+two-rank process group.
+
+Timing: warm-up runs first, then `repeats` samples; an entry stops early once its samples
+add up to `entry_budget_s` (keeping at least 3), so a 1000x1000 eigendecomposition does not
+dominate the profiling time. CUDA entries are timed with events, CPU ones with
+perf_counter (or, with clock="thread", the CPU time of the one torch thread, which leaves
+out time taken by other processes on a shared machine); median into the entry, [p10, p90]
+into `spread`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pfcompile import __version__
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile
+from pfcompile.profiler.reference import LINK as MODEL_LINK
+from runtime.comm import free_port
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+SEED = 0
+
+
+# --- timing ------------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    median: float
+    p10: float
+    p90: float
+    samples: int
+
+
+class Clock:
+    """Times a callable on one device: warm-up, then repeats, each optionally after an untimed setup."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int, entry_budget_s: float = 2.0,
+                 kind: str = "wall"):
+        self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, entry_budget_s
+        # "thread": CPU time of this thread (time.thread_time). With one torch thread all the
+        # work runs on it, so time spent descheduled by other processes is not counted.
+        self.now = time.thread_time if kind == "thread" else time.perf_counter
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = self.now()
+        fn()
+        return (self.now() - t0) * 1e3
+
+    def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> Timing:
+        samples: list[float] = []
+        for i in range(self.warmup + self.repeats):
+            if setup is not None:
+                setup()
+            self._sync()
+            ms = self._once(fn)
+            if i >= self.warmup:
+                samples.append(ms)
+                if len(samples) >= 3 and sum(samples) > self.budget * 1e3:
+                    break
+        p10, p50, p90 = np.percentile(samples, [10, 50, 90])
+        return Timing(float(p50), float(p10), float(p90), len(samples))
+
+
+# --- bytes --------------------------------------------------------------------------------------
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def saved_activation_bytes(fn: Callable[[], object], exclude: set[int]):
+    """Run fn and sum the storages autograd saves for the backward, each storage once;
+    storages in `exclude` (the parameters: resident anyway) do not count. -> (result, bytes)"""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+# --- the model's parts and K-FAC layers ------------------------------------------------------------
+class PartBench:
+    """One part built as the runtime builds a stage, with its K-FAC layers attached."""
+
+    def __init__(self, spec, name: str, micro_batch: int, seq_len: int, device, dtype):
+        from runtime import kfac
+        from runtime.models import Stage, kfac_linears
+
+        self.name, self.cfg = name, spec.cfg
+        self.stage = Stage(spec, [name], seed=SEED, dtype=dtype).to(device)
+        self.is_first, self.is_last = name == spec.part_names[0], name == spec.part_names[-1]
+        self.kfac = kfac.make_layers(kfac_linears(self.stage), kfac.KfacConfig(), loss_divisor=1.0)
+        self._capturing = kfac.capturing
+        g = torch.Generator().manual_seed(SEED)
+        shape = (micro_batch, seq_len)
+        if self.is_first:
+            self.x = torch.randint(self.cfg.vocab, shape, generator=g).to(device)
+        else:
+            self.x = torch.randn(*shape, self.cfg.hidden, generator=g).to(device=device, dtype=dtype)
+        self.targets = torch.randint(self.cfg.vocab, shape, generator=g).to(device) if self.is_last else None
+        self.out = None
+        self.grad_out = None
+
+    def forward(self):
+        x = self.x if self.is_first else self.x.detach().requires_grad_(True)
+        with self._capturing(self.kfac, 0):
+            self.out = self.stage(x, self.targets) if self.is_last else self.stage(x)
+        return self.out
+
+    def backward(self):
+        with self._capturing(self.kfac, 0):
+            if self.is_last:
+                torch.autograd.backward(self.out)
+            else:
+                torch.autograd.backward(self.out, self.grad_out)
+        self.out = None
+
+    def param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+
+
+def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing]]:
+    out, act = saved_activation_bytes(bench.forward, bench.param_storages())
+    out_bytes = 0 if bench.is_last else nbytes(out)
+    if not bench.is_last:
+        g = torch.Generator().manual_seed(SEED + 1)
+        bench.grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
+    fwd = clock.time(bench.forward)
+    bwd = clock.time(bench.backward, setup=bench.forward)
+    params = list(bench.stage.parameters())
+    part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
+                param_bytes=sum(nbytes(p) for p in params),
+                grad_bytes=sum(nbytes(p.grad) for p in params if p.grad is not None),
+                out_bytes=out_bytes)
+    return part, {"fwd_ms": fwd, "bwd_ms": bwd}
+
+
+def capture_layer_tensors(bench: PartBench) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each K-FAC layer's real input and output gradient of one micro-batch (for re-saving
+    before every timed curvature op, which consumes what was saved)."""
+    got: dict[str, list] = {l.name: [None, None] for l in bench.kfac}
+    handles = []
+    for l in bench.kfac:
+        def hook(module, inputs, output, name=l.name):
+            got[name][0] = inputs[0].detach()
+            output.register_hook(lambda gy: got[name].__setitem__(1, gy.detach()))
+        handles.append(l.module.register_forward_hook(hook))
+    bench.forward()
+    bench.backward()
+    for h in handles:
+        h.remove()
+    return {n: (x, gy) for n, (x, gy) in got.items()}
+
+
+def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
+                       clock: Clock) -> tuple[KfacLayer, dict[str, Timing]]:
+    from runtime.kfac import KfacConfig
+
+    t: dict[str, Timing] = {}
+    t["curv_a_ms"] = clock.time(lambda: layer.curv_a(0), setup=lambda: layer.save_input(0, x))
+    t["curv_b_ms"] = clock.time(lambda: layer.curv_b(0), setup=lambda: layer.save_grad(0, gy))
+    layer.update_factors()  # once per cycle in the runtime: not part of an inversion's cost
+    inverse_bytes = {"A": 0, "B": 0}
+    for method in ("cholesky", "eigen"):
+        layer.cfg = KfacConfig(inverse=method)
+        for f in ("A", "B"):
+            t[f"inv_{f.lower()}_ms.{method}"] = clock.time(lambda f=f: layer.invert(f))
+            # the larger of the two methods' inverses (eigen packs [Q | eigenvalues]):
+            # the memory a plan needs whichever method it picks
+            inverse_bytes[f] = max(inverse_bytes[f], nbytes(layer.pending(f)))
+    # preconditioning with Cholesky inverses in force (the runtime's default method)
+    layer.cfg = KfacConfig(inverse="cholesky")
+    layer.invert("A")
+    layer.invert("B")
+    layer.activate()
+    w, b = layer.module.weight, layer.module.bias
+    w_grad = w.grad.detach().clone()
+    b_grad = b.grad.detach().clone() if b is not None else None
+
+    def fresh_grads():  # precondition() replaces the gradients: start each run from the same ones
+        w.grad = w_grad.clone()
+        if b is not None:
+            b.grad = b_grad.clone()
+
+    t["precond_ms"] = clock.time(layer.precondition, setup=fresh_grads)
+    fresh_grads()
+    lin = layer.module
+    entry = KfacLayer(
+        name=layer.name, part=part, in_features=lin.in_features, out_features=lin.out_features,
+        bias=lin.bias is not None,
+        curv_a_ms=t["curv_a_ms"].median, curv_b_ms=t["curv_b_ms"].median,
+        inv_a_ms={m: t[f"inv_a_ms.{m}"].median for m in ("cholesky", "eigen")},
+        inv_b_ms={m: t[f"inv_b_ms.{m}"].median for m in ("cholesky", "eigen")},
+        precond_ms=t["precond_ms"].median,
+        kept_a_bytes=nbytes(x), kept_b_bytes=nbytes(gy),
+        factor_a_bytes=nbytes(layer.factors["A"]), factor_b_bytes=nbytes(layer.factors["B"]),
+        inverse_a_bytes=inverse_bytes["A"], inverse_b_bytes=inverse_bytes["B"],
+    )
+    return entry, t
+
+
+# --- communication ---------------------------------------------------------------------------------
+def fit_link(points: list[tuple[int, float]]) -> LinkModel:
+    """Fit time = latency + bytes / bandwidth, minimising RELATIVE error (plain least squares
+    would let the largest message decide alone and push the latency to noise), kept physical:
+    latency >= 0, bandwidth > 0."""
+    n = np.array([p[0] for p in points], dtype=float)
+    ms = np.array([p[1] for p in points], dtype=float)
+    slope, latency = np.polyfit(n, ms, 1, w=1.0 / ms)
+    if latency < 0:  # refit through the origin, same weights
+        w2 = 1.0 / ms**2
+        latency, slope = 0.0, float((w2 * n) @ ms / ((w2 * n) @ n))
+    if slope <= 0:  # flat or noisy: the largest message's average rate
+        slope = ms[-1] / n[-1]
+    return LinkModel(latency_ms=float(latency), bytes_per_ms=float(1.0 / slope))
+
+
+def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue) -> None:
+    """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size.
+    Sizes are interleaved within each round, so a burst of load from other processes hits
+    every size alike instead of bending the fit at one size."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from runtime import comm
+
+    world = comm.init_world(60.0)
+    try:
+        mailbox = comm.Mailbox(world)
+        bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device) for n in sizes]
+        p2p: list[list[float]] = [[] for _ in sizes]
+        ar: list[list[float]] = [[] for _ in sizes]
+        for i in range(warmup + repeats):
+            for j, buf in enumerate(bufs):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    mailbox.send("ping", buf, 1, 0)
+                    mailbox.recv("pong", buf.shape, buf.dtype, 1, 1)
+                else:
+                    mailbox.recv("ping", buf.shape, buf.dtype, 0, 0)
+                    mailbox.send("pong", buf, 0, 1)
+                mailbox.drain()
+                if world.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                dist.barrier()
+                t2 = time.perf_counter()
+                comm.all_reduce_sum([buf], None, world.timeout, "all-reduce")
+                if world.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                if i >= warmup:
+                    p2p[j].append((t1 - t0) * 1e3 / 2)
+                    ar[j].append((t3 - t2) * 1e3)
+        if rank == 0:
+            queue.put({"backend": world.backend, "samples": [
+                (nbytes(b), float(np.median(a)), float(np.median(c))) for b, a, c in zip(bufs, p2p, ar)]})
+    finally:
+        comm.shutdown()
+
+
+def message_sizes(act_bytes: int) -> list[int]:
+    """A spread of sizes around the inter-stage message, for the latency/bandwidth fit."""
+    return sorted({4096, 65536, 1 << 20, max(4096, act_bytes // 4), max(4096, act_bytes), 4 * max(4096, act_bytes)})
+
+
+def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int) -> tuple[Comm, dict]:
+    """gloo on CPU, NCCL with two GPUs, both real two-rank groups; one GPU: a stated model."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        note = ("model: one GPU, no peer to measure; latency/bandwidth of pfcompile.profiler.reference.LINK "
+                f"({MODEL_LINK.latency_ms} ms, {MODEL_LINK.bytes_per_ms / 1e6:g} GB/s)")
+        return Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), {"comm_note": note}
+    import torch.multiprocessing as mp
+
+    sizes = message_sizes(act_bytes)
+    repeats = max(repeats, 30)  # cheap next to the compute entries, and the noisiest
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_comm_worker, args=(free_port(), sizes, repeats, warmup, queue), nprocs=2,
+                           join=True, start_method="spawn")
+    except Exception as e:  # noqa: BLE001 - a rank died: say so in one line, not two tracebacks
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise InputError("communication", None, f"the 2-rank measurement failed ({lines[-1] if lines else type(e).__name__}); "
+                                                "rerun, or use --no-comm for a stated model") from None
+    got = queue.get()
+    samples = got["samples"]
+    p2p = fit_link([(n, t) for n, t, _ in samples])
+    # two ranks: a ring all-reduce moves 2(r-1)/r = 1 times the bytes, as Comm.allreduce_ms assumes
+    allreduce = fit_link([(n, t) for n, _, t in samples])
+    method = f"measured-{got['backend']}"
+    note = (f"{method}: 2 ranks on this host, 1 thread each, runtime.comm Mailbox ping-pong (one way = "
+            f"half the round trip) and all_reduce_sum; median of {repeats} per size; fit latency + bytes/bandwidth")
+    return Comm(method, act_bytes, p2p, allreduce), {
+        "comm_note": note, "comm_samples": [{"bytes": n, "p2p_ms": a, "allreduce_ms": b} for n, a, b in samples]}
+
+
+def _runtime_op(dtype: str, device: torch.device, fn):
+    """Run a measurement; an op torch lacks for this dtype/device is a one-line input error."""
+    try:
+        return fn()
+    except NotImplementedError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError("--dtype", None, f"{dtype} on {device.type}: the runtime uses an op torch does not "
+                                          f"implement there ({first})") from None
+
+
+# --- the whole profile -------------------------------------------------------------------------------
+def check_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InputError("--device", None, f"not a device: {name!r} (use cpu or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise InputError("--device", None, f"{name} is not available: no CUDA device on this machine "
+                                               f"(torch {torch.__version__}, {build})")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise InputError("--device", None, f"{name} is not available: this machine has "
+                                               f"{torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise InputError("--device", None, f"unsupported device {name!r} (use cpu or cuda:N)")
+    return device
+
+
+def resolve_spec(model: str, seq_len: int):
+    from runtime.models import ModelSpecError, resolve_model
+
+    try:
+        spec = resolve_model(model, seq_len=seq_len)
+    except ModelSpecError as e:
+        raise InputError("--model", None, str(e)) from None
+    if seq_len > spec.cfg.max_seq_len:
+        raise InputError("--seq-len", None, f"{seq_len} exceeds {model}'s maximum sequence length {spec.cfg.max_seq_len}")
+    return spec
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
+                  repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
+                  entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True) -> Profile:
+    """Measure every part and K-FAC layer of `model`, and the links between two ranks."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if micro_batch <= 0 or seq_len <= 0 or repeats <= 0 or warmup < 0 or threads <= 0:
+        raise InputError("profile", None, "micro-batch, seq-len, repeats and threads must be positive, warmup >= 0")
+    if dtype not in DTYPES:
+        raise InputError("--dtype", None, f"unknown dtype {dtype!r} (have: {', '.join(DTYPES)})")
+    dev = check_device(device)
+    if clock not in ("wall", "thread"):
+        raise InputError("--clock", None, f"must be 'wall' or 'thread', got {clock!r}")
+    if clock == "thread" and (dev.type != "cpu" or threads != 1):
+        raise InputError("--clock", None, "'thread' needs --device cpu and --threads 1 (it counts one thread's CPU time)")
+    spec = resolve_spec(model, seq_len)
+    torch.set_num_threads(threads)
+    torch.manual_seed(SEED)
+    timer = Clock(dev, repeats, warmup, entry_budget_s, clock)
+    cfg = spec.cfg
+    started = time.perf_counter()
+    load_before = _load_average()
+
+    parts, layers, spread = [], [], {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"profiling {model}", total=len(spec.part_names) + int(comm))
+        for name in spec.part_names:
+            bar.update(task, description=f"{name}: fwd/bwd")
+            bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
+            part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, timer))
+            parts.append(part)
+            spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+            bar.advance(task)
+            if not bench.kfac:
+                continue
+            bar.update(task, total=bar.tasks[0].total + len(bench.kfac))
+            captured = capture_layer_tensors(bench)
+            for layer in bench.kfac:
+                bar.update(task, description=f"{layer.name}: K-FAC")
+                x, gy = captured[layer.name]
+                entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, timer))
+                layers.append(entry)
+                spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+                bar.advance(task)
+        act_bytes = micro_batch * seq_len * cfg.hidden * DTYPES[dtype].itemsize
+        if comm:
+            bar.update(task, description="communication (2 ranks)")
+            link, comm_prov = measure_comm(act_bytes, dev, repeats, warmup)
+            bar.advance(task)
+        else:
+            link = Comm("model", act_bytes, MODEL_LINK, MODEL_LINK)
+            comm_prov = {"comm_note": "model (not measured: --no-comm); latency/bandwidth of pfcompile.profiler.reference.LINK"}
+
+    provenance = {
+        "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "dtype": dtype, "threads": threads,
+        "micro_batch": micro_batch, "seq_len": seq_len, "repeats": repeats, "warmup": warmup,
+        "entry_budget_s": entry_budget_s,
+        "clock": {"wall": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+                  "thread": "time.thread_time (CPU time of the one torch thread)"}[clock],
+        "host": socket.gethostname(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "pfcompile": __version__, "wall_s": round(time.perf_counter() - started, 2),
+        # other processes share the CPU: the 1-minute load average before and after says how much
+        "load_avg": [load_before, _load_average()], "cpus": os.cpu_count(),
+        "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
+                 "capture on (a refresh step); precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
+                 "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
+                 "parameters excluded"),
+        **comm_prov,
+    }
+    return Profile(
+        source="measured", provenance=provenance,
+        model={"name": model, "kind": cfg.kind, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
+               "ffn": cfg.ffn, "vocab": cfg.vocab, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype},
+        parts=parts, kfac_layers=layers, comm=link, spread=spread,
+    )

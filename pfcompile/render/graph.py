@@ -1,0 +1,200 @@
+"""The task graph drawn by graphviz `dot`: one cluster per device and step, edges for dependencies.
+
+Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable task by
+task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
+with its sends and receives, the refresh's K-FAC work of one layer (curvature, factor
+sync, inversion, broadcast), and each stage's update (gradient sync, preconditioning,
+optimizer step). When even that is too many nodes for `dot` (its layout time grows fast:
+1,728 nodes took over four minutes), the K-FAC work is grouped per stage instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.plan import Plan
+from pfcompile.check.deps import Task, collective_peers, dependencies, tasks_of
+from pfcompile.render.style import GROUPS, color_of, group_of, label_of
+
+AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
+AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group K-FAC per stage
+COLLAPSE_LEVELS = ("layer", "stage")
+
+
+@dataclass
+class TaskFilter:
+    ranks: set[int] | None = None
+    steps: set[int] | None = None
+    layers: set[int] | None = None
+
+    def keep(self, plan: Plan, task: Task) -> bool:
+        if self.ranks is not None and task.rank not in self.ranks:
+            return False
+        if self.steps is not None and task.step not in self.steps:
+            return False
+        if self.layers is not None:
+            op = task.op
+            if op.layer is not None:
+                return op.layer in self.layers
+            # pipeline work is kept where it feeds the chosen layers: on their stages
+            return _stage_served(op) in {plan.layer_stage[l] for l in self.layers if l < len(plan.layer_stage)}
+        return True
+
+
+def _stage_served(op) -> int | None:
+    """The stage an op works for: a receive carries the producing stage but serves its neighbour."""
+    if op.kind == "recv_act":
+        return op.stage + 1
+    if op.kind == "recv_grad":
+        return op.stage - 1
+    return op.stage
+
+
+@dataclass
+class Node:
+    id: str
+    rank: int
+    step: int
+    label: str
+    color: str
+    start: float
+    tasks: list[Task] = field(default_factory=list)
+
+
+def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
+    """The group a task joins in the collapsed view (its kind letter and index)."""
+    op = task.op
+    k = op.kind
+    if k in ("fwd", "send_act", "recv_act"):  # a receive joins the forward it feeds
+        return ("F", _stage_served(op), op.mb)
+    if k in ("bwd", "send_grad", "recv_grad"):
+        return ("B", _stage_served(op), op.mb)
+    if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
+        return ("U", plan.layer_stage[op.layer])
+    if op.layer is not None:
+        return ("K", op.layer) if level == "layer" else ("KS", plan.layer_stage[op.layer])
+    return ("U", op.stage)
+
+
+def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
+    kind = key[0]
+    if kind == "F":
+        return f"F{key[1]}.{key[2]}", GROUPS["fwd"][1]
+    if kind == "B":
+        return f"B{key[1]}.{key[2]}", GROUPS["bwd"][1]
+    if kind == "K":
+        return f"K-FAC {plan.layers[key[1]]}", GROUPS["curv"][1]
+    if kind == "KS":
+        return f"K-FAC stage {key[1]}", GROUPS["curv"][1]
+    return f"update stage {key[1]}", GROUPS["step"][1]
+
+
+def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None) -> tuple[list[Node], dict[tuple, Node]]:
+    """Nodes for the kept tasks (one per task, or per group at level `collapse`), and the
+    map task key -> its node."""
+    nodes: dict[tuple, Node] = {}
+    of_task: dict[tuple, Node] = {}
+    for task in sorted(tasks, key=lambda t: (t.rank, t.step, t.start)):
+        key = (task.rank, task.step) + (_collapsed_key(task, plan, collapse) if collapse else (task.op,))
+        node = nodes.get(key)
+        if node is None:
+            if collapse:
+                label, color = _collapsed_label(key[2:], plan)
+            else:
+                label, color = str(task.op), color_of(task.op.kind)
+            node = nodes[key] = Node(f"n{len(nodes)}", task.rank, task.step, label, color, task.start)
+        node.tasks.append(task)
+        of_task[task.key] = node
+    for node in nodes.values():
+        if collapse and len(node.tasks) > 1:
+            node.label += f"\n{len(node.tasks)} ops"
+    return list(nodes.values()), of_task
+
+
+def require_dot() -> None:
+    if shutil.which("dot") is None:
+        raise InputError("--graph", None, "graphviz's `dot` program is not on PATH: install graphviz "
+                                          "(apt-get install graphviz, or brew install graphviz)")
+
+
+def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool | None = None):
+    """The graphviz Digraph of the plan's tasks; returns (digraph, nodes, collapse level or None).
+
+    `collapse`: None picks by size; False/None-level draws every task; True or "layer"
+    groups K-FAC work per layer, "stage" per stage."""
+    import graphviz  # noqa: PLC0415 (only this output needs it)
+
+    all_tasks = tasks_of(plan)
+    flt = flt or TaskFilter()
+    kept = [t for t in all_tasks if flt.keep(plan, t)]
+    if not kept:
+        raise InputError("--ranks/--steps/--layers", None, "select no task of the plan")
+    if collapse is True:
+        collapse = "layer"
+    if collapse is None:
+        collapse = "layer" if len(kept) > AUTO_COLLAPSE_ABOVE else False
+        if collapse and len(build_nodes(plan, kept, "layer")[0]) > AUTO_STAGE_ABOVE:
+            collapse = "stage"
+    if collapse and collapse not in COLLAPSE_LEVELS:
+        raise ValueError(f"collapse level must be one of {COLLAPSE_LEVELS}, got {collapse!r}")
+    collapse = collapse or None
+    nodes, of_task = build_nodes(plan, kept, collapse)
+    kept_keys = {t.key for t in kept}
+
+    cfg = plan.config
+    title = (f"{plan.model.get('name', 'model')}: {cfg['schedule']} D={cfg['stages']} N={cfg['micro_batches']} "
+             f"method={cfg['method']}" + (f" (collapsed, K-FAC per {collapse})" if collapse else ""))
+    g = graphviz.Digraph("plan", graph_attr={"rankdir": "LR", "label": title, "labelloc": "t",
+                                             "fontname": "Helvetica", "newrank": "true"},
+                         node_attr={"shape": "box", "style": "filled,rounded", "fontname": "Helvetica",
+                                    "fontsize": "10", "fontcolor": "white"},
+                         edge_attr={"color": "#555555", "arrowsize": "0.6"})
+    by_cluster: dict[tuple[int, int], list[Node]] = defaultdict(list)
+    for node in nodes:
+        by_cluster[(node.rank, node.step)].append(node)
+    for rank in sorted({r for r, _ in by_cluster}):
+        with g.subgraph(name=f"cluster_rank{rank}") as dev:
+            stages = ", ".join(f"stage {s} (replica {r})" for s, r in plan.stages_of(rank))
+            dev.attr(label=f"device {rank}: {stages}", style="rounded", color="#333333")
+            for step in sorted(s for r, s in by_cluster if r == rank):
+                with dev.subgraph(name=f"cluster_rank{rank}_step{step}") as box:
+                    box.attr(label=f"step {step} of {plan.refresh_steps}", style="dashed", color="#999999")
+                    for node in sorted(by_cluster[(rank, step)], key=lambda n: n.start):
+                        box.node(node.id, node.label, fillcolor=node.color)
+
+    edges = set()
+    for producer, consumer in dependencies(plan, all_tasks):
+        if producer.key in kept_keys and consumer.key in kept_keys:
+            a, b = of_task[producer.key], of_task[consumer.key]
+            if a is not b:
+                edges.add((a.id, b.id, producer.rank != consumer.rank))
+    for a_id, b_id, cross in sorted(edges):
+        g.edge(a_id, b_id, **({"color": "#c0392b", "style": "bold"} if cross else {}))
+    peers = {(of_task[a.key].id, of_task[b.key].id) for a, b in collective_peers(plan, kept)}
+    for a_id, b_id in sorted(peers):
+        g.edge(a_id, b_id, style="dashed", dir="none", constraint="false", color="#b07aa1")
+    _legend(g, {group_of(t.op.kind) for t in kept}, collapse)
+    return g, nodes, collapse
+
+
+def _legend(g, groups: set[str], collapse: str | None) -> None:
+    if collapse:
+        rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
+                (f"K-FAC work of one {collapse}", GROUPS["curv"][1]),
+                ("update: gradient sync, preconditioning, optimizer step", GROUPS["step"][1])]
+    else:
+        rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
+    cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)
+    cells += '<TR><TD><FONT COLOR="#c0392b">&#8594;</FONT></TD><TD ALIGN="LEFT">between devices</TD></TR>'
+    g.node("legend", f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">{cells}</TABLE>>',
+           shape="plaintext", style="", fontcolor="black", _attributes={"class": "legend"})
+
+
+def render_graph(plan: Plan, fmt: str, flt: TaskFilter | None = None, collapse: str | bool | None = None):
+    """The picture's bytes plus (node count, collapse level or None); requires `dot`."""
+    require_dot()
+    g, nodes, collapsed = graph_source(plan, flt, collapse)
+    return g.pipe(format=fmt, engine="dot"), len(nodes), collapsed

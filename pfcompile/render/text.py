@@ -1,0 +1,38 @@
+"""A plan as text: its statistics and each rank's ops per step in compact form (`pfcompile inspect`)."""
+
+from __future__ import annotations
+
+from pfcompile.formats.plan import Plan
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and v and all(isinstance(x, int) for x in v) and max(v) >= 2**20:
+        return "[" + ", ".join(f"{x / 2**30:.2f}" for x in v) + "] GiB"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def format_stats(plan: Plan) -> str:
+    c = plan.config
+    head = (f"plan: {plan.model.get('name', '?')}  {c['schedule']}  D={c['stages']} N={c['micro_batches']} "
+            f"R={c['replicas']} v={c.get('virtual_stages', 1)} W={c['world_size']}  method={c['method']} "
+            f"kfac={c['kfac']} k={c['refresh_steps']}")
+    width = max((len(k) for k in plan.stats), default=0)
+    lines = [head] + [f"  {k:<{width}}  {_fmt(v)}" for k, v in plan.stats.items()]
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, max_ops: int | None = None) -> str:
+    lines = [format_stats(plan), "", "partition: " + " | ".join(",".join(p) for p in plan.partition)]
+    for q, steps in enumerate(plan.ranks):
+        held = ", ".join(f"s{s}/r{r}" for s, r in plan.stages_of(q))
+        for t, ops in enumerate(steps):
+            shown = ops if max_ops is None else ops[:max_ops]
+            end = max((p.end for p in ops), default=0.0)
+            more = f" ... (+{len(ops) - len(shown)} more)" if len(shown) < len(ops) else ""
+            lines.append(f"rank {q} [{held}] step {t} ({len(ops)} ops, ends {end:.1f} ms): "
+                         + " ".join(str(p.op) for p in shown) + more)
+    return "\n".join(lines)
