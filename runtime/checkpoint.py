@@ -83,3 +83,55 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# --- what a rank saves: its stages --------------------------------------------------------------
+def stage_state(sr) -> dict:
+    """One stage replica's parameters, optimizer and K-FAC state. Mid-cycle the K-FAC layers
+    may also hold captures a later step's curv op will fold in (kept_captures)."""
+    return {"params": sr.module.state_dict(), "optimizer": sr.optimizer.state_dict(),
+            "kfac": {layer.name: layer.state_dict() for layer in sr.kfac.values()},
+            "kept": {layer.name: layer.kept_captures() for layer in sr.kfac.values()}}
+
+
+def load_stage_state(sr, state: dict) -> None:
+    sr.module.load_state_dict(state["params"])
+    sr.optimizer.load_state_dict(state["optimizer"])
+    for layer in sr.kfac.values():
+        layer.load_state_dict(state["kfac"][layer.name])
+        layer.load_kept_captures(state["kept"][layer.name])
+
+
+def save_rank(root: str | os.PathLike, step: int, world, stages: dict) -> None:
+    """This rank's checkpoint of the state after `step` steps: its stages and the RNG."""
+    save(root, step, world.rank, world.world_size, {
+        "step": step, "rng": capture_rng(),
+        "stages": {s: stage_state(sr) for s, sr in stages.items()}})
+
+
+def resume(root: str, world, stages: dict) -> int:
+    """Load the last checkpoint complete on ALL ranks (agreed by an all-reduce MIN); returns
+    its step (0: none, start from scratch). A checkpoint of another plan, or a damaged one,
+    is an InputError naming the file."""
+    import torch.distributed as dist
+
+    from pfcompile.formats.errors import InputError
+
+    done = complete_steps(root, world.world_size)
+    latest = torch.tensor([done[-1] if done else 0], dtype=torch.int64, device=world.device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MIN)  # ranks may see the folder at different moments
+    step = int(latest)
+    if step == 0:
+        return 0
+    try:
+        state = load(root, step, world.rank, map_location=world.device)
+        for s, sr in stages.items():
+            load_stage_state(sr, state["stages"][s])
+        restore_rng(state["rng"])
+    except (KeyError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(str(_rank_file(Path(root), step, world.rank)), None,
+                         f"cannot resume this plan from it ({type(e).__name__}: {first})") from None
+    if world.rank == 0:
+        print(f"runtime: resumed from {root} at step {step}", flush=True)
+    return step

@@ -279,6 +279,15 @@ class KfacLayer:
         self.factors, self.inverses, self._pending = pick("factor"), pick("inverse"), pick("pending")
         self._ema_done = bool(sd["ema_done"])
 
+    def kept_captures(self) -> dict[str, dict[int, torch.Tensor]]:
+        """Captured inputs ("A") and output gradients ("B") by micro-batch that no curv_a /
+        curv_b has folded in yet. A plan may run a curv op in a later step than its fwd/bwd,
+        so a checkpoint taken mid-cycle needs them; state_dict leaves them out."""
+        return {f: dict(saved) for f, saved in self._saved.items()}
+
+    def load_kept_captures(self, kept: dict[str, dict[int, torch.Tensor]]) -> None:
+        self._saved = {f: dict(kept.get(f, {})) for f in FACTORS}
+
 
 # --- helpers over groups of layers -------------------------------------------------------------
 def make_layers(named_linears, cfg: KfacConfig, loss_divisor: float = 1.0, attach: bool = True) -> list[KfacLayer]:

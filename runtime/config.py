@@ -1,0 +1,139 @@
+"""The job's configuration: the command-line flags of `torchrun -m runtime PLAN`, and their
+validation together with the plan and the model against this job.
+
+Each rank validates BEFORE any collective (and before torch is even imported where it can
+be), so a mismatch ends the job with one line instead of a hang. Everything here raises
+InputError; runtime.__main__ turns it into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pfcompile.formats.errors import InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m runtime",
+        description="Run a pfcompile plan with torch.distributed (gloo on CPU, NCCL on CUDA).")
+    p.add_argument("plan", help="plan JSON written by `pfcompile plan`")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--data", choices=("pydoc", "synthetic"), default="pydoc",
+                   help="pydoc-corpus MLM batches (default) or synthetic tokens")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's)")
+    p.add_argument("--checkpoint-dir", default=None, help="write per-rank checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="C", help="checkpoint every C steps")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    p.add_argument("--trace", "-o", default=None, metavar="OUT.json",
+                   help="write the measured timeline (Perfetto/Chrome trace) here")
+    p.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION",
+                   help="allow importing the plan's user model; must equal the plan's model name")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent peer is an error (default 60)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps excluded from the measured step time (default: one refresh cycle if steps allow, else 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
+    return p
+
+
+@dataclass
+class Job:
+    """What a rank knows after validation, before touching the network."""
+    plan: object                 # pfcompile.formats.plan.Plan
+    spec: object                 # model spec: cfg, part_names, build_part
+    dtype: object                # torch dtype
+    rank: int
+    world_size: int
+    seed: int
+    where: str                   # the plan's path, for error messages
+
+
+def prepare(args, rank: int, world_size: int) -> Job:
+    """Validate flags, plan and model against this job; every problem is a one-line InputError."""
+    from pfcompile.formats.plan import load_plan
+
+    _check_flags(args)
+    plan = load_plan(args.plan)
+    where = args.plan
+    if plan.world_size != world_size:
+        raise InputError(where, "config.world_size",
+                         f"the plan is for {plan.world_size} ranks but this job has {world_size} "
+                         f"(launch with torchrun --nproc-per-node/--nnodes giving {plan.world_size})")
+    _check_rank_ops(plan, rank, where)
+
+    import torch
+
+    spec = _resolve_model(plan, args, where)
+    _check_plan_fits_model(plan, spec, where)
+    if args.data == "pydoc":
+        from runtime.data import VOCAB
+        if spec.cfg.vocab < len(VOCAB):
+            raise InputError(where, "model.vocab", f"{spec.cfg.vocab} is smaller than the pydoc corpus' {len(VOCAB)} tokens; use --data synthetic")
+    dtype = getattr(torch, args.dtype)
+    return Job(plan, spec, dtype, rank, world_size, args.seed, where)
+
+
+def _check_flags(args) -> None:
+    if args.steps < 1:
+        raise InputError("--steps", None, f"must be >= 1, got {args.steps}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise InputError("--checkpoint-dir", None, "is needed by --checkpoint-every and --resume")
+    if args.checkpoint_every < 0:
+        raise InputError("--checkpoint-every", None, f"must be >= 0, got {args.checkpoint_every}")
+
+
+def _resolve_model(plan, args, where: str):
+    """The plan's model spec. User code is imported only when the command line names the
+    same code (--model-code), so a plan file alone never runs code."""
+    from runtime.models import MODEL_CONFIGS, ModelSpecError, resolve_config, resolve_model
+
+    name = plan.model.get("name")
+    if ":" in name:
+        if args.model_code != name:
+            raise InputError(where, "model.name", f"is user code {name!r}; pass --model-code {name} to allow importing it")
+        try:
+            return resolve_model(name)
+        except ModelSpecError as e:
+            raise InputError(where, "model.name", str(e)) from None
+    if args.model_code is not None:
+        raise InputError("--model-code", None, f"{args.model_code!r} but the plan's model is the built-in {name!r}")
+    if name not in MODEL_CONFIGS:
+        raise InputError(where, "model.name", f"unknown model {name!r}; built-in: {', '.join(MODEL_CONFIGS)}")
+    return resolve_model(resolve_config(name, vocab=plan.model.get("vocab"), seq_len=plan.model.get("seq_len")))
+
+
+def _check_plan_fits_model(plan, spec, where: str) -> None:
+    parts = [p for stage in plan.partition for p in stage]
+    if parts != list(spec.part_names):
+        raise InputError(where, "partition", f"{parts} does not cut the model's parts {list(spec.part_names)} in order")
+    for key in ("micro_batch", "seq_len"):
+        v = plan.model.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(where, f"model.{key}", f"must be a positive integer, got {v!r}")
+    if len(plan.micro_batch_replica) != plan.config["micro_batches"]:
+        raise InputError(where, "micro_batch_replica",
+                         f"has {len(plan.micro_batch_replica)} entries for {plan.config['micro_batches']} micro-batches")
+
+
+def _check_rank_ops(plan, rank: int, where: str) -> None:
+    """The ops of this rank refer to stages, layers and peers it actually has."""
+    held = {s for s, _ in plan.stages_of(rank)}
+    if not held:
+        raise InputError(where, "placement", f"rank {rank} holds no stage")
+    # The stage an op runs on, relative to op.stage: a receive runs on the neighbouring
+    # stage (recv_act of stage s feeds s + 1; recv_grad of stage s feeds s - 1).
+    needs = {"fwd": 0, "bwd": 0, "send_act": 0, "send_grad": 0, "recv_act": 1, "recv_grad": -1,
+             "sync_grad": 0, "step": 0}
+    for t in range(plan.refresh_steps):
+        for i, op in enumerate(plan.ops(rank, t)):
+            field = f"ranks[{rank}].steps[{t}][{i}]"
+            if op.kind in needs and op.stage + needs[op.kind] not in held:
+                raise InputError(where, field, f"{op} needs stage {op.stage + needs[op.kind]}, which rank {rank} does not hold")
+            if op.layer is not None and plan.layer_stage[op.layer] not in held:
+                raise InputError(where, field, f"{op} is a layer of stage {plan.layer_stage[op.layer]}, not held by rank {rank}")
+            if op.is_p2p and op.peer == rank:
+                raise InputError(where, field, f"{op} sends to or receives from its own rank")

@@ -1,0 +1,31 @@
+"""Fault injection for tests, kept out of the training loop's way.
+
+PFC_RUNTIME_CRASH="RANK:STEP" makes that rank exit abruptly (os._exit, no cleanup) at the
+start of that step, on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a
+torchrun restart can be shown to resume from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+CRASH_EXIT_CODE = 17
+
+
+def crash_hook(rank: int):
+    """A callable `hook(step)` for the loop to call at the start of every step: it kills this
+    process at the configured step, and does nothing otherwise (or when nothing is set)."""
+    step = _crash_step(rank)
+
+    def hook(current: int) -> None:
+        if current == step:
+            os._exit(CRASH_EXIT_CODE)
+    return hook
+
+
+def _crash_step(rank: int) -> int | None:
+    spec = os.environ.get("PFC_RUNTIME_CRASH")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    r, _, s = spec.partition(":")
+    return int(s) if int(r) == rank else None
