@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pfcompile.graph.costs import COMPUTE_KINDS, Costs
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import FACTORS, Op
+from pfcompile.formats.ops import FACTORS, Op, backward_kinds, input_grad_kind, weight_grad_kind
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 
@@ -77,6 +77,10 @@ class _Layout:
         self.k = plan.refresh_steps
         self.W = plan.world_size
         self.kfac = bool(c["kfac"])
+        schedule = str(c.get("schedule", ""))
+        self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
+        self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
+        self.Wk = weight_grad_kind(schedule)  # completes the weight gradients of a micro-batch
         self.mbr = plan.micro_batch_replica
         self.rank = {(p["stage"], p["replica"]): p["rank"] for p in plan.placement}
         self.held = defaultdict(dict)  # rank -> {stage: replica}
@@ -127,6 +131,8 @@ def _check_static(plan: Plan, L: _Layout, where: str) -> None:
             for i, po in enumerate(plan.ranks[q][t]):
                 op = po.op
                 name = f"{op} (rank {q}, step {t})"
+                if op.kind in ("bwd", "bwd_input", "bwd_weight") and op.kind not in L.backward:
+                    raise ReplayError(where, _where(q, t, i, op), f"{name}: the {plan.config.get('schedule')} family's backward ops are {', '.join(L.backward)}")
                 if op.is_kfac and not L.kfac:
                     raise ReplayError(where, _where(q, t, i, op), f"{name} is a K-FAC op in a plan without K-FAC")
                 s = L.stage_of(op)
@@ -161,7 +167,7 @@ def _check_peer(L: _Layout, q: int, t: int, i: int, op: Op, name: str, where: st
 
 def _check_step_complete(plan: Plan, L: _Layout, q: int, t: int, ops: set[Op], where: str) -> None:
     for s, r in sorted(L.held[q].items()):
-        need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd", "bwd")]
+        need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
         need.append(Op("step", stage=s))
         if L.R > 1:
             need.append(Op("sync_grad", stage=s))
@@ -221,22 +227,24 @@ def _deps(L: _Layout, q: int, c: int, t: int, op: Op) -> tuple[list[tuple], list
             local.append(here(Op("step", stage=s), t - 1))
         elif c > 0:
             local.append((c - 1, L.k - 1, q, Op("step", stage=s)))
-    elif k == "bwd":
+    elif k in ("bwd", "bwd_input"):
         local.append(here(Op("fwd", stage=s, mb=op.mb)))
         if s + 1 < S:
-            local.append(here(Op("bwd", stage=s + 1, mb=op.mb)) if L.rank[(s + 1, r)] == q
+            local.append(here(Op(k, stage=s + 1, mb=op.mb)) if L.rank[(s + 1, r)] == q
                          else here(Op("recv_grad", stage=s + 1, mb=op.mb, peer=L.rank[(s + 1, r)])))
+    elif k == "bwd_weight":
+        local.append(here(Op("bwd_input", stage=s, mb=op.mb)))
     elif k == "send_act":
         local.append(here(Op("fwd", stage=s, mb=op.mb)))
     elif k == "send_grad":
-        local.append(here(Op("bwd", stage=s, mb=op.mb)))
+        local.append(here(Op(L.B, stage=s, mb=op.mb)))
     elif k in ("recv_act", "recv_grad"):
         send = Op("send_" + k[5:], stage=op.stage, mb=op.mb, peer=q)
         remote.append((c, t, op.peer, send))
     elif k == "curv_a":
         local.append((c, 0, q, Op("fwd", stage=s, mb=op.mb)))
-    elif k == "curv_b":
-        local.append((c, 0, q, Op("bwd", stage=s, mb=op.mb)))
+    elif k == "curv_b":  # split backward: with or after W, which shares its output gradient
+        local.append((c, 0, q, Op(L.Wk, stage=s, mb=op.mb)))
     elif k == "sync_curv":
         kind = "curv_a" if op.factor == "A" else "curv_b"
         local += [(c, None, q, Op(kind, layer=op.layer, mb=m)) for m in mine]
@@ -249,14 +257,14 @@ def _deps(L: _Layout, q: int, c: int, t: int, op: Op) -> tuple[list[tuple], list
         if op.peer == q:
             local.append((c, None, q, Op("inv", layer=op.layer, factor=op.factor)))
     elif k == "sync_grad":
-        local += [here(Op("bwd", stage=s, mb=m)) for m in mine]
+        local += [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
     elif k == "precond":
-        local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op("bwd", stage=s, mb=m)) for m in mine]
+        local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
     elif k == "step":
         if L.kfac and L.stage_layers[s]:
             local += [here(Op("precond", layer=l)) for l in L.stage_layers[s]]
         else:
-            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op("bwd", stage=s, mb=m)) for m in mine]
+            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
     return local, remote
 
 

@@ -6,7 +6,9 @@ text form in the spirit of torch.distributed.pipelining's actions:
 | op          | text             | fields                                   |
 |-------------|------------------|------------------------------------------|
 | fwd         | F3.5             | stage 3, micro-batch 5                   |
-| bwd         | B3.5             |                                          |
+| bwd         | B3.5             | the whole backward (input and weight gradients) |
+| bwd_input   | IB3.5            | split backward (zero-bubble families): input gradient only, the critical path |
+| bwd_weight  | W3.5             | split backward: the weight gradients of (stage 3, mb 5), after its IB |
 | send_act    | SA3.5>2          | activation made by stage 3, mb 5, to rank 2   |
 | recv_act    | RA3.5<0          | activation made by stage 3, mb 5, from rank 0 |
 | send_grad   | SG3.5>1          | input-gradient made by stage 3, mb 5, to rank 1 |
@@ -27,6 +29,10 @@ Conventions that every consumer relies on:
 - send and recv of one message carry the same key (kind, stage, mb): `stage` is always
   the *producing* stage (for send_grad/recv_grad the stage whose backward made the
   input-gradient). `peer` is the other rank.
+- a zero-bubble family (`SPLIT_BACKWARD_SCHEDULES`) lists `bwd_input` and `bwd_weight`
+  for every (stage, mb) instead of `bwd`: send_grad follows bwd_input; the weight
+  gradients (sync_grad, precond, step, and curv_b, which shares the output gradients W
+  keeps) wait for bwd_weight; the stage's activations live until bwd_weight ends.
 - `layer` is an index into the plan's list of K-FAC layers; `factor` is "A" or "B".
 - sync_curv, bcast_inv and sync_grad are collectives over the ranks that hold a replica
   of the stage: every member lists the op, in the same order relative to its other
@@ -43,6 +49,8 @@ from typing import Any
 OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fwd": ("F", ("stage", "mb")),
     "bwd": ("B", ("stage", "mb")),
+    "bwd_input": ("IB", ("stage", "mb")),
+    "bwd_weight": ("W", ("stage", "mb")),
     "send_act": ("SA", ("stage", "mb", "peer")),
     "recv_act": ("RA", ("stage", "mb", "peer")),
     "send_grad": ("SG", ("stage", "mb", "peer")),
@@ -56,7 +64,26 @@ OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "precond": ("P", ("layer",)),
     "step": ("U", ("stage",)),
 }
-PIPELINE_KINDS = frozenset({"fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad"})
+PIPELINE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad"})
+PASS_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight"})  # compute passes of (stage, mb)
+# the families whose backward is split into bwd_input (B) and bwd_weight (W)
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "zb-v"})
+
+
+def backward_kinds(schedule: str) -> tuple[str, ...]:
+    """The backward ops of every (stage, mb) in a family: ("bwd",) or ("bwd_input", "bwd_weight")."""
+    return ("bwd_input", "bwd_weight") if schedule in SPLIT_BACKWARD_SCHEDULES else ("bwd",)
+
+
+def input_grad_kind(schedule: str) -> str:
+    """The op that makes a stage's input gradient (what send_grad waits for)."""
+    return "bwd_input" if schedule in SPLIT_BACKWARD_SCHEDULES else "bwd"
+
+
+def weight_grad_kind(schedule: str) -> str:
+    """The op after which a stage's weight gradients of one micro-batch are complete."""
+    return "bwd_weight" if schedule in SPLIT_BACKWARD_SCHEDULES else "bwd"
+
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad"})
 KFAC_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv", "precond"})
@@ -93,7 +120,7 @@ class Op:
     def __str__(self) -> str:
         prefix = OP_KINDS[self.kind][0]
         k = self.kind
-        if k in ("fwd", "bwd"):
+        if k in PASS_KINDS:
             return f"{prefix}{self.stage}.{self.mb}"
         if k in ("send_act", "send_grad"):
             return f"{prefix}{self.stage}.{self.mb}>{self.peer}"
@@ -150,7 +177,7 @@ class Op:
         return ("act" if self.kind.endswith("act") else "grad", self.stage, self.mb)
 
 
-_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|F|B|I|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
+_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|IB|F|B|I|W|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
 _BY_PREFIX = {prefix: kind for kind, (prefix, _) in OP_KINDS.items()}
 
 
@@ -163,7 +190,7 @@ def parse_op(text: str) -> Op:
     kind = _BY_PREFIX[prefix]
     a = int(a)
     peer_i = int(peer) if peer is not None else None
-    if kind in ("fwd", "bwd", "send_act", "recv_act", "send_grad", "recv_grad"):
+    if kind in PIPELINE_KINDS:
         if b is None or not b.isdigit():
             raise ValueError(f"not an op: {text!r}")
         if (kind.startswith("send") and arrow != ">") or (kind.startswith("recv") and arrow != "<"):

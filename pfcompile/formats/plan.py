@@ -5,7 +5,7 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
     {
       "schema": "pfcompile-plan", "schema_version": 1,
       "config": {
-        "schedule": "gpipe"|"1f1b"|"interleaved"|"chimera",
+        "schedule": "gpipe"|"1f1b"|"interleaved"|"chimera"|"zb-h1"|"zb-v",
         "stages": D,                 # pipeline depth (devices per pipeline)
         "virtual_stages": v,         # model chunks per device (interleaved), else 1
         "micro_batches": N,          # micro-batches per step, all replicas together
@@ -48,7 +48,7 @@ from pfcompile.formats.ops import Op
 
 SCHEMA = "pfcompile-plan"
 SCHEMA_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
 METHODS = ("none", "greedy", "cpsat")
 
 

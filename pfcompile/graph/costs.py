@@ -11,7 +11,13 @@ Memory model (DESIGN.md, plan semantics):
   them at its end. On the refresh step (step 0 of the cycle) `fwd` also allocates each
   layer's kept input (freed at the end of its `curv_a`) and `bwd` each layer's kept output
   gradient (freed at the end of its `curv_b`).
-Buffers are named by keys: ("act", stage, mb), ("kept_a", layer, mb), ("kept_b", layer, mb).
+- split backward (zero-bubble families): `bwd_input(s, m)` keeps the output gradients the
+  weight pass needs (`wgrad_bytes`) from its start, and the activations stay: both are
+  freed at the end of `bwd_weight(s, m)`. On the refresh step with K-FAC, the kept output
+  gradients of the K-FAC layers ARE those tensors: bwd_input allocates them as kept_b
+  (freed by curv_b, which runs with or after W), and the W buffer holds only the rest.
+Buffers are named by keys: ("act", stage, mb), ("wgrad", stage, mb), ("kept_a", layer, mb),
+("kept_b", layer, mb).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pfcompile.formats.ops import Op
 from pfcompile.formats.profile import Profile
 
 # Ops whose compute time counts as a device being busy (communication is waiting).
-COMPUTE_KINDS = frozenset({"fwd", "bwd", "curv_a", "curv_b", "inv", "precond", "step"})
+COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "step"})
 
 
 def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
@@ -84,6 +90,13 @@ def balanced_partition(profile: Profile, stages: int) -> list[list[str]]:
     return groups[::-1]
 
 
+# Share of a part's backward that is the weight-gradient pass W when the backward is split.
+# Every nn.Linear's backward is two matmuls of equal FLOPs (input gradient, weight
+# gradient), and the zero-bubble paper's schedules assume T_B = T_W; the profile times the
+# whole backward.
+WEIGHT_SHARE = 0.5
+
+
 @dataclass
 class Costs:
     profile: Profile
@@ -108,6 +121,21 @@ class Costs:
 
     def bwd_ms(self, stage: int) -> float:
         return sum(p.bwd_ms for p in self._parts[stage])
+
+    def bwd_input_ms(self, stage: int) -> float:
+        return self.bwd_ms(stage) * (1.0 - WEIGHT_SHARE)
+
+    def bwd_weight_ms(self, stage: int) -> float:
+        return self.bwd_ms(stage) - self.bwd_input_ms(stage)
+
+    def wgrad_bytes(self, stage: int) -> int:
+        """What a weight pass keeps besides the activations: the output gradients of the
+        stage's linear layers (its K-FAC layers' kept_b), or the stage's output gradient
+        when it has none."""
+        layers = self.stage_layers[stage]
+        if layers:
+            return sum(self.profile.kfac_layers[l].kept_b_bytes for l in layers)
+        return self.out_bytes(stage)
 
     def act_bytes(self, stage: int) -> int:
         return sum(p.act_bytes for p in self._parts[stage])
@@ -136,6 +164,10 @@ class Costs:
             return self.fwd_ms(op.stage)
         if k == "bwd":
             return self.bwd_ms(op.stage)
+        if k == "bwd_input":
+            return self.bwd_input_ms(op.stage)
+        if k == "bwd_weight":
+            return self.bwd_weight_ms(op.stage)
         if k in ("send_act", "recv_act", "send_grad", "recv_grad"):
             return 0.0
         if k == "curv_a":
@@ -170,14 +202,19 @@ class Costs:
             out.append((("act", op.stage, op.mb), self.act_bytes(op.stage)))
             if refresh and self.kfac:
                 out += [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
-        elif op.kind == "bwd" and refresh and self.kfac:
+        elif op.kind in ("bwd", "bwd_input") and refresh and self.kfac:
             out += [(("kept_b", l, op.mb), layers[l].kept_b_bytes) for l in self.stage_layers[op.stage]]
+        if op.kind == "bwd_input":
+            shared = sum(n for key, n in out if key[0] == "kept_b")
+            out.append((("wgrad", op.stage, op.mb), max(0, self.wgrad_bytes(op.stage) - shared)))
         return out
 
     def frees(self, op: Op) -> list[tuple]:
         """Buffer keys the op frees at its end."""
         if op.kind == "bwd":
             return [("act", op.stage, op.mb)]
+        if op.kind == "bwd_weight":
+            return [("act", op.stage, op.mb), ("wgrad", op.stage, op.mb)]
         if op.kind == "curv_a":
             return [("kept_a", op.layer, op.mb)]
         if op.kind == "curv_b":

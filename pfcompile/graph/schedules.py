@@ -10,6 +10,9 @@ virtual_stages, S = D·v model stages, N = micro_batches of ALL replicas, R = re
 - interleaved:   rank = r·D + (s mod D): device d holds stages d, d+D, ..., d+(v-1)·D
 - chimera:       R = 2, W = D: replica 0 ("down") stage s on rank s, replica 1 ("up")
                  stage s on rank D-1-s; N/2 micro-batches each way
+- zb-h1:         as 1f1b, backward split into bwd_input (B) and bwd_weight (W)
+- zb-v:          v = 2 chunks in a V: device d holds stages d and 2D-1-d (rank = r·D + d),
+                 so the first and last stage share device 0; backward split as zb-h1
 Replica r runs the contiguous block of micro-batches r·N/R .. (r+1)·N/R - 1.
 """
 
@@ -19,9 +22,9 @@ import heapq
 from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import Op
+from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
 INVERSION_POLICIES = ("balanced", "all")
 
 
@@ -49,6 +52,8 @@ class PipelineConfig:
     def __post_init__(self):
         if self.schedule == "chimera" and self.replicas == 1:
             self.replicas = 2  # Chimera is two pipelines by construction
+        if self.schedule == "zb-v" and self.virtual_stages == 1:
+            self.virtual_stages = 2  # ZB-V is two chunks per device by construction
         self.validate()
 
     def validate(self) -> None:
@@ -64,7 +69,9 @@ class PipelineConfig:
             raise InputError("--inversion", None, f"must be one of {', '.join(INVERSION_POLICIES)}")
         if self.inverse not in ("cholesky", "eigen"):
             raise InputError("--inverse", None, "must be 'cholesky' or 'eigen'")
-        if v != 1 and self.schedule != "interleaved":
+        if self.schedule == "zb-v" and v != 2:
+            raise InputError("--virtual-stages", None, f"zb-v holds exactly 2 chunks per device, got {v}")
+        if v != 1 and self.schedule not in ("interleaved", "zb-v"):
             raise InputError("--virtual-stages", None, f"only the interleaved schedule has virtual stages (got {v} with {self.schedule})")
         if N % R:
             raise InputError("--micro-batches", None, f"{N} micro-batches do not split evenly over {R} replicas")
@@ -82,6 +89,11 @@ class PipelineConfig:
 
     # --- layout ---------------------------------------------------------------------------------
     @property
+    def split_backward(self) -> bool:
+        """Zero-bubble families: each backward is bwd_input (B) then bwd_weight (W)."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
+
+    @property
     def num_stages(self) -> int:
         return self.stages * self.virtual_stages
 
@@ -93,6 +105,8 @@ class PipelineConfig:
         D = self.stages
         if self.schedule == "chimera":
             return stage if replica == 0 else D - 1 - stage
+        if self.schedule == "zb-v":  # the V: down the devices with chunk 0, back up with chunk 1
+            return replica * D + (stage if stage < D else 2 * D - 1 - stage)
         return replica * D + stage % D
 
     def placement(self) -> list[dict[str, int]]:
@@ -125,7 +139,7 @@ class PipelineConfig:
 
 # --- compute orders: per rank, the (kind, stage, mb) passes of one step ------------------------
 
-Pass = tuple[str, int, int]  # ("fwd" | "bwd", stage, mb)
+Pass = tuple[str, int, int]  # ("fwd" | "bwd" | "bwd_input" | "bwd_weight", stage, mb)
 
 
 def _gpipe(D: int, stage_local: int, stage: int, mbs: list[int]) -> list[Pass]:
@@ -162,6 +176,89 @@ def _interleaved(D: int, v: int, d: int, mbs: list[int]) -> list[Pass]:
         order += [virtual(warm + i, True), virtual(i, False)]
     order += [virtual(k, False) for k in range(total - warm, total)]
     return order
+
+
+def _zb_h1(D: int, d: int, stage: int, mbs: list[int]) -> list[Pass]:
+    """ZB-H1 (Qi et al., ICLR 2024, as torch's ScheduleInterleavedZeroBubble with one
+    chunk): 1F1B's forwards and input-backwards (B), and device d holds back the weight
+    pass W of its first d micro-batches, so W fills the cool-down wait the earlier devices
+    have in 1F1B: after B of the j-th micro-batch comes W of the (j-d)-th, the last d W's
+    close the step. In flight: at most D activations per device, 1F1B's peak."""
+    n = len(mbs)
+    warm = min(D - d - 1, n)
+    order: list[Pass] = [("fwd", stage, m) for m in mbs[:warm]]
+    w_next = 0
+
+    def b_then_w(j: int) -> None:
+        nonlocal w_next
+        order.append(("bwd_input", stage, mbs[j]))
+        if j >= d:
+            order.append(("bwd_weight", stage, mbs[w_next]))
+            w_next += 1
+
+    for i in range(n - warm):
+        order.append(("fwd", stage, mbs[warm + i]))
+        b_then_w(i)
+    for j in range(n - warm, n):
+        b_then_w(j)
+    order += [("bwd_weight", stage, m) for m in mbs[w_next:]]
+    return order
+
+
+def _zb_v(D: int, d: int, mbs: list[int]) -> list[Pass]:
+    """ZB-V (Qi et al., "Pipeline parallelism with controllable memory", 2024; torch's
+    ScheduleZBVZeroBubble) on device d, chunks c0 = stage d (going down) and c1 = stage
+    2D-1-d (coming back up). Warm-up: 2(D-d)-1 forwards of c0, then d pairs (F c1, F c0),
+    then D-d rounds of (F c1, B c1, W c1); steady: (F c0, B c0, W c0, F c1, B c1, W c1)
+    until all forwards are issued; cool-down: d pairs (B c0, B c1), D-d pairs (B c0, W c0
+    of the oldest pending), then the pending W's of c1, then of c0. The order is built
+    for max(N, 2D-1) micro-batches (what the V needs to fill) and the absent ones dropped."""
+    n_real = len(mbs)
+    n = max(n_real, 2 * D - 1)
+    c0, c1 = d, 2 * D - 1 - d
+    count = {("fwd", c0): 0, ("fwd", c1): 0, ("bwd_input", c0): 0, ("bwd_input", c1): 0}
+    order: list[tuple[str, int, int]] = []  # (kind, stage, local micro-batch index)
+
+    def run(kind: str, stage: int) -> None:
+        i = count[(kind, stage)]
+        count[(kind, stage)] = i + 1
+        order.append((kind, stage, i))
+
+    def weight(stage: int, i: int) -> None:
+        order.append(("bwd_weight", stage, i))
+
+    for _ in range(2 * (D - d) - 1):
+        run("fwd", c0)
+    for _ in range(d):
+        run("fwd", c1)
+        run("fwd", c0)
+    for _ in range(D - d):
+        run("fwd", c1)
+        i = count[("bwd_input", c1)]
+        run("bwd_input", c1)
+        weight(c1, i)
+    while count[("fwd", c1)] < count[("fwd", c0)] or count[("fwd", c0)] < n:
+        if count[("fwd", c0)] < n:
+            run("fwd", c0)
+        for c in (c0, c1):
+            if c == c1:
+                run("fwd", c1)
+            i = count[("bwd_input", c)]
+            run("bwd_input", c)
+            weight(c, i)
+    w = {c0: count[("bwd_input", c0)], c1: count[("bwd_input", c1)]}
+    for _ in range(d):
+        run("bwd_input", c0)
+        run("bwd_input", c1)
+    for _ in range(D - d):
+        run("bwd_input", c0)
+        weight(c0, w[c0])
+        w[c0] += 1
+    for c in (c1, c0):
+        while w[c] < count[("bwd_input", c)]:
+            weight(c, w[c])
+            w[c] += 1
+    return [(kind, s, mbs[i]) for kind, s, i in order if i < n_real]
 
 
 def _chimera(cfg: PipelineConfig) -> dict[int, list[Pass]]:
@@ -225,6 +322,10 @@ def compute_orders(cfg: PipelineConfig) -> dict[int, list[Pass]]:
                 orders[q] = _gpipe(D, d, d, mbs)
             elif cfg.schedule == "1f1b":
                 orders[q] = _one_f_one_b(D, d, d, mbs)
+            elif cfg.schedule == "zb-h1":
+                orders[q] = _zb_h1(D, d, d, mbs)
+            elif cfg.schedule == "zb-v":
+                orders[q] = _zb_v(D, d, mbs)
             else:
                 orders[q] = _interleaved(D, cfg.virtual_stages, d, mbs)
     return orders
@@ -248,10 +349,12 @@ def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]]) -> dict
                 ops.append(Op("fwd", stage=s, mb=m))
                 if s + 1 < S and cfg.rank_of(s + 1, r) != q:
                     ops.append(Op("send_act", stage=s, mb=m, peer=cfg.rank_of(s + 1, r)))
-            else:
+            elif kind == "bwd_weight":  # local: it needs nothing from another rank
+                ops.append(Op("bwd_weight", stage=s, mb=m))
+            else:  # bwd or bwd_input: what makes the input gradient
                 if s + 1 < S and cfg.rank_of(s + 1, r) != q:
                     ops.append(Op("recv_grad", stage=s + 1, mb=m, peer=cfg.rank_of(s + 1, r)))
-                ops.append(Op("bwd", stage=s, mb=m))
+                ops.append(Op(kind, stage=s, mb=m))
                 if s > 0 and cfg.rank_of(s - 1, r) != q:
                     ops.append(Op("send_grad", stage=s, mb=m, peer=cfg.rank_of(s - 1, r)))
         for s, _r in cfg.stages_of(q):

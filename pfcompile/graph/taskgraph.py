@@ -27,7 +27,8 @@
   at the same time (sync_curv, bcast_inv have step None).
 - `buffers`: [Buffer(rank, nbytes, alloc, free, key)]: allocated at the start of `alloc`,
   freed at the end of `free` (activations fwd -> bwd; K-FAC kept input fwd@0 -> curv_a;
-  kept output gradient bwd@0 -> curv_b). `resident_bytes[rank]`: always held.
+  kept output gradient bwd@0 -> curv_b; split backward: activations fwd -> bwd_weight,
+  output gradients bwd_input -> bwd_weight, kept_b bwd_input@0 -> curv_b). `resident_bytes[rank]`: always held.
 - `canonical[rank][step]`: the schedule family's order of the per-step tasks of the rank
   (fwd/bwd/send/recv, then sync_grad, precond, step): the bubble baseline's op list.
 - `inv_candidates[(layer, factor)]`: the ranks that could invert it (one per replica of
@@ -168,14 +169,23 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
     def T(op: Op, stage: int, replica: int) -> Task:
         return Task(k, cfg.rank_of(stage, replica), op)
 
+    # split backward: bwd_input (B) makes the input gradient, bwd_weight (W) the weights'
+    B = "bwd_input" if cfg.split_backward else "bwd"
     for m in range(cfg.micro_batches):
         r = rep[m]
         for s in range(S):
-            fwd, bwd = T(Op("fwd", stage=s, mb=m), s, r), T(Op("bwd", stage=s, mb=m), s, r)
+            fwd, bwd = T(Op("fwd", stage=s, mb=m), s, r), T(Op(B, stage=s, mb=m), s, r)
             tg.add_edge(fwd, bwd)
-            tg.buffers.append(Buffer(fwd.rank, costs.act_bytes(s), fwd, bwd, ("act", s, m)))
+            done = bwd
+            if cfg.split_backward:
+                # W needs B's output gradients and keeps them and the activations until it ends
+                done = T(Op("bwd_weight", stage=s, mb=m), s, r)
+                tg.add_edge(bwd, done)
+                (wgrad,) = [n for key, n in costs.allocates(bwd.op, refresh=(k == 0)) if key[0] == "wgrad"]
+                tg.buffers.append(Buffer(bwd.rank, wgrad, bwd, done, ("wgrad", s, m)))
+            tg.buffers.append(Buffer(fwd.rank, costs.act_bytes(s), fwd, done, ("act", s, m)))
             if s + 1 < S:
-                nxt_f, nxt_b = T(Op("fwd", stage=s + 1, mb=m), s + 1, r), T(Op("bwd", stage=s + 1, mb=m), s + 1, r)
+                nxt_f, nxt_b = T(Op("fwd", stage=s + 1, mb=m), s + 1, r), T(Op(B, stage=s + 1, mb=m), s + 1, r)
                 if nxt_f.rank == fwd.rank:
                     tg.add_edge(fwd, nxt_f)
                     tg.add_edge(nxt_b, bwd)
@@ -190,8 +200,9 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
             if k > 0:
                 tg.add_edge(Task(k - 1, fwd.rank, Op("step", stage=s)), fwd)
 
+    W = "bwd_weight" if cfg.split_backward else "bwd"  # after it, a micro-batch's weight gradients are in
     for s in range(S):
-        bwds = [T(Op("bwd", stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
+        bwds = [T(Op(W, stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
         for r in range(R):
             q = cfg.rank_of(s, r)
             before_precond = [b for b in bwds if b.rank == q]
@@ -229,6 +240,11 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
             for f, kind, after in (("A", "curv_a", "fwd"), ("B", "curv_b", "bwd")):
                 c = tg.add_task(Task(None, q, Op(kind, layer=l, mb=m)))
                 made_by = Task(0, q, Op(after, stage=s, mb=m))
+                if kind == "curv_b" and cfg.split_backward:
+                    # the output gradient is made by B and shared with W: curv_b runs with
+                    # or after W (they read the same tensors), the buffer lives from B on
+                    made_by = Task(0, q, Op("bwd_input", stage=s, mb=m))
+                    tg.add_edge(Task(0, q, Op("bwd_weight", stage=s, mb=m)), c)
                 tg.add_edge(made_by, c)
                 tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, (f"kept_{f.lower()}", l, m)))
                 curv[f].append(c)

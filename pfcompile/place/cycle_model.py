@@ -26,7 +26,11 @@ from pfcompile.place.problem import Problem, Schedule, to_us
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 
-PASS_KINDS = ("fwd", "bwd")
+# the passes whose order a fixed-order model keeps; a split backward's W pass is free to
+# move within its dependencies and the memory limit
+ORDERED_PASSES = ("fwd", "bwd", "bwd_input")
+# the passes that enable curvature ops (curv_b of a split backward waits for W)
+CURVATURE_PRODUCERS = ("fwd", "bwd", "bwd_weight")
 
 
 @dataclass
@@ -104,7 +108,7 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
     for q, steps in tg.canonical.items():
         p.phases.append([[index[t] for t in step if t in index] for step in steps])
         if fixed_order:
-            p.chains.append([index[t] for step in steps for t in step if t.op.kind in PASS_KINDS])
+            p.chains.append([index[t] for step in steps for t in step if t.op.kind in ORDERED_PASSES])
     per_step = {i for i, t in enumerate(tasks) if t.step is not None}
     return CycleModel(tg, p, tasks, index, per_step, emit, host)
 
@@ -129,7 +133,7 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
             (host[t],) = g.successors(t)
     if group_curvature:
         for u in nodes:
-            if u.step == 0 and u.op.kind in PASS_KINDS:
+            if u.step == 0 and u.op.kind in CURVATURE_PRODUCERS:
                 curv = sorted((v for v in g.successors(u) if v.op.kind in ("curv_a", "curv_b")), key=lambda v: v.op)
                 for v in curv[1:]:
                     host[v] = curv[0]
@@ -238,19 +242,36 @@ def schedule_from_steps(cm: CycleModel, steps: dict[int, list[list[Op]]]) -> Sch
 def smallest_feasible_limit(cm: CycleModel) -> dict[int, int]:
     """Per rank: resident + the least dynamic peak under the family's order, reached by
     running each curvature op right after the op that made its kept tensor (activations
-    are fixed by the fwd/bwd order; kept tensors then live only while their producer runs)."""
+    are fixed by the fwd/bwd order; kept tensors then live only while their producer runs)
+    and, with a split backward, each W pass right after its B pass (curv_b after the W)."""
     tg = cm.tg
     out = {}
     for q, steps in tg.canonical.items():
-        live = peak = 0  # activations live between ops
+        live: dict[tuple, int] = {}  # activations (and a split backward's W buffers) between ops
+        peak = 0
         for t_step, step in enumerate(steps):
-            for t in step:
+            for t in _weight_pass_early(step):
                 made = tg.costs.allocates(t.op, refresh=(t_step == 0))
-                peak = max(peak, live + sum(n for _, n in made))
-                live += sum(n for key, n in made if key[0] == "act")
-                if t.op.kind == "bwd":
-                    live -= tg.costs.act_bytes(t.op.stage)
+                peak = max(peak, sum(live.values()) + sum(n for _, n in made))
+                live.update(made)
+                for key in tg.costs.frees(t.op):
+                    live.pop(key, None)
+                if t.op.kind != "bwd_input":  # its kept_b stays for the W (and curv_b) right after
+                    live = {key: n for key, n in live.items() if not key[0].startswith("kept")}
         out[q] = tg.resident_bytes[q] + peak
+    return out
+
+
+def _weight_pass_early(step: list[Task]) -> list[Task]:
+    """The step's order with every W pass right after its B pass: the least memory a
+    fixed-order model can reach (W passes are free to move)."""
+    w = {(t.op.stage, t.op.mb): t for t in step if t.op.kind == "bwd_weight"}
+    out = []
+    for t in step:
+        if t.op.kind != "bwd_weight":
+            out.append(t)
+            if t.op.kind == "bwd_input":
+                out.append(w[(t.op.stage, t.op.mb)])
     return out
 
 

@@ -183,7 +183,8 @@ def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
     k = cm.tg.refresh_steps
     pred = {}
     for a, b, _ in cm.problem.edges:
-        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in canon:
+        # the producer latest in the order (split backward: curv_b follows both B and W)
+        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in canon and (b not in pred or canon[a] > canon[pred[b]]):
             pred[b] = a
 
     def key(i: int) -> tuple:

@@ -70,8 +70,10 @@ def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
     k = op.kind
     if k in ("fwd", "send_act", "recv_act"):  # a receive joins the forward it feeds
         return ("F", _stage_served(op), op.mb)
-    if k in ("bwd", "send_grad", "recv_grad"):
+    if k in ("bwd", "bwd_input", "send_grad", "recv_grad"):
         return ("B", _stage_served(op), op.mb)
+    if k == "bwd_weight":
+        return ("W", op.stage, op.mb)
     if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
         return ("U", plan.layer_stage[op.layer])
     if op.layer is not None:
@@ -85,6 +87,8 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
         return f"F{key[1]}.{key[2]}", GROUPS["fwd"][1]
     if kind == "B":
         return f"B{key[1]}.{key[2]}", GROUPS["bwd"][1]
+    if kind == "W":
+        return f"W{key[1]}.{key[2]}", GROUPS["bwd_weight"][1]
     if kind == "K":
         return f"K-FAC {plan.layers[key[1]]}", GROUPS["curv"][1]
     if kind == "KS":
@@ -183,6 +187,7 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
 def _legend(g, groups: set[str], collapse: str | None) -> None:
     if collapse:
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
+                *([(label_of("bwd_weight"), GROUPS["bwd_weight"][1])] if "bwd_weight" in groups else []),
                 (f"K-FAC work of one {collapse}", GROUPS["curv"][1]),
                 ("update: gradient sync, preconditioning, optimizer step", GROUPS["step"][1])]
     else:

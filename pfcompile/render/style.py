@@ -10,6 +10,7 @@ from __future__ import annotations
 GROUPS: dict[str, tuple[str, str]] = {
     "fwd": ("forward", "#4e79a7"),
     "bwd": ("backward", "#59a14f"),
+    "bwd_weight": ("weight gradient (W)", "#8cd17d"),
     "curv": ("curvature", "#f28e2b"),
     "inv": ("inversion", "#e15759"),
     "sync_curv": ("factor sync", "#b07aa1"),
@@ -20,7 +21,7 @@ GROUPS: dict[str, tuple[str, str]] = {
 }
 
 _GROUP_OF_KIND = {
-    "fwd": "fwd", "bwd": "bwd",
+    "fwd": "fwd", "bwd": "bwd", "bwd_input": "bwd", "bwd_weight": "bwd_weight",
     "send_act": "p2p", "recv_act": "p2p", "send_grad": "p2p", "recv_grad": "p2p",
     "curv_a": "curv", "curv_b": "curv",
     "sync_curv": "sync_curv", "bcast_inv": "sync_curv",

@@ -41,11 +41,11 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
         off, height = COMM if group in ("p2p", "sync_curv", "sync_grad") else COMPUTE
         width = max(p.end - p.start, 0.0)
         colour = color_of(kind)
-        if group in ("fwd", "bwd") and chunk.get((q, p.op.stage), 0) % 2:
+        if group in ("fwd", "bwd", "bwd_weight") and chunk.get((q, p.op.stage), 0) % 2:
             colour = _lighter(colour)
         ax.broken_barh([(p.start, width)], (q + off, height), facecolors=colour,
                        edgecolors="white", linewidth=0.3)
-        if group in ("fwd", "bwd") and width > t_end / 120:
+        if group in ("fwd", "bwd", "bwd_weight") and width > t_end / 120:
             ax.text(p.start + width / 2, q + off + height / 2, str(p.op.mb), ha="center", va="center",
                     fontsize=7, color="white")
 

@@ -1,7 +1,8 @@
 """A plan's pipeline order as torch.distributed.pipelining's schedule CSV.
 
 One row per pipeline rank, one action per cell, in the text `_Action.from_str` reads:
-`2F0` forward of stage 2 on micro-batch 0, `2B0` its backward, `2SEND_F0` / `3RECV_F0`
+`2F0` forward of stage 2 on micro-batch 0, `2B0` its backward (split backward of the
+zero-bubble families: `2I0` the input gradient, `2W0` the weight gradients), `2SEND_F0` / `3RECV_F0`
 the activation from stage 2 to 3, `3SEND_B0` / `2RECV_B0` the input-gradient back. Note
 that torch names a receive by the *receiving* stage, pfcompile by the producing one.
 
@@ -25,7 +26,7 @@ import os
 from pathlib import Path
 
 from pfcompile.formats.jsonio import write_atomic
-from pfcompile.formats.ops import PIPELINE_KINDS, Op
+from pfcompile.formats.ops import PASS_KINDS, PIPELINE_KINDS, Op
 from pfcompile.formats.plan import Plan
 
 FORMATS = ("compute_comms", "compute_only")
@@ -37,6 +38,10 @@ def _action(op: Op, local_mb: int) -> str:
         return f"{s}F{local_mb}"
     if k == "bwd":
         return f"{s}B{local_mb}"
+    if k == "bwd_input":
+        return f"{s}I{local_mb}"
+    if k == "bwd_weight":
+        return f"{s}W{local_mb}"
     if k == "send_act":
         return f"{s}SEND_F{local_mb}"
     if k == "recv_act":
@@ -63,7 +68,7 @@ def actions(plan: Plan, replica: int = 0, fmt: str = "compute_comms") -> list[li
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     mbs = [mb for mb, r in enumerate(plan.micro_batch_replica) if r == replica]
     local = {mb: i for i, mb in enumerate(mbs)}
-    kinds = PIPELINE_KINDS if fmt == "compute_comms" else {"fwd", "bwd"}
+    kinds = PIPELINE_KINDS if fmt == "compute_comms" else PASS_KINDS
     rows = []
     for q in pipeline_ranks(plan, replica):
         held = {s for s, r in plan.stages_of(q) if r == replica}

@@ -1,0 +1,144 @@
+"""Zero-bubble families (zb-h1, zb-v): split backward B/W, their canonical orders against
+torch's own generators, the published bubble closed forms, torch's CSV validation and
+simulator on the export, the W pass's memory, and K-FAC placed next to the W passes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pfcompile.check.replay import ReplayError, replay
+from pfcompile.formats.ops import Op, parse_op
+from pfcompile.graph.schedules import PipelineConfig, compute_orders
+from pfcompile.graph.taskgraph import Task, build_task_graph
+from pfcompile.place.assemble import baseline_plan
+from pfcompile.place.build import build_plan
+from pfcompile.render import torch_csv
+from test_graph import uniform_profile
+from test_render import torch_runtime
+
+TOL = 1e-3
+
+
+def test_split_backward_ops_have_compact_text_forms():
+    for text, kind in (("IB3.5", "bwd_input"), ("W0.2", "bwd_weight")):
+        op = parse_op(text)
+        assert op.kind == kind and str(op) == text
+    assert parse_op("I3.A").kind == "inv" and parse_op("BI1.B<2").kind == "bcast_inv"
+
+
+def _torch_order(cls, D: int, N: int, chunks: int) -> dict[int, list[tuple[str, int, int]]]:
+    """torch's own per-rank compute order of a schedule class (its generator, no process group)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kind = {C.FORWARD: "fwd", C.BACKWARD_INPUT: "bwd_input", C.BACKWARD_WEIGHT: "bwd_weight"}
+    s = cls.__new__(cls)  # the generator reads these fields only
+    s.pp_group_size, s._n_microbatches, s.n_local_stages, s.num_stages = D, N, chunks, D * chunks
+    s.number_of_rounds = max(1, N // D)
+    s.microbatches_per_round = N // s.number_of_rounds
+    out = {}
+    for r in range(D):
+        s.rank = r
+        out[r] = [(kind[a.computation_type], a.stage_index, a.microbatch_index)
+                  for a in s._calculate_single_rank_operations(r) if a is not None]
+    return out
+
+
+@pytest.mark.parametrize("D,N", [(2, 4), (4, 4), (4, 8), (3, 7), (4, 3)])
+def test_canonical_orders_are_torchs(D, N):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+    if N % max(1, N // D) == 0:  # torch's ZB1P needs N a multiple of its rounds
+        assert compute_orders(PipelineConfig("zb-h1", D, N, kfac=False)) == _torch_order(ScheduleInterleavedZeroBubble, D, N, 1)
+    assert compute_orders(PipelineConfig("zb-v", D, N, kfac=False)) == _torch_order(ScheduleZBVZeroBubble, D, N, 2)
+
+
+@pytest.mark.parametrize("D,N", [(2, 4), (4, 4), (4, 8), (3, 7), (6, 12)])
+def test_bubble_matches_the_closed_forms(D, N):
+    """Uniform stages, T_F = T_B = T_W = 1 per device, no communication.
+    ZB-H1 (Qi et al. 2024, sec. 3): bubble (D-1)(T_F + T_B - T_W) against 1F1B's
+    (D-1)(T_F + T_B + T_W). ZB-V (N >= 2D-1): the only idle time is the warm-up's ramp,
+    one chunk forward (T_F/2) per hop: (D-1)·T_F/2."""
+    prof = uniform_profile(blocks=D, fwd=1.0, bwd=2.0)
+    _, h1 = baseline_plan(prof, PipelineConfig("zb-h1", stages=D, micro_batches=N, kfac=False))
+    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", stages=D, micro_batches=N, kfac=False))
+    assert h1.step_time_ms == pytest.approx(3 * N + (D - 1) * 1.0, abs=TOL)
+    assert f1b.step_time_ms - 3 * N == pytest.approx(3 * (h1.step_time_ms - 3 * N), abs=TOL)
+    assert 1 - h1.utilization == pytest.approx((D - 1) / (3 * N + D - 1), abs=1e-4)
+    if N >= 2 * D - 1:
+        prof_v = uniform_profile(blocks=2 * D, fwd=0.5, bwd=1.0)  # two chunks per device
+        _, v = baseline_plan(prof_v, PipelineConfig("zb-v", stages=D, micro_batches=N, kfac=False))
+        assert v.step_time_ms == pytest.approx(3 * N + (D - 1) * 0.5, abs=TOL)
+
+
+@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 4, 6), ("zb-v", 2, 4), ("zb-v", 4, 8)])
+def test_torch_validates_and_simulates_the_exported_csv(tmp_path, schedule, D, N):
+    from torch.distributed.pipelining.schedules import _simulate_comms_compute
+
+    blocks = D * (2 if schedule == "zb-v" else 1)
+    plan, _ = baseline_plan(uniform_profile(blocks=blocks), PipelineConfig(schedule, D, N, kfac=False))
+    paths, _ = torch_csv.export(plan, tmp_path / "o.csv")
+    rows = [line.split(",") for line in paths[0].read_text().strip().splitlines()]
+    assert any(a.endswith(f"I{0}") for a in rows[0]) and any("W" in a for a in rows[0])
+    sched = torch_runtime(blocks, D, N)
+    sched._load_csv(str(paths[0]), format="compute_comms")  # torch's _validate_schedule
+    if schedule == "zb-v":  # torch infers the V: device d holds stages d and 2D-1-d
+        assert sched.stage_index_to_group_rank == {s: (s if s < D else 2 * D - 1 - s) for s in range(blocks)}
+    assert [[str(a) for a in sched.pipeline_order_with_comms[q]] for q in range(D)] == rows
+    simulated = _simulate_comms_compute(sched.pipeline_order_with_comms,
+                                        lambda s: sched.stage_index_to_group_rank[s], blocks)
+    assert sum(a is not None for row in simulated.values() for a in row) == sum(map(len, rows))
+    # compute-only: torch lowers the send/recvs itself
+    paths, _ = torch_csv.export(plan, tmp_path / "c.csv", fmt="compute_only")
+    sched = torch_runtime(blocks, D, N)
+    sched._load_csv(str(paths[0]))
+
+
+def test_weight_pass_keeps_activations_and_output_gradients():
+    prof = uniform_profile(blocks=2, act_bytes=1000)
+    tg = build_task_graph(prof, PipelineConfig("zb-h1", 2, 4, kfac=True))
+    ib, w = Task(0, 1, Op("bwd_input", stage=1, mb=2)), Task(0, 1, Op("bwd_weight", stage=1, mb=2))
+    assert tg.g.has_edge(ib, w)
+    act = next(b for b in tg.buffers if b.key == ("act", 1, 2) and b.alloc.step == 0)
+    assert act.free == w
+    # curv_b shares W's output gradients: it waits for W, its buffer starts at B
+    cb = Task(None, 1, Op("curv_b", layer=2, mb=2))
+    assert tg.g.has_edge(w, cb)
+    kept = next(b for b in tg.buffers if b.key == ("kept_b", 2, 2))
+    assert kept.alloc == ib and kept.free == cb
+    # the send of the input gradient follows B, not W
+    send = Task(0, 1, Op("send_grad", stage=1, mb=2, peer=0))
+    assert tg.g.has_edge(ib, send) and not tg.g.has_edge(w, send)
+
+
+def test_weight_pass_over_the_memory_limit_is_refused_naming_the_rank():
+    D, N = 4, 8
+    prof = uniform_profile(blocks=D, act_bytes=10**6)
+    _, free = baseline_plan(prof, PipelineConfig("zb-h1", D, N, kfac=False))
+    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", D, N, kfac=False))
+    # ZB-H1's delayed W passes hold D micro-batches on every rank (1F1B: D - s)
+    assert free.peak_memory_bytes[-1] > f1b.peak_memory_bytes[-1]
+    limit = max(free.peak_memory_bytes) - 1
+    q = max(range(D), key=lambda r: free.peak_memory_bytes[r])
+    with pytest.raises(ReplayError, match=f"rank {q} needs"):
+        baseline_plan(prof, PipelineConfig("zb-h1", D, N, kfac=False, memory_limit_bytes=limit))
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 2, 4), ("zb-v", 2, 4)])
+def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
+    blocks = D * (2 if schedule == "zb-v" else 1)
+    prof = uniform_profile(blocks=blocks, curv=0.2, inv=0.5)
+    cfg = PipelineConfig(schedule, D, N)
+    plan, result, base = build_plan(prof, cfg, method, time_limit=10)
+    again = replay(plan, prof)
+    assert again.step_time_ms == pytest.approx(result.step_time_ms)
+    for q, steps in enumerate(plan.ranks):  # curv_b never before the W of its micro-batch
+        seen = set()
+        for t, ops in enumerate(steps):
+            for p in ops:
+                if p.op.kind == "bwd_weight" and t == 0:
+                    seen.add((p.op.stage, p.op.mb))
+                if p.op.kind == "curv_b":
+                    assert (plan.layer_stage[p.op.layer], p.op.mb) in seen
+    assert result.step_time_ms >= base.step_time_ms - TOL
