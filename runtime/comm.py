@@ -5,8 +5,15 @@ Why each choice:
 - Sends are posted with `isend` and completed later (`Mailbox.drain`): a plan may send
   before it receives in both directions (Chimera), and a blocking send there deadlocks.
 - Receives block (`irecv(...).wait(timeout)`): the op after a receive needs the data.
-- Every message has a tag derived from its key (kind, producing stage, micro-batch), so
-  on gloo a receive matches exactly its send whatever order the two ranks post them in.
+- Tags are optional (`tags=False`, the default on NCCL). NCCL ignores point-to-point tags
+  and matches the messages between a pair of ranks in issue order (pytorch/pytorch#94819);
+  with tags off every message uses tag 0, so gloo matches the same way and the CPU tests
+  exercise the NCCL rule. A plan that runs tag-free must keep, for every ordered pair of
+  ranks, the sender's sends in the receiver's order of receives (the replay checks it).
+  With tags on (gloo), each message's tag is derived from its key (kind, producing stage,
+  micro-batch), so a receive matches exactly its send whatever order they are posted in.
+- The backend follows the DEVICE the run asks for, not what the host has: gloo for CPU
+  tensors even on a GPU host, NCCL with one GPU per local rank for CUDA.
 - A collective's `wait` carries the same timeout as the group, so a lost peer ends the
   run with an error naming the op instead of hanging forever.
 """
@@ -19,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pfcompile.formats.errors import InputError
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -45,14 +54,33 @@ def env_world() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_world(timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
-    """Join the job: NCCL with one device per local rank on CUDA, gloo on CPU."""
+def backend_for(device_type: str) -> str:
+    """The process-group backend for tensors on `device_type` ("cpu" or "cuda")."""
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        return "nccl"
+    raise InputError("--device", None, f"unsupported device {device_type!r} (use cpu or cuda)")
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    """cpu, or cuda:LOCAL_RANK (one GPU per local rank); a missing GPU is a one-line error."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    backend_for(device_type)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= count:
+        raise InputError("--device", None, f"cuda for local rank {local_rank}, but this host has {count} CUDA "
+                                           f"device(s) (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    return torch.device("cuda", local_rank)
+
+
+def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -> World:
+    """Join the job: gloo for CPU tensors, NCCL with one device per local rank for CUDA."""
     rank, world_size, local_rank = env_world()
-    if torch.cuda.is_available():
-        backend, device = "nccl", torch.device("cuda", local_rank)
+    backend, device = backend_for(device_type), rank_device(device_type, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -113,21 +141,29 @@ def message_tag(kind: str, stage: int, mb: int, micro_batches: int) -> int:
     return ((stage * micro_batches + mb) << 1) | (1 if kind == "grad" else 0)
 
 
-class Mailbox:
-    """Posted sends of this rank, completed at the end of the step (or when many are in flight)."""
+def default_tags(backend: str) -> bool:
+    """Tags on gloo (which honours them), off on NCCL (which ignores them)."""
+    return backend != "nccl"
 
-    def __init__(self, world: World):
+
+class Mailbox:
+    """Posted sends of this rank, completed at the end of the step (or when many are in flight).
+
+    With `tags` False every message goes with tag 0: matched per pair in issue order."""
+
+    def __init__(self, world: World, tags: bool | None = None):
         self.world = world
+        self.tags = default_tags(world.backend) if tags is None else tags
         self.in_flight: list[tuple[str, dist.Work, torch.Tensor]] = []
 
     def send(self, what: str, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()  # the buffer must live until the send completes
-        work = dist.isend(tensor, dst=dst, tag=tag)
+        work = dist.isend(tensor, dst=dst, tag=tag if self.tags else 0)
         self.in_flight.append((what, work, tensor))
 
     def recv(self, what: str, shape, dtype, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.world.device)
-        work = dist.irecv(buf, src=src, tag=tag)
+        work = dist.irecv(buf, src=src, tag=tag if self.tags else 0)
         _wait(work, self.world.timeout, f"{what} from rank {src}")
         return buf
 

@@ -25,6 +25,8 @@ from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan
 from runtime import comm, kfac
 from runtime.measure import Timeline
+from runtime.memory import MemoryMeter
+from runtime.precision import Precision, precision
 
 
 @dataclass
@@ -44,15 +46,19 @@ class StageReplica:
 
 class Interpreter:
     def __init__(self, plan: Plan, world: comm.World, stages: dict[int, StageReplica],
-                 act_shape: tuple[int, ...], dtype: torch.dtype, update, timeline: Timeline):
+                 act_shape: tuple[int, ...], dtype: torch.dtype | Precision, update, timeline: Timeline,
+                 tags: bool | None = None):
         self.plan, self.world, self.stages = plan, world, stages
-        self.act_shape, self.dtype = act_shape, dtype
+        # float32/float64 throughout, or bf16 autocast with float32 state (runtime.precision)
+        self.precision = dtype if isinstance(dtype, Precision) else precision(str(dtype).removeprefix("torch."))
+        self.act_shape, self.dtype = act_shape, self.precision.compute_dtype  # messages' shape and dtype
         self.update = update            # update(stage_replica): KL-clip + optimizer step of a stage
         self.timeline = timeline
+        self.memory = MemoryMeter(stages, world.device)
         self.capturing = False          # K-FAC hooks save inputs/grads (refresh steps only)
         self.N = int(plan.config["micro_batches"])
         self.k = plan.refresh_steps
-        self.mailbox = comm.Mailbox(world)
+        self.mailbox = comm.Mailbox(world, tags)  # tags None: on for gloo, off for NCCL
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, stage, mb) -> tensor
         self.tokens: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
@@ -78,18 +84,19 @@ class Interpreter:
             for layer in self.layers.values():  # the inverses of the last cycle come into force
                 layer.activate()
         self.capturing = refresh
-        tl = self.timeline
-        step_start = tl.now_ms()
-        # On CUDA, kernels run asynchronously: wait for each op so its measured end is real.
-        sync = torch.cuda.synchronize if self.world.device.type == "cuda" else (lambda: None)
+        tl, mem = self.timeline, self.memory
+        mem.begin_step()
+        # Marks are host instants on CPU, CUDA events on the current stream on CUDA (read by
+        # end_step, never a synchronise per op: see runtime.measure).
+        step_start = tl.mark()
         for op in self.plan.ops(self.world.rank, step):
-            start = tl.now_ms()
+            start = tl.mark()
             self.handlers[op.kind](op)
-            sync()
-            tl.record(step, str(op), op.kind, start, tl.now_ms())
+            tl.record(step, str(op), op.kind, start, tl.mark())
+            mem.after(op.kind, op.stage, op.mb)
         self.mailbox.drain()
-        tl.steps.append((step, step_start, tl.now_ms()))
-        return self.loss_sum
+        tl.end_step(step, step_start, tl.mark(), mem.end_step())
+        return float(self.loss_sum)
 
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
@@ -100,12 +107,16 @@ class Interpreter:
         else:
             x = self._take(("act", op.stage - 1, m)).requires_grad_(True)
         with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
-            if sr.is_last:
-                out = sr.module(x, self.targets[m]) / self.N
-                self.loss_sum += float(out.detach())
-            else:
-                out = sr.module(x)
+            out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m))
+        if sr.is_last:  # a tensor sum, read after the step: no host wait on CUDA here
+            self.loss_sum = self.loss_sum + out.detach()
         sr.inputs[m], sr.outputs[m] = x, out
+
+    def _stage_forward(self, sr: StageReplica, x: torch.Tensor, m: int) -> torch.Tensor:
+        with self.precision.autocast(self.world.device.type):
+            if sr.is_last:
+                return sr.module(x, self.targets[m]) / self.N
+            return self.precision.boundary(sr.module(x))
 
     def _bwd(self, op: Op) -> None:
         sr = self.stages[op.stage]
@@ -163,7 +174,8 @@ class Interpreter:
         if self.world.rank == op.peer:
             tensor = layer.pending(op.factor)
         else:
-            tensor = torch.empty(layer.pending_shape(op.factor), dtype=self.dtype, device=self.world.device)
+            tensor = torch.empty(layer.pending_shape(op.factor), dtype=self.precision.param_dtype,
+                                 device=self.world.device)
         comm.broadcast(tensor, op.peer, group, self.world.timeout, str(op))
         if self.world.rank != op.peer:
             layer.set_pending(op.factor, tensor)

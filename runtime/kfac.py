@@ -86,6 +86,10 @@ class KfacLayer:
         self.factors: dict[str, torch.Tensor] = {}
         self.inverses: dict[str, torch.Tensor] = {}   # in force
         self._pending: dict[str, torch.Tensor] = {}
+        # The inverses that went out of force at the last activate(), reused as the next pending
+        # inverses' storage: a layer holds in-force + pending inverses all the time, as the
+        # planner's memory model says, instead of reallocating every cycle.
+        self._spare: dict[str, torch.Tensor] = {}
         self._ema_done = False  # factors EMA-updated from this cycle's accumulators
         self.kl_term = None     # <g̃, g> of the last precondition(), for the KL clip
         self._hooks = []
@@ -199,7 +203,7 @@ class KfacLayer:
             inv = torch.cat([Q, evals[:, None]], dim=1)  # packed [Q | eigenvalues]
         if not torch.isfinite(inv).all():
             raise NonFiniteFactorError(f"K-FAC layer {self.name}: inverse of factor {factor} is not finite")
-        self._pending[factor] = inv
+        self.set_pending(factor, inv)
 
     def pending(self, factor: str) -> torch.Tensor:
         """The pending inverse as one tensor (eigen: [Q | eigenvalues]) for broadcast."""
@@ -210,6 +214,9 @@ class KfacLayer:
         return (d, d + 1) if self.cfg.inverse == "eigen" else (d, d)
 
     def set_pending(self, factor: str, tensor: torch.Tensor) -> None:
+        spare = self._spare.pop(factor, None)
+        if spare is not None and spare.shape == tensor.shape and spare.dtype == tensor.dtype:
+            tensor = spare.copy_(tensor)
         self._pending[factor] = tensor
 
     def activate(self) -> None:
@@ -218,7 +225,11 @@ class KfacLayer:
         factors here, so every replica keeps the same factors."""
         if any(float(self._acc[f][-1]) > 0 for f in FACTORS) and not self._ema_done:
             self.update_factors()
-        self.inverses.update(self._pending)
+        for f, inv in self._pending.items():
+            old = self.inverses.get(f)
+            if old is not None:
+                self._spare[f] = old
+            self.inverses[f] = inv
         self._pending = {}
         for acc in self._acc.values():
             acc.zero_()
@@ -262,6 +273,13 @@ class KfacLayer:
             P = QB @ V @ QA.t()
         self.kl_term = (P * G).sum()
         self.set_grad_matrix(P)
+
+    def state_bytes(self) -> int:
+        """Bytes of the layer's resident state: accumulators, factors, inverses (in force,
+        pending, spare). The planner's model counts accumulator + factor + 2 inverses."""
+        tensors = [*self._acc.values(), *self.factors.values(), *self.inverses.values(),
+                   *self._pending.values(), *self._spare.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -3,6 +3,12 @@ renderer's format (pfcompile.formats.trace), and the one-line summary of a run.
 
 Times are milliseconds from a start instant all ranks agree on (a barrier right before the
 first step), so the ranks' rows line up in the trace like the plan's predicted rows.
+
+On CUDA an op's start and end are CUDA events recorded on the current stream and read
+once the step is over (`end_step`): kernels run asynchronously, and synchronising after
+every op would make an `isend` blocking (a pair of ranks that both send first could
+deadlock) and would change what is measured. The origin event is recorded with the host
+instant t0, so the ranks still line up. On CPU the marks are perf_counter instants.
 """
 
 from __future__ import annotations
@@ -26,19 +32,60 @@ class Timeline:
     ops: list[tuple[int, str, str, float, float]] = field(default_factory=list)
     # (step, start_ms, end_ms) of each whole step on this rank
     steps: list[tuple[int, float, float]] = field(default_factory=list)
+    # peak bytes of each step on this rank: (step, bytes)
+    memory: list[tuple[int, int]] = field(default_factory=list)
+    device_type: str = "cpu"
+
+    def __post_init__(self):
+        self._origin = None   # CUDA: the event recorded at t0
+        self._pending: list[tuple[int, str, str, object, object]] = []
+
+    def start(self) -> None:
+        """Make now the origin of every time (all ranks call it right after a barrier)."""
+        self.t0 = time.perf_counter()
+        if self.device_type == "cuda":
+            import torch
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
 
     def now_ms(self) -> float:
         return (time.perf_counter() - self.t0) * 1000.0
 
-    def record(self, step: int, text: str, kind: str, start_ms: float, end_ms: float) -> None:
-        self.ops.append((step, text, kind, start_ms, end_ms))
+    def mark(self):
+        """An instant: a host time in ms on CPU, a CUDA event recorded on the current stream on CUDA."""
+        if self._origin is None:
+            return self.now_ms()
+        import torch
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def record(self, step: int, text: str, kind: str, start, end) -> None:
+        """One op between two marks (floats are recorded as they are; events when the step ends)."""
+        if isinstance(start, float):
+            self.ops.append((step, text, kind, start, end))
+        else:
+            self._pending.append((step, text, kind, start, end))
+
+    def end_step(self, step: int, start, end, peak_bytes: int | None = None) -> None:
+        """Close a step: read its events (waiting for the last one) and keep its peak memory."""
+        if not isinstance(start, float):
+            end.synchronize()
+            ms = lambda ev: float(self._origin.elapsed_time(ev))  # noqa: E731
+            self.ops.extend((st, text, kind, ms(a), ms(b)) for st, text, kind, a, b in self._pending)
+            self._pending.clear()
+            start, end = ms(start), ms(end)
+        self.steps.append((step, start, end))
+        if peak_bytes is not None:
+            self.memory.append((step, int(peak_bytes)))
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "ops": self.ops, "steps": self.steps}
+        return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory}
 
     @staticmethod
     def from_json(d: dict) -> "Timeline":
-        return Timeline(d["rank"], 0.0, [tuple(o) for o in d["ops"]], [tuple(s) for s in d["steps"]])
+        return Timeline(d["rank"], 0.0, [tuple(o) for o in d["ops"]], [tuple(s) for s in d["steps"]],
+                        [tuple(m) for m in d.get("memory", [])])
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
@@ -58,6 +105,34 @@ class Summary:
     # a predicted duration): how far the profile is from this run's machine. The step-time
     # ratio divided by it is how faithfully the schedule itself ran.
     op_ratio: float | None = None
+    # Peak memory per rank (bytes): measured (max over the steps this attempt ran; CUDA:
+    # torch.cuda.max_memory_allocated, CPU: the runtime's count of what the planner models)
+    # and the plan's prediction (stats.peak_memory_bytes); None where unknown.
+    peak_memory_bytes_measured: list[int] | None = None
+    peak_memory_bytes_predicted: list[int] | None = None
+    memory_limit_bytes: int | None = None
+
+    def over_limit(self) -> list[int]:
+        """Ranks whose measured peak exceeds the plan's memory limit."""
+        if not self.memory_limit_bytes or not self.peak_memory_bytes_measured:
+            return []
+        return [q for q, b in enumerate(self.peak_memory_bytes_measured) if b > self.memory_limit_bytes]
+
+    def memory_lines(self) -> list[str]:
+        """A table: per rank the measured and predicted peak, and a line per rank over the limit."""
+        got, want = self.peak_memory_bytes_measured, self.peak_memory_bytes_predicted
+        if not got:
+            return []
+        out = ["rank  peak measured  peak predicted  measured/predicted"]
+        for q, b in enumerate(got):
+            p = want[q] if want and q < len(want) else None
+            ratio = f"{b / p:.3f}" if p else "n/a"
+            out.append(f"{q:>4}  {b / 2**20:>10.2f} MiB  " + (f"{p / 2**20:>11.2f} MiB" if p else f"{'n/a':>15}")
+                       + f"  {ratio:>18}")
+        for q in self.over_limit():
+            out.append(f"runtime: rank {q} measured peak {got[q]} bytes exceeds the plan's memory limit of "
+                       f"{self.memory_limit_bytes} bytes")
+        return out
 
     def loss_curve(self, points: int = 8) -> str:
         """The loss at about `points` evenly spaced steps, first and last included."""
@@ -83,7 +158,8 @@ class Summary:
 
 def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
               warmup_steps: int, total_steps: int, resumed_at: int = 0,
-              losses: list[float] | None = None, predicted_ops=None) -> Summary:
+              losses: list[float] | None = None, predicted_ops=None,
+              predicted_peaks: list[int] | None = None, memory_limit: int | None = None) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -95,8 +171,11 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
                if step in kept and kind not in _NOT_COMPUTE)
     bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
     op_ratio = _op_ratio(timelines, set(kept), predicted_ops) if predicted_ops else None
+    measured_peaks = None
+    if all(tl.memory for tl in timelines):
+        measured_peaks = [max(b for _, b in tl.memory) for tl in sorted(timelines, key=lambda t: t.rank)]
     return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
-                   op_ratio)
+                   op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit)
 
 
 def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float | None:

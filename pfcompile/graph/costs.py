@@ -5,8 +5,10 @@ on what an op costs, so both ask a `Costs`. It knows the partition (parts of eac
 stage), the K-FAC layers of each stage, the number of replicas and the inversion method.
 
 Memory model (DESIGN.md, plan semantics):
-- resident per rank: parameters + gradients of the stages it holds, and per K-FAC layer
-  held: accumulators A, B, factors A, B, inverses in force A, B, pending inverses A, B;
+- resident per rank: parameters + gradients + optimizer state of the stages it holds
+  (runtime.optim: SGD momentum on the K-FAC layers' weights and biases, AdamW's two moments
+  on the rest; AdamW on everything without K-FAC), and per K-FAC layer held: accumulators
+  A, B, factors A, B, inverses in force A, B, pending inverses A, B;
 - dynamic: `fwd(s, m)` allocates the activations it saves at its start; `bwd(s, m)` frees
   them at its end. On the refresh step (step 0 of the cycle) `fwd` also allocates each
   layer's kept input (freed at the end of its `curv_a`) and `bwd` each layer's kept output
@@ -221,11 +223,24 @@ class Costs:
             return [("kept_b", op.layer, op.mb)]
         return []
 
+    def optimizer_state_bytes(self, stage: int) -> int:
+        """runtime.optim's state for a stage: one momentum buffer per K-FAC-covered parameter
+        (SGD), two moments per other parameter (AdamW). The parameters' element size is the
+        factors' (both float32 in every precision the runtime runs, or both float64)."""
+        if not self.kfac:
+            return 2 * self.param_bytes(stage)
+        covered = 0
+        for l in self.stage_layers[stage]:
+            L = self.profile.kfac_layers[l]
+            d_a = L.in_features + (1 if L.bias else 0)
+            covered += d_a * L.out_features * round(L.factor_a_bytes / (d_a * d_a))
+        return covered + 2 * max(0, self.param_bytes(stage) - covered)
+
     def resident_bytes(self, stages_held: list[int]) -> int:
-        """Parameters, gradients and (with K-FAC) the layers' factor state, always held."""
+        """Parameters, gradients, optimizer state and (with K-FAC) the layers' factor state, always held."""
         total = 0
         for s in stages_held:
-            total += self.param_bytes(s) + self.grad_bytes(s)
+            total += self.param_bytes(s) + self.grad_bytes(s) + self.optimizer_state_bytes(s)
             if self.kfac:
                 for l in self.stage_layers[s]:
                     L = self.profile.kfac_layers[l]

@@ -89,24 +89,9 @@ class Clock:
 
 
 # --- bytes --------------------------------------------------------------------------------------
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def saved_activation_bytes(fn: Callable[[], object], exclude: set[int]):
-    """Run fn and sum the storages autograd saves for the backward, each storage once;
-    storages in `exclude` (the parameters: resident anyway) do not count. -> (result, bytes)"""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        s = t.untyped_storage()
-        if s.data_ptr() not in exclude:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
+# One definition with the runtime's memory count (runtime.memory), so the planner's model and
+# the run count the same bytes.
+from runtime.memory import nbytes, saved_activation_bytes  # noqa: E402
 
 
 # --- the model's parts and K-FAC layers ------------------------------------------------------------
@@ -116,9 +101,15 @@ class PartBench:
     def __init__(self, spec, name: str, micro_batch: int, seq_len: int, device, dtype):
         from runtime import kfac
         from runtime.models import Stage, kfac_linears
+        from runtime.precision import precision
 
         self.name, self.cfg = name, spec.cfg
-        self.stage = Stage(spec, [name], seed=SEED, dtype=dtype).to(device)
+        # bfloat16 is mixed precision as the runtime runs it: float32 parameters and K-FAC
+        # state, autocast forward, bf16 activations between parts (runtime.precision)
+        self.precision = precision(str(dtype).removeprefix("torch."))
+        self.device_type = torch.device(device).type
+        dtype = self.precision.compute_dtype
+        self.stage = Stage(spec, [name], seed=SEED, dtype=self.precision.param_dtype).to(device)
         self.is_first, self.is_last = name == spec.part_names[0], name == spec.part_names[-1]
         self.kfac = kfac.make_layers(kfac_linears(self.stage), kfac.KfacConfig(), loss_divisor=1.0)
         self._capturing = kfac.capturing
@@ -134,8 +125,8 @@ class PartBench:
 
     def forward(self):
         x = self.x if self.is_first else self.x.detach().requires_grad_(True)
-        with self._capturing(self.kfac, 0):
-            self.out = self.stage(x, self.targets) if self.is_last else self.stage(x)
+        with self._capturing(self.kfac, 0), self.precision.autocast(self.device_type):
+            self.out = self.stage(x, self.targets) if self.is_last else self.precision.boundary(self.stage(x))
         return self.out
 
     def backward(self):
@@ -246,7 +237,8 @@ def fit_link(points: list[tuple[int, float]]) -> LinkModel:
     return LinkModel(latency_ms=float(latency), bytes_per_ms=float(1.0 / slope))
 
 
-def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue) -> None:
+def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue,
+                 device_type: str = "cpu") -> None:
     """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size.
     Sizes are interleaved within each round, so a burst of load from other processes hits
     every size alike instead of bending the fit at one size."""
@@ -257,9 +249,11 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
 
     from runtime import comm
 
-    world = comm.init_world(60.0)
+    # the backend follows the profiled device (gloo for CPU tensors even on a GPU host);
+    # tag-free as the runtime runs on NCCL: ping and pong are the pair's only messages
+    world = comm.init_world(60.0, device_type)
     try:
-        mailbox = comm.Mailbox(world)
+        mailbox = comm.Mailbox(world, tags=False)
         bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device) for n in sizes]
         p2p: list[list[float]] = [[] for _ in sizes]
         ar: list[list[float]] = [[] for _ in sizes]
@@ -311,7 +305,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     try:
-        mp.start_processes(_comm_worker, args=(free_port(), sizes, repeats, warmup, queue), nprocs=2,
+        mp.start_processes(_comm_worker, args=(free_port(), sizes, repeats, warmup, queue, device.type), nprocs=2,
                            join=True, start_method="spawn")
     except Exception as e:  # noqa: BLE001 - a rank died: say so in one line, not two tracebacks
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]

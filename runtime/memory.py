@@ -1,0 +1,115 @@
+"""Peak memory of one rank, per step, to set against the plan's predicted peak.
+
+On CUDA it is the allocator's own figure: `torch.cuda.max_memory_allocated`, reset at the
+start of every step. On CPU there is no allocator to ask, so the runtime counts what the
+planner's memory model holds (pfcompile.graph.costs), from its own tensors:
+
+- resident: parameters, gradients (while they exist), optimizer state, and per K-FAC layer
+  its accumulators, factors, inverses in force and pending (with their spare slot);
+- saved activations: what autograd saves for the backward in a stage's forward (storages
+  counted once, parameters excluded — the profiler's rule), held from the `fwd` until the
+  end of its `bwd`. Shapes are fixed, so each stage is counted on its first forward and
+  that count is reused (counting every forward would add a hook call per saved tensor);
+- kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`.
+
+The count is taken after every op; a `bwd` is sampled before its activations are released
+(the model frees them at the op's end, after the op allocated the kept output gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def saved_activation_bytes(fn: Callable[[], object], exclude: set[int]):
+    """Run fn and sum the storages autograd saves for the backward, each storage once;
+    storages in `exclude` (the parameters: resident anyway) do not count. -> (result, bytes)"""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        if s.data_ptr() not in exclude:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Tensors in the state of each torch optimizer inside a runtime.optim optimizer."""
+    total = 0
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        for state in opt.state.values():
+            total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+class MemoryMeter:
+    """Peak bytes of one rank within the current step."""
+
+    def __init__(self, stages: dict, device: torch.device):
+        self.stages, self.device = stages, device
+        self.cuda = device.type == "cuda"
+        self.layers = [layer for sr in stages.values() for layer in sr.kfac.values()]
+        self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
+                        for s, sr in stages.items()}
+        self.act_bytes: dict[int, int] = {}        # stage -> bytes one forward saves
+        self.acts: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes held until its bwd ends
+        self.resident = 0
+        self.peak = 0
+
+    # --- the step -------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.resident = self._resident()
+        self.peak = self._current()
+
+    def end_step(self) -> int:
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.peak
+
+    # --- ops ------------------------------------------------------------------------------------
+    def forward(self, stage: int, mb: int, fn: Callable[[], object]):
+        """Run a stage's forward, counting its saved activations the first time."""
+        if self.cuda:
+            return fn()
+        if stage not in self.act_bytes:
+            out, self.act_bytes[stage] = saved_activation_bytes(fn, self._params[stage])
+        else:
+            out = fn()
+        self.acts[(stage, mb)] = self.act_bytes[stage]
+        return out
+
+    def after(self, kind: str, stage: int | None = None, mb: int | None = None) -> None:
+        """Count after an op; `bwd` before releasing the activations of (stage, mb)."""
+        if self.cuda:
+            return
+        if kind in ("bwd", "inv", "bcast_inv", "step", "sync_grad"):
+            self.resident = self._resident()  # gradients, factors, inverses or optimizer state changed
+        self.peak = max(self.peak, self._current())
+        if kind == "bwd":
+            self.acts.pop((stage, mb), None)
+
+    # --- counting -------------------------------------------------------------------------------
+    def _resident(self) -> int:
+        total = 0
+        for sr in self.stages.values():
+            for p in sr.module.parameters():
+                total += nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0)
+            total += optimizer_state_bytes(sr.optimizer)
+        return total + sum(layer.state_bytes() for layer in self.layers)
+
+    def _current(self) -> int:
+        kept = sum(nbytes(t) for layer in self.layers for saved in layer._saved.values() for t in saved.values())
+        return self.resident + sum(self.acts.values()) + kept

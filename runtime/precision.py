@@ -1,0 +1,50 @@
+"""Numeric precision of a run: float64 / float32 throughout, or bfloat16 mixed precision
+the way GPUs train.
+
+bfloat16: parameters, gradients, K-FAC accumulators, factors, inverses and optimizer state
+stay float32; forward (and so backward) runs under `torch.autocast(dtype=bfloat16)`; the
+K-FAC hooks capture the bf16 activations / output gradients and curvature accumulates them
+in float32 (runtime.kfac casts rows to the accumulator's dtype). Activations cross a stage
+boundary in bfloat16 (the stage's output is cast, inside the autograd graph, so the
+gradient that comes back is bfloat16 too): half the bytes of a float32 message. The
+profiler applies the same rules, so the plan's memory model sees the same sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+NAMES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_dtype: torch.dtype     # parameters, gradients, K-FAC state, optimizer state
+    compute_dtype: torch.dtype   # activations, and the messages between stages
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute_dtype != self.param_dtype
+
+    def autocast(self, device_type: str):
+        """The context a forward runs in (nothing unless mixed)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
+
+    def boundary(self, t: torch.Tensor) -> torch.Tensor:
+        """A stage's output as it crosses to the next stage."""
+        return t.to(self.compute_dtype) if t.is_floating_point() and t.dtype != self.compute_dtype else t
+
+
+def precision(name: str) -> Precision:
+    if name == "bfloat16":
+        return Precision(name, torch.float32, torch.bfloat16)
+    if name in ("float32", "float64"):
+        dtype = getattr(torch, name)
+        return Precision(name, dtype, dtype)
+    raise ValueError(f"unknown precision {name!r} (have: {', '.join(NAMES)})")
