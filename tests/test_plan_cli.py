@@ -39,6 +39,14 @@ def test_plan_json_reports_the_replayed_statistics(chimera_plan):
     assert stats["refresh_steps"] >= stats["refresh_steps_lower_bound"] >= 1
     assert stats["step_overhead"] == pytest.approx(stats["step_time_ms"] / stats["baseline_step_time_ms"] - 1, abs=1e-5)
     assert len(stats["peak_memory_bytes"]) == 4
+    # both utilization definitions; the tight baseline is the CP-SAT first-order plan, never
+    # slower than the canonical one, so overhead against it is never smaller
+    assert len(stats["utilization_pipefisher"]) == stats["refresh_steps"]
+    assert stats["utilization_pipefisher_mean"] == pytest.approx(
+        sum(stats["utilization_pipefisher"]) / stats["refresh_steps"], abs=1e-5)
+    assert 0 < stats["utilization_strict"] <= 1
+    assert stats["tight_baseline_step_time_ms"] <= stats["baseline_step_time_ms"] + 1e-6
+    assert stats["step_overhead_tight"] >= stats["step_overhead"] - 1e-6
     # the file: every field filled, loadable by the runtime's loader, and its stats are the replay's
     plan = load_plan(str(out))
     assert plan.config["schedule"] == "chimera" and plan.config["world_size"] == 4

@@ -232,3 +232,23 @@ def test_any_valid_configuration_plans_and_replays(schedule, D, N, v, R):
     if plan.stats["tasks_after_last_step"] == 0:  # all work went into bubbles: only adds busy time
         assert result.utilization >= baseline.utilization - 1e-9
     assert plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
+
+
+def test_utilization_definitions_against_closed_forms():
+    """PipeFisher's per-step utilization (one step window, collectives busy) and the strict
+    one (compute only, cycle mean): 1F1B without K-FAC is N/(N+D-1) under both; with two
+    replicas the gradient all-reduce counts as busy only under PipeFisher's definition."""
+    from pfcompile.graph.costs import Costs
+
+    D, N = 4, 8
+    prof = uniform_profile(blocks=D, fwd=1.0, bwd=2.0)
+    _, one = baseline_plan(prof, PipelineConfig("1f1b", stages=D, micro_batches=N))
+    assert len(one.utilization_pipefisher) == 1
+    assert one.utilization_pipefisher[0] == pytest.approx(N / (N + D - 1), abs=1e-4)
+    assert one.utilization_strict == pytest.approx(N / (N + D - 1), abs=1e-4)
+
+    prof = uniform_profile(blocks=D, fwd=1.0, bwd=2.0, latency_ms=5.0)
+    plan, two = baseline_plan(prof, PipelineConfig("gpipe", stages=D, micro_batches=N, replicas=2))
+    sync = Costs(prof, plan.partition, 2, "cholesky", False).duration(Op("sync_grad", stage=0))
+    assert sync >= 5.0
+    assert two.utilization_pipefisher[0] - two.utilization_strict == pytest.approx(sync / two.step_time_ms, abs=1e-4)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pfcompile.graph.costs import COMPUTE_KINDS, Costs
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import FACTORS, Op, backward_kinds, input_grad_kind, weight_grad_kind
+from pfcompile.formats.ops import COLLECTIVE_KINDS, FACTORS, Op, backward_kinds, input_grad_kind, weight_grad_kind
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 
@@ -43,20 +43,34 @@ class ReplayError(InputError):
 @dataclass
 class ReplayResult:
     times: list[list[list[tuple[float, float]]]]  # times[rank][step][i] = (start, end), cycle 0
-    cycle_time_ms: float
-    step_time_ms: float
-    steady_cycle_time_ms: float  # end of the last cycle - end of the one before
+    cycle_time_ms: float  # cycle 0 from an idle start
+    step_time_from_idle_ms: float  # cycle_time_ms / k
+    steady_cycle_time_ms: float  # the cycle as it repeats: mean distance of cycle ends after the first
     busy_ms: list[float]  # compute time per rank, one cycle
     idle_ms: list[float]
     utilization: float
     peak_memory_bytes: list[int]
     resident_bytes: list[int]
     memory_trace: list[list[tuple[float, int]]] = field(default_factory=list)  # (ms, bytes) cycle 0
+    utilization_pipefisher: list[float] = field(default_factory=list)  # per step of the cycle
+    utilization_strict: float = 0.0
+
+    refresh_steps: int = 1
+
+    @property
+    def step_time_ms(self) -> float:
+        """The step time a run sees: the steady cycle over k."""
+        return self.steady_cycle_time_ms / self.refresh_steps
 
     def stats(self) -> dict:
+        pf = self.utilization_pipefisher
         return {
             "utilization": round(self.utilization, 6),
+            "utilization_pipefisher": [round(u, 6) for u in pf],
+            "utilization_pipefisher_mean": round(sum(pf) / len(pf), 6) if pf else None,
+            "utilization_strict": round(self.utilization_strict, 6),
             "step_time_ms": round(self.step_time_ms, 6),
+            "step_time_from_idle_ms": round(self.step_time_from_idle_ms, 6),
             "cycle_time_ms": round(self.cycle_time_ms, 6),
             "steady_cycle_time_ms": round(self.steady_cycle_time_ms, 6),
             "busy_ms": [round(b, 6) for b in self.busy_ms],
@@ -108,7 +122,7 @@ def _where(q: int, t: int, i: int, op: Op) -> str:
     return f"ranks[{q}].steps[{t}][{i}]"
 
 
-def replay(plan: Plan, profile: Profile, *, cycles: int = 2, check_memory: bool = True,
+def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool = True,
            where: str = "<plan>") -> ReplayResult:
     if len(profile.kfac_layers) != len(plan.layers) or any(
             l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
@@ -375,7 +389,10 @@ def _result(plan: Plan, L: _Layout, costs: Costs, timeline, cycles: int, check_m
                 if op.kind in COMPUTE_KINDS:
                     busy[q] += en - st
     T = cycle_end[0]
-    steady = cycle_end[-1] - cycle_end[-2] if cycles > 1 else T
+    # the cycle as it repeats: the next cycle's first forward may start before this cycle's
+    # last op ends, so cycles overlap; the mean spacing of cycle ends after the first (from
+    # idle) is the period a long run sees
+    steady = (cycle_end[-1] - cycle_end[0]) / (cycles - 1) if cycles > 1 else T
     resident = [costs.resident_bytes(sorted(L.held[q])) for q in range(L.W)]
     peaks, traces = [], []
     limit = plan.config.get("memory_limit_bytes")
@@ -405,6 +422,37 @@ def _result(plan: Plan, L: _Layout, costs: Costs, timeline, cycles: int, check_m
             raise ReplayError(where, "config.memory_limit_bytes",
                               f"rank {q} needs {peak} bytes (at {peak_at}), over the limit of {limit}")
     util = sum(busy) / (L.W * T) if T > 0 else 0.0
-    return ReplayResult(times=times, cycle_time_ms=T, step_time_ms=T / L.k, steady_cycle_time_ms=steady,
+    return ReplayResult(times=times, cycle_time_ms=T, step_time_from_idle_ms=T / L.k, refresh_steps=L.k, steady_cycle_time_ms=steady,
                         busy_ms=busy, idle_ms=[T - b for b in busy], utilization=util,
-                        peak_memory_bytes=peaks, resident_bytes=resident, memory_trace=traces)
+                        peak_memory_bytes=peaks, resident_bytes=resident, memory_trace=traces,
+                        utilization_pipefisher=_pipefisher_utilization(timeline, L, cycles),
+                        utilization_strict=sum(busy) / (L.W * steady) if steady > 0 else 0.0)
+
+
+def _pipefisher_utilization(timeline, L: _Layout, cycles: int) -> list[float]:
+    """PipeFisher's GPU utilization (pipe-fisher scripts/plot_cuda_timeline.py), one value per
+    step of the cycle: the window runs from rank 0's first forward of the step to its first
+    forward of the next step; each rank's busy time in it counts compute AND collectives
+    (sync_grad, sync_curv, bcast_inv, ...), not point-to-point waits; the mean over ranks.
+    Measured on the steady cycle (the second of three; the first when fewer are replayed).
+    One difference: an op that straddles the window's end counts with its part inside
+    (PipeFisher's script drops it); that makes every step's windows tile the timeline."""
+    c = 1 if cycles >= 3 else 0
+    first_fwd: dict[tuple[int, int], float] = {}
+    for st, _en, cc, t, _i, op in timeline[0]:
+        if op.kind == "fwd" and (cc, t) not in first_fwd:
+            first_fwd[(cc, t)] = st
+    busy_kinds = COMPUTE_KINDS | COLLECTIVE_KINDS
+    out = []
+    for t in range(L.k):
+        w0 = first_fwd.get((c, t))
+        w1 = first_fwd.get((c, t + 1)) if t + 1 < L.k else first_fwd.get((c + 1, 0))
+        if w0 is None or w1 is None or w1 <= w0:
+            continue  # rank 0 runs no forward (cannot happen for a valid plan) or one cycle only
+        per_rank = []
+        for q in range(L.W):
+            b = sum(max(0.0, min(en, w1) - max(st, w0)) for st, en, _c, _t, _i, op in timeline[q]
+                    if op.kind in busy_kinds)
+            per_rank.append(b / (w1 - w0))
+        out.append(sum(per_rank) / L.W)
+    return out

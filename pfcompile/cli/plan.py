@@ -100,7 +100,9 @@ def run(args) -> int:
                                             workers=args.workers, fixed_order=args.fixed_order)
     if args.output:
         plan.save(args.output)
-    keys = ("utilization", "step_time_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
+    keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
+            "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
+            "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,

@@ -308,8 +308,9 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, gre
              "solution_from": "greedy (the solver found no faster plan within its time limit)",
              "objective_step_time_ms": round(result.step_time_ms, 6),
              "best_bound_step_time_ms": round(same_k[0].bound / k / 1000, 6) if same_k else None}
-    for key in ("utilization", "step_time_ms", "cycle_time_ms", "steady_cycle_time_ms", "busy_ms", "idle_ms",
-                "peak_memory_bytes", "tasks", "refresh_steps"):
+    for key in ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
+                "step_time_ms", "step_time_from_idle_ms", "cycle_time_ms", "steady_cycle_time_ms", "busy_ms",
+                "idle_ms", "peak_memory_bytes", "tasks", "refresh_steps"):
         stats.pop(key, None)
     assemble.finish(other, profile, stats)
     return other
