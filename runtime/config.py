@@ -126,7 +126,7 @@ def _check_rank_ops(plan, rank: int, where: str) -> None:
         raise InputError(where, "placement", f"rank {rank} holds no stage")
     # The stage an op runs on, relative to op.stage: a receive runs on the neighbouring
     # stage (recv_act of stage s feeds s + 1; recv_grad of stage s feeds s - 1).
-    needs = {"fwd": 0, "bwd": 0, "send_act": 0, "send_grad": 0, "recv_act": 1, "recv_grad": -1,
+    needs = {"fwd": 0, "bwd": 0, "bwd_input": 0, "bwd_weight": 0, "send_act": 0, "send_grad": 0, "recv_act": 1, "recv_grad": -1,
              "sync_grad": 0, "step": 0}
     for t in range(plan.refresh_steps):
         for i, op in enumerate(plan.ops(rank, t)):

@@ -16,17 +16,19 @@ What keeps the run equal to a single process (runtime.train.train_step):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from pfcompile.formats.ops import Op
+from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
 from runtime import comm, kfac
 from runtime.measure import Timeline
 from runtime.memory import MemoryMeter
 from runtime.precision import Precision, precision
+from runtime.split_backward import WeightPasses
 
 
 @dataclass
@@ -65,8 +67,11 @@ class Interpreter:
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
         # plan layer index -> KfacLayer, over all stages of this rank
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
+        # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
+        self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
+            if plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES else {}
         self.handlers = {
-            "fwd": self._fwd, "bwd": self._bwd,
+            "fwd": self._fwd, "bwd": self._bwd, "bwd_input": self._bwd_input, "bwd_weight": self._bwd_weight,
             "send_act": self._send, "send_grad": self._send,
             "recv_act": self._recv, "recv_grad": self._recv,
             "curv_a": self._curv, "curv_b": self._curv,
@@ -106,7 +111,7 @@ class Interpreter:
             x = self.tokens[m]
         else:
             x = self._take(("act", op.stage - 1, m)).requires_grad_(True)
-        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing), self._recording(op.stage, m):
             out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m))
         if sr.is_last:  # a tensor sum, read after the step: no host wait on CUDA here
             self.loss_sum = self.loss_sum + out.detach()
@@ -131,6 +136,25 @@ class Interpreter:
         if not sr.is_first:
             # Kept for the send (or, if the previous stage is on this rank, its backward).
             self.received[("grad", op.stage, m)] = x.grad
+
+    def _recording(self, stage: int, m: int):
+        split = self.split.get(stage)
+        return split.recording(m) if split is not None else contextlib.nullcontext()
+
+    def _bwd_input(self, op: Op) -> None:
+        """B: the input gradient (and non-Linear parameters'); the Linear weights wait for W."""
+        sr = self.stages[op.stage]
+        m = op.mb
+        out = sr.outputs.pop(m)
+        grad = None if sr.is_last else self._take(("grad", op.stage + 1, m))
+        x = sr.inputs.pop(m)
+        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+            self.split[op.stage].backward_input(m, out, grad, None if sr.is_first else x)
+        if not sr.is_first:
+            self.received[("grad", op.stage, m)] = x.grad
+
+    def _bwd_weight(self, op: Op) -> None:
+        self.split[op.stage].backward_weight(op.mb)
 
     def _send(self, op: Op) -> None:
         kind, stage, m = op.message_key()
