@@ -27,13 +27,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pfcompile.graph.costs import COMPUTE_KINDS, Costs
+from pfcompile.check.deps import PlanLayout, op_dependencies
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import COLLECTIVE_KINDS, FACTORS, Op, backward_kinds, input_grad_kind, weight_grad_kind
+from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FACTORS, FLOATING_KINDS, Op, peer_stage
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
-
-FLOATING = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
+from pfcompile.graph.costs import Costs
 
 
 class ReplayError(InputError):
@@ -79,45 +78,6 @@ class ReplayResult:
         }
 
 
-class _Layout:
-    """The plan's placement, as queries."""
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-        c = plan.config
-        self.S = plan.num_stages
-        self.R = int(c["replicas"])
-        self.N = int(c["micro_batches"])
-        self.k = plan.refresh_steps
-        self.W = plan.world_size
-        self.kfac = bool(c["kfac"])
-        schedule = str(c.get("schedule", ""))
-        self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
-        self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
-        self.Wk = weight_grad_kind(schedule)  # completes the weight gradients of a micro-batch
-        self.mbr = plan.micro_batch_replica
-        self.rank = {(p["stage"], p["replica"]): p["rank"] for p in plan.placement}
-        self.held = defaultdict(dict)  # rank -> {stage: replica}
-        for (s, r), q in self.rank.items():
-            self.held[q][s] = r
-        self.layer_stage = plan.layer_stage
-        self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
-
-    def mbs_of(self, replica: int) -> list[int]:
-        return [m for m, r in enumerate(self.mbr) if r == replica]
-
-    def group(self, stage: int) -> list[int]:
-        return sorted(q for (s, _), q in self.rank.items() if s == stage)
-
-    def stage_of(self, op: Op) -> int:
-        """The stage whose rank runs the op (a receive runs on the consumer's rank)."""
-        if op.kind == "recv_act":
-            return op.stage + 1
-        if op.kind == "recv_grad":
-            return op.stage - 1
-        return op.stage if op.stage is not None else self.layer_stage[op.layer]
-
-
 def _where(q: int, t: int, i: int, op: Op) -> str:
     return f"ranks[{q}].steps[{t}][{i}]"
 
@@ -127,7 +87,7 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     if len(profile.kfac_layers) != len(plan.layers) or any(
             l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
-    L = _Layout(plan)
+    L = PlanLayout(plan)
     costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac)
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
@@ -137,7 +97,7 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
 
 # --- static checks ------------------------------------------------------------------------------
 
-def _check_static(plan: Plan, L: _Layout, where: str) -> None:
+def _check_static(plan: Plan, L: PlanLayout, where: str) -> None:
     floating_seen: dict[tuple[int, Op], str] = {}
     for q in range(L.W):
         for t in range(L.k):
@@ -156,7 +116,7 @@ def _check_static(plan: Plan, L: _Layout, where: str) -> None:
                 if op.mb is not None and L.mbr[op.mb] != r:
                     raise ReplayError(where, _where(q, t, i, op), f"{name}: micro-batch {op.mb} runs on replica {L.mbr[op.mb]}, rank {q} holds replica {r}")
                 _check_peer(L, q, t, i, op, name, where)
-                if op.kind in FLOATING:
+                if op.kind in FLOATING_KINDS:
                     if (q, op) in floating_seen:
                         raise ReplayError(where, _where(q, t, i, op), f"{name} is listed twice in the cycle (also at {floating_seen[(q, op)]})")
                     floating_seen[(q, op)] = f"step {t}"
@@ -168,10 +128,10 @@ def _check_static(plan: Plan, L: _Layout, where: str) -> None:
         _check_kfac_complete(L, floating_seen, where)
 
 
-def _check_peer(L: _Layout, q: int, t: int, i: int, op: Op, name: str, where: str) -> None:
+def _check_peer(L: PlanLayout, q: int, t: int, i: int, op: Op, name: str, where: str) -> None:
     if not op.is_p2p:
         return
-    other = op.stage if op.kind.startswith("recv") else (op.stage + 1 if op.kind == "send_act" else op.stage - 1)
+    other = peer_stage(op)
     if not 0 <= other < L.S:
         raise ReplayError(where, _where(q, t, i, op), f"{name}: there is no stage {other} to exchange with")
     expected = L.rank[(other, L.mbr[op.mb])]
@@ -179,7 +139,7 @@ def _check_peer(L: _Layout, q: int, t: int, i: int, op: Op, name: str, where: st
         raise ReplayError(where, _where(q, t, i, op), f"{name}: the peer of this message is rank {expected}, not {op.peer}")
 
 
-def _check_step_complete(plan: Plan, L: _Layout, q: int, t: int, ops: set[Op], where: str) -> None:
+def _check_step_complete(plan: Plan, L: PlanLayout, q: int, t: int, ops: set[Op], where: str) -> None:
     for s, r in sorted(L.held[q].items()):
         need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
         need.append(Op("step", stage=s))
@@ -192,7 +152,7 @@ def _check_step_complete(plan: Plan, L: _Layout, q: int, t: int, ops: set[Op], w
                 raise ReplayError(where, f"ranks[{q}].steps[{t}]", f"{op} (rank {q}, step {t}) is missing")
 
 
-def _check_kfac_complete(L: _Layout, floating: dict, where: str) -> None:
+def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
     def missing(q, op):
         return ReplayError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing")
 
@@ -223,70 +183,11 @@ def _check_kfac_complete(L: _Layout, floating: dict, where: str) -> None:
 
 # --- the simulation --------------------------------------------------------------------------
 
-def _deps(L: _Layout, q: int, c: int, t: int, op: Op) -> tuple[list[tuple], list[tuple]]:
-    """(local, remote) dependencies of `op` at cycle c, step t on rank q, as instance keys
-    (cycle, step | None, rank, op); remote ones come with the message lag (key, lag op)."""
-    k, S = op.kind, L.S
-    s = L.stage_of(op)
-    r = L.held[q][s]
-    mine = L.mbs_of(r)
-    here = lambda o, step=t: (c, step, q, o)  # noqa: E731
-    local: list[tuple] = []
-    remote: list[tuple] = []
-    if k == "fwd":
-        if s > 0:
-            local.append(here(Op("fwd", stage=s - 1, mb=op.mb)) if L.rank[(s - 1, r)] == q
-                         else here(Op("recv_act", stage=s - 1, mb=op.mb, peer=L.rank[(s - 1, r)])))
-        if t > 0:
-            local.append(here(Op("step", stage=s), t - 1))
-        elif c > 0:
-            local.append((c - 1, L.k - 1, q, Op("step", stage=s)))
-    elif k in ("bwd", "bwd_input"):
-        local.append(here(Op("fwd", stage=s, mb=op.mb)))
-        if s + 1 < S:
-            local.append(here(Op(k, stage=s + 1, mb=op.mb)) if L.rank[(s + 1, r)] == q
-                         else here(Op("recv_grad", stage=s + 1, mb=op.mb, peer=L.rank[(s + 1, r)])))
-    elif k == "bwd_weight":
-        local.append(here(Op("bwd_input", stage=s, mb=op.mb)))
-    elif k == "send_act":
-        local.append(here(Op("fwd", stage=s, mb=op.mb)))
-    elif k == "send_grad":
-        local.append(here(Op(L.B, stage=s, mb=op.mb)))
-    elif k in ("recv_act", "recv_grad"):
-        send = Op("send_" + k[5:], stage=op.stage, mb=op.mb, peer=q)
-        remote.append((c, t, op.peer, send))
-    elif k == "curv_a":
-        local.append((c, 0, q, Op("fwd", stage=s, mb=op.mb)))
-    elif k == "curv_b":  # split backward: with or after W, which shares its output gradient
-        local.append((c, 0, q, Op(L.Wk, stage=s, mb=op.mb)))
-    elif k == "sync_curv":
-        kind = "curv_a" if op.factor == "A" else "curv_b"
-        local += [(c, None, q, Op(kind, layer=op.layer, mb=m)) for m in mine]
-    elif k == "inv":
-        if L.R > 1:
-            local += [(c, None, q, Op("sync_curv", layer=op.layer, factor=f)) for f in FACTORS]
-        else:
-            local += [(c, None, q, Op(kind, layer=op.layer, mb=m)) for m in mine for kind in ("curv_a", "curv_b")]
-    elif k == "bcast_inv":
-        if op.peer == q:
-            local.append((c, None, q, Op("inv", layer=op.layer, factor=op.factor)))
-    elif k == "sync_grad":
-        local += [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    elif k == "precond":
-        local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    elif k == "step":
-        if L.kfac and L.stage_layers[s]:
-            local += [here(Op("precond", layer=l)) for l in L.stage_layers[s]]
-        else:
-            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    return local, remote
-
-
-def _simulate(plan: Plan, L: _Layout, costs: Costs, cycles: int, check_memory: bool, where: str) -> ReplayResult:
+def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory: bool, where: str) -> ReplayResult:
     # each rank's sequence over all cycles: (cycle, step, index, op)
     seq = [[(c, t, i, po.op) for c in range(cycles) for t in range(L.k) for i, po in enumerate(plan.ranks[q][t])]
            for q in range(L.W)]
-    listed = [{(c, None if op.kind in FLOATING else t, op) for c, t, _, op in s} for s in seq]
+    listed = [{(c, None if op.kind in FLOATING_KINDS else t, op) for c, t, _, op in s} for s in seq]
     pos = [0] * L.W
     clock = [0.0] * L.W
     end: dict[tuple, float] = {}
@@ -294,7 +195,7 @@ def _simulate(plan: Plan, L: _Layout, costs: Costs, cycles: int, check_memory: b
     timeline: list[list[tuple]] = [[] for _ in range(L.W)]  # (start, end, cycle, step, i, op)
 
     def key(q, c, t, op):
-        return (c, None if op.kind in FLOATING else t, q, op)
+        return (c, None if op.kind in FLOATING_KINDS else t, q, op)
 
     def name(q, c, t, op):
         return f"{op} (rank {q}, step {t}{f', cycle {c}' if c else ''})"
@@ -302,7 +203,7 @@ def _simulate(plan: Plan, L: _Layout, costs: Costs, cycles: int, check_memory: b
     def ready_time(q: int) -> float | None:
         """When rank q's next op may start as far as its own dependencies go; None if it must wait."""
         c, t, i, op = seq[q][pos[q]]
-        local, remote = _deps(L, q, c, t, op)
+        local, remote = op_dependencies(L, q, c, t, op)
         at = clock[q]
         for dk in local:
             if dk not in end:
@@ -366,7 +267,7 @@ def _cto(entry):
     return c, t, op
 
 
-def _check_messages(seq, end, L: _Layout, where: str) -> None:
+def _check_messages(seq, end, L: PlanLayout, where: str) -> None:
     """Every send has its receive (a receive without a send already deadlocks)."""
     for q in range(L.W):
         for c, t, i, op in seq[q]:
@@ -377,7 +278,7 @@ def _check_messages(seq, end, L: _Layout, where: str) -> None:
                                       f"{op} (rank {q}, step {t}) has no matching receive {recv} on rank {op.peer}")
 
 
-def _result(plan: Plan, L: _Layout, costs: Costs, timeline, cycles: int, check_memory: bool, where: str) -> ReplayResult:
+def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, check_memory: bool, where: str) -> ReplayResult:
     times = [[[(0.0, 0.0)] * len(plan.ranks[q][t]) for t in range(L.k)] for q in range(L.W)]
     cycle_end = [0.0] * cycles
     busy = [0.0] * L.W
@@ -429,7 +330,7 @@ def _result(plan: Plan, L: _Layout, costs: Costs, timeline, cycles: int, check_m
                         utilization_strict=sum(busy) / (L.W * steady) if steady > 0 else 0.0)
 
 
-def _pipefisher_utilization(timeline, L: _Layout, cycles: int) -> list[float]:
+def _pipefisher_utilization(timeline, L: PlanLayout, cycles: int) -> list[float]:
     """PipeFisher's GPU utilization (pipe-fisher scripts/plot_cuda_timeline.py), one value per
     step of the cycle: the window runs from rank 0's first forward of the step to its first
     forward of the next step; each rank's busy time in it counts compute AND collectives

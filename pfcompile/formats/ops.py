@@ -87,7 +87,46 @@ def weight_grad_kind(schedule: str) -> str:
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad"})
 KFAC_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv", "precond"})
+# The refresh's work, which a plan may put in any step of the cycle (it is named without a
+# step: listed once per cycle on its rank); every other op is listed once per step.
+FLOATING_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
+# Ops whose time counts as the device being busy (communication is waiting).
+COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "step"})
 FACTORS = ("A", "B")
+STREAMS = ("compute", "p2p", "collective")  # display order too (pfcompile.formats.trace)
+
+
+def stream_of(kind: str) -> str:
+    """The stream an op kind runs on (the same rule for the planner, the plan's and the
+    runtime's traces)."""
+    if kind in P2P_KINDS:
+        return "p2p"
+    if kind in COLLECTIVE_KINDS:
+        return "collective"
+    return "compute"
+
+
+def stage_served(op: "Op") -> int | None:
+    """The model stage whose rank runs `op`: a receive carries the producing stage but runs
+    on the neighbouring stage it feeds (recv_act on stage + 1, recv_grad on stage - 1).
+    None for ops named by layer (their stage is the plan's layer_stage)."""
+    if op.kind == "recv_act":
+        return op.stage + 1
+    if op.kind == "recv_grad":
+        return op.stage - 1
+    return op.stage
+
+
+def peer_stage(op: "Op") -> int:
+    """The stage at the other end of a point-to-point op: the consumer for a send, the
+    producer (the op's own `stage`) for a receive."""
+    if op.kind == "send_act":
+        return op.stage + 1
+    if op.kind == "send_grad":
+        return op.stage - 1
+    if op.kind in ("recv_act", "recv_grad"):
+        return op.stage
+    raise ValueError(f"{op} is not a point-to-point op")
 
 _FIELDS = ("stage", "mb", "layer", "factor", "peer")
 

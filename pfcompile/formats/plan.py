@@ -39,17 +39,73 @@ step t with `ranks[rank].steps[t % k]`.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import Fields, read_json, write_json
-from pfcompile.formats.ops import Op
+from pfcompile.formats.ops import FLOATING_KINDS, Op
 
 SCHEMA = "pfcompile-plan"
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
 METHODS = ("none", "greedy", "cpsat")
+
+
+class Task(NamedTuple):
+    """One op on one rank in one step of the refresh cycle; `step` is None for floating
+    K-FAC work (FLOATING_KINDS), which is one task of the cycle whatever step lists it.
+    The task type of the task graph, the dependency rules and the replay."""
+
+    step: int | None
+    rank: int
+    op: Op
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "cycle"
+        return f"rank {self.rank} {where} {self.op}"
+
+
+def task_at(step: int, rank: int, op: Op) -> Task:
+    """The task of `op` listed in `step` on `rank` (floating work: the cycle's one task)."""
+    return Task(None if op.kind in FLOATING_KINDS else step, rank, op)
+
+
+class Layout:
+    """Where each (stage, replica) runs and which replica runs each micro-batch, as
+    queries: the one stage -> rank lookup of the planner (from PipelineConfig.placement),
+    a plan file and the replay.
+
+    `placement`: [{"stage", "replica", "rank"}]; `micro_batch_replica[m]`: m's replica."""
+
+    def __init__(self, placement: list[dict[str, int]], micro_batch_replica: list[int]):
+        self.rank: dict[tuple[int, int], int] = {(p["stage"], p["replica"]): p["rank"] for p in placement}
+        self.held: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> {stage: replica}
+        for (s, r), q in sorted(self.rank.items()):
+            self.held[q][s] = r
+        self.micro_batch_replica = list(micro_batch_replica)
+        self._mbs: dict[int, list[int]] = {}
+        for m, r in enumerate(self.micro_batch_replica):
+            self._mbs.setdefault(r, []).append(m)
+        self._groups: dict[int, list[int]] = {}
+        for (s, r), q in sorted(self.rank.items()):  # by replica index
+            self._groups.setdefault(s, []).append(q)
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return self.rank[(stage, replica)]
+
+    def stages_of(self, rank: int) -> list[tuple[int, int]]:
+        """(stage, replica) pairs held by a rank, in stage order."""
+        return sorted(self.held.get(rank, {}).items())
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """Ranks holding a replica of the stage, by replica index: the stage's process group."""
+        return list(self._groups.get(stage, []))
+
+    def mbs_of(self, replica: int) -> list[int]:
+        """The micro-batches a replica runs, ascending."""
+        return list(self._mbs.get(replica, []))
 
 
 @dataclass
@@ -88,19 +144,21 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.partition)
 
+    @property
+    def layout(self) -> Layout:
+        """The placement as queries (built afresh: a plan's fields may be edited)."""
+        return Layout(self.placement, self.micro_batch_replica)
+
     def rank_of(self, stage: int, replica: int) -> int:
-        for p in self.placement:
-            if p["stage"] == stage and p["replica"] == replica:
-                return p["rank"]
-        raise KeyError((stage, replica))
+        return self.layout.rank_of(stage, replica)
 
     def stages_of(self, rank: int) -> list[tuple[int, int]]:
         """(stage, replica) pairs held by a rank, in stage order."""
-        return sorted((p["stage"], p["replica"]) for p in self.placement if p["rank"] == rank)
+        return self.layout.stages_of(rank)
 
     def replica_ranks(self, stage: int) -> list[int]:
         """Ranks holding a replica of the stage, by replica index: the stage's process group."""
-        return [p["rank"] for p in sorted(self.placement, key=lambda p: p["replica"]) if p["stage"] == stage]
+        return self.layout.replica_ranks(stage)
 
     def ops(self, rank: int, step: int) -> list[Op]:
         return [p.op for p in self.ranks[rank][step % self.refresh_steps]]

@@ -16,12 +16,10 @@ import os
 from typing import Any, Iterable, NamedTuple
 
 from pfcompile.formats.jsonio import write_atomic
-from pfcompile.formats.ops import COLLECTIVE_KINDS, P2P_KINDS
-
-# Streams in display order. Point-to-point and collective communication get their own
-# rows because a runtime may overlap them with compute; in one row Perfetto would nest
-# overlapping slices and misdraw them.
-STREAMS = ("compute", "p2p", "collective")
+# Streams in display order (pfcompile.formats.ops). Point-to-point and collective
+# communication get their own rows because a runtime may overlap them with compute; in one
+# row Perfetto would nest overlapping slices and misdraw them.
+from pfcompile.formats.ops import STREAMS, stream_of  # noqa: F401  (stream_of: re-exported for the runtime)
 
 
 class TraceEvent(NamedTuple):
@@ -31,15 +29,6 @@ class TraceEvent(NamedTuple):
     start_ms: float
     end_ms: float
     args: dict[str, Any]
-
-
-def stream_of(kind: str) -> str:
-    """The stream an op kind runs on (same rule for the plan's and the runtime's trace)."""
-    if kind in P2P_KINDS:
-        return "p2p"
-    if kind in COLLECTIVE_KINDS:
-        return "collective"
-    return "compute"
 
 
 def _tid(stream: str) -> int:

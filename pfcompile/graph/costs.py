@@ -30,9 +30,6 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
 from pfcompile.formats.profile import Profile
 
-# Ops whose compute time counts as a device being busy (communication is waiting).
-COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "step"})
-
 
 def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
     """"embed,block0|block1,head" -> [["embed", "block0"], ["block1", "head"]], checked."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
+from pfcompile.formats.plan import SCHEDULES, Layout  # noqa: F401  (SCHEDULES: the plan format's list)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
 INVERSION_POLICIES = ("balanced", "all")
 
 
@@ -117,16 +118,21 @@ class PipelineConfig:
         per = self.micro_batches // self.replicas
         return [m // per for m in range(self.micro_batches)]
 
+    @property
+    def layout(self) -> Layout:
+        """The placement as queries (pfcompile.formats.plan.Layout, the plan's and the
+        replay's too); `rank_of` above is the rule it is made from."""
+        return _layout(self.schedule, self.stages, self.virtual_stages, self.replicas, self.micro_batches)
+
     def replica_mbs(self, replica: int) -> list[int]:
-        per = self.micro_batches // self.replicas
-        return list(range(replica * per, (replica + 1) * per))
+        return self.layout.mbs_of(replica)
 
     def stages_of(self, rank: int) -> list[tuple[int, int]]:
         """(stage, replica) pairs held by a rank, in stage order."""
-        return sorted((p["stage"], p["replica"]) for p in self.placement() if p["rank"] == rank)
+        return self.layout.stages_of(rank)
 
     def replica_ranks(self, stage: int) -> list[int]:
-        return [self.rank_of(stage, r) for r in range(self.replicas)]
+        return self.layout.replica_ranks(stage)
 
     def to_json(self) -> dict:
         return {
@@ -135,6 +141,12 @@ class PipelineConfig:
             "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
             "inversion": self.inversion, "memory_limit_bytes": self.memory_limit_bytes,
         }
+
+
+@lru_cache(maxsize=64)
+def _layout(schedule: str, stages: int, virtual_stages: int, replicas: int, micro_batches: int) -> Layout:
+    cfg = PipelineConfig(schedule, stages, micro_batches, replicas=replicas, virtual_stages=virtual_stages)
+    return Layout(cfg.placement(), cfg.micro_batch_replica())
 
 
 # --- compute orders: per rank, the (kind, stage, mb) passes of one step ------------------------

@@ -42,26 +42,14 @@ All durations and memory come from pfcompile.graph.costs.Costs (`tg.costs`), the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import networkx as nx
 
-from pfcompile.graph.costs import Costs, balanced_partition, check_partition
-from pfcompile.formats.ops import COLLECTIVE_KINDS, FACTORS, P2P_KINDS, Op
+from pfcompile.formats.ops import FACTORS, Op, input_grad_kind, stream_of, weight_grad_kind
+from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
+from pfcompile.graph.costs import Costs, balanced_partition, check_partition
 from pfcompile.graph.schedules import PipelineConfig, canonical_orders
-
-FLOATING_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
-
-
-class Task(NamedTuple):
-    step: int | None
-    rank: int
-    op: Op
-
-    def __str__(self) -> str:
-        where = f"step {self.step}" if self.step is not None else "cycle"
-        return f"rank {self.rank} {where} {self.op}"
 
 
 @dataclass
@@ -71,14 +59,6 @@ class Buffer:
     alloc: Task
     free: Task
     key: tuple
-
-
-def stream_of(op: Op) -> str:
-    if op.kind in P2P_KINDS:
-        return "p2p"
-    if op.kind in COLLECTIVE_KINDS:
-        return "collective"
-    return "compute"
 
 
 @dataclass
@@ -134,7 +114,7 @@ class TaskGraph:
 
     def add_task(self, t: Task) -> Task:
         self.g.add_node(t, op=t.op, rank=t.rank, step=t.step, duration=self.costs.duration(t.op),
-                        stream=stream_of(t.op), floating=t.step is None)
+                        stream=stream_of(t.op.kind), floating=t.step is None)
         return t
 
     def add_edge(self, u: Task, v: Task, lag: float = 0.0) -> None:
@@ -170,7 +150,7 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
         return Task(k, cfg.rank_of(stage, replica), op)
 
     # split backward: bwd_input (B) makes the input gradient, bwd_weight (W) the weights'
-    B = "bwd_input" if cfg.split_backward else "bwd"
+    B = input_grad_kind(cfg.schedule)
     for m in range(cfg.micro_batches):
         r = rep[m]
         for s in range(S):
@@ -200,7 +180,7 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
             if k > 0:
                 tg.add_edge(Task(k - 1, fwd.rank, Op("step", stage=s)), fwd)
 
-    W = "bwd_weight" if cfg.split_backward else "bwd"  # after it, a micro-batch's weight gradients are in
+    W = weight_grad_kind(cfg.schedule)  # after it, a micro-batch's weight gradients are in
     for s in range(S):
         bwds = [T(Op(W, stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
         for r in range(R):
@@ -242,10 +222,12 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
                 made_by = Task(0, q, Op(after, stage=s, mb=m))
                 if kind == "curv_b" and cfg.split_backward:
                     # the output gradient is made by B and shared with W: curv_b runs with
-                    # or after W (they read the same tensors), the buffer lives from B on
+                    # or after W (they read the same tensors; B -> W implies B -> curv_b),
+                    # the buffer lives from B on
                     made_by = Task(0, q, Op("bwd_input", stage=s, mb=m))
                     tg.add_edge(Task(0, q, Op("bwd_weight", stage=s, mb=m)), c)
-                tg.add_edge(made_by, c)
+                else:
+                    tg.add_edge(made_by, c)
                 tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, (f"kept_{f.lower()}", l, m)))
                 curv[f].append(c)
         ready_for_inv: dict[int, list[Task]] = {}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pfcompile.place.problem import Problem
+from pfcompile.place.problem import Problem, topological_order
 
 
 @dataclass
@@ -41,14 +41,13 @@ def heads_and_tails(p: Problem) -> tuple[list[int], list[int]]:
 
     An edge counts when it binds whatever the choices are: from a mandatory task, or
     inside one option (an optional predecessor may be absent)."""
-    n = len(p.tasks)
+    n = p.n
     succ: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     edges = list(p.edges) + [(a, b, 0) for chain in p.chains for a, b in zip(chain, chain[1:])]
     for a, b, lag in edges:  # a fixed order is a dependency too
         succ[a].append((b, lag))
-    order = topological_order(n, succ)
-    opt = [t.option for t in p.tasks]
-    dur = [t.dur for t in p.tasks]
+    order = topological_order(n, [[b for b, _ in out] for out in succ])
+    opt, dur = p.option, p.dur
     head = [0] * n
     for a in order:
         ha = head[a] + dur[a]
@@ -69,29 +68,13 @@ def heads_and_tails(p: Problem) -> tuple[list[int], list[int]]:
     return head, tail
 
 
-def topological_order(n: int, succ: list[list[tuple[int, int]]]) -> list[int]:
-    indeg = [0] * n
-    for a in range(n):
-        for b, _ in succ[a]:
-            indeg[b] += 1
-    order = [i for i in range(n) if indeg[i] == 0]
-    for a in order:  # grows while iterating: Kahn's algorithm
-        for b, _ in succ[a]:
-            indeg[b] -= 1
-            if indeg[b] == 0:
-                order.append(b)
-    if len(order) != n:
-        raise ValueError("the dependencies have a cycle")
-    return order
-
-
 def critical_path_bound(p: Problem, head=None, tail=None) -> int:
     if head is None:
         head, tail = heads_and_tails(p)
-    best = max((head[i] + t.dur + tail[i] for i, t in enumerate(p.tasks) if t.option is None), default=0)
+    best = max((head[i] + p.dur[i] + tail[i] for i in range(p.n) if p.option[i] is None), default=0)
     by_opt = p.option_tasks()
     for options in p.choices:
-        best = max(best, min(max((head[i] + p.tasks[i].dur + tail[i] for i in by_opt[o]), default=0)
+        best = max(best, min(max((head[i] + p.dur[i] + tail[i] for i in by_opt[o]), default=0)
                              for o in options))
     return best
 
@@ -101,10 +84,10 @@ def device_work_bound(p: Problem, head=None, tail=None) -> int:
         head, tail = heads_and_tails(p)
     best = 0
     for tasks in p.resources().values():
-        mand = [i for i in tasks if p.tasks[i].option is None]
+        mand = [i for i in tasks if p.option[i] is None]
         if not mand:
             continue
-        work = sum(p.tasks[i].dur for i in mand)
+        work = sum(p.dur[i] for i in mand)
         best = max(best, min(head[i] for i in tasks) + work + min(tail[i] for i in tasks))
     return best
 
@@ -120,7 +103,7 @@ def shared_work_bound(p: Problem, head=None, tail=None) -> int:
     link = nx.Graph()
     link.add_nodes_from(res)
     for options in p.choices:
-        touched = [p.tasks[i].resource for o in options for i in by_opt[o]]
+        touched = [p.resource[i] for o in options for i in by_opt[o]]
         link.add_edges_from(zip(touched, touched[1:]))
     best = 0
     for group in nx.connected_components(link):
@@ -129,9 +112,9 @@ def shared_work_bound(p: Problem, head=None, tail=None) -> int:
         total = 0
         for r in group:
             total += min(head[i] for i in res[r]) + min(tail[i] for i in res[r])
-            total += sum(p.tasks[i].dur for i in res[r] if p.tasks[i].option is None)
+            total += sum(p.dur[i] for i in res[r] if p.option[i] is None)
         for options in p.choices:
-            work = [sum(p.tasks[i].dur for i in by_opt[o] if p.tasks[i].resource in group) for o in options]
+            work = [sum(p.dur[i] for i in by_opt[o] if p.resource[i] in group) for o in options]
             total += min(work)
         best = max(best, math.ceil(total / len(group)))
     return best

@@ -37,7 +37,7 @@ class Vars:
 
     def present(self, p: Problem, i: int) -> list:
         """Literals under which task i exists (empty: always)."""
-        o = p.tasks[i].option
+        o = p.option[i]
         return [] if o is None else [self.option[o]]
 
 
@@ -58,13 +58,13 @@ def build_model(p: Problem, horizon: int | None = None) -> tuple[cp_model.CpMode
 def add_intervals(m, p: Problem, horizon: int) -> Vars:
     option = {o: m.new_bool_var(f"opt{o}") for c in p.choices for o in c}
     start, end, interval = [], [], []
-    for i, t in enumerate(p.tasks):
-        s = m.new_int_var(0, horizon - t.dur, f"s{i}")
-        e = s + t.dur  # affine end: no extra variable
-        if t.option is None:
-            iv = m.new_fixed_size_interval_var(s, t.dur, f"i{i}")
+    for i, (d, o) in enumerate(zip(p.dur, p.option)):
+        s = m.new_int_var(0, horizon - d, f"s{i}")
+        e = s + d  # affine end: no extra variable
+        if o is None:
+            iv = m.new_fixed_size_interval_var(s, d, f"i{i}")
         else:
-            iv = m.new_optional_fixed_size_interval_var(s, t.dur, option[t.option], f"i{i}")
+            iv = m.new_optional_fixed_size_interval_var(s, d, option[o], f"i{i}")
         start.append(s), end.append(e), interval.append(iv)
     return Vars(start, end, interval, option)
 
@@ -72,7 +72,7 @@ def add_intervals(m, p: Problem, horizon: int) -> Vars:
 def add_no_overlap(m, p: Problem, v: Vars) -> None:
     for tasks in p.resources().values():
         # zero-length tasks (a posted send) never block a stream
-        busy = [v.interval[i] for i in tasks if p.tasks[i].dur > 0]
+        busy = [v.interval[i] for i in tasks if p.dur[i] > 0]
         if len(busy) > 1:
             m.add_no_overlap(busy)
 
@@ -129,9 +129,9 @@ def add_phases(m, p: Problem, v: Vars, horizon: int) -> None:
 
 def add_makespan_objective(m, p: Problem, v: Vars, horizon: int) -> None:
     # a task with a mandatory successor ends before it: only the others bound C
-    has_succ = {a for a, b, _ in p.edges if p.tasks[b].option is None}
+    has_succ = {a for a, b, _ in p.edges if p.option[b] is None}
     v.makespan = m.new_int_var(0, horizon, "makespan")
-    for i in range(len(p.tasks)):
+    for i in range(p.n):
         if i not in has_succ:
             m.add(v.makespan >= v.end[i]).only_enforce_if(v.present(p, i))
     m.minimize(v.makespan)
@@ -141,7 +141,7 @@ def add_makespan_objective(m, p: Problem, v: Vars, horizon: int) -> None:
 
 
 def add_hint(m, p: Problem, v: Vars, hint: Schedule) -> None:
-    taken = {p.tasks[i].option for i, s in enumerate(hint.start) if s is not None and p.tasks[i].option is not None}
+    taken = {p.option[i] for i, s in enumerate(hint.start) if s is not None and p.option[i] is not None}
     for o, lit in v.option.items():
         m.add_hint(lit, o in taken)
     for i, s in enumerate(hint.start):
@@ -149,7 +149,7 @@ def add_hint(m, p: Problem, v: Vars, hint: Schedule) -> None:
             m.add_hint(v.start[i], s)
     m.add_hint(v.makespan, hint.makespan)
     for b, before in v.boundary:
-        m.add_hint(b, max((hint.start[i] + p.tasks[i].dur for i in before), default=0))
+        m.add_hint(b, max((hint.start[i] + p.dur[i] for i in before), default=0))
 
 
 @dataclass
@@ -202,8 +202,8 @@ def solve(p: Problem, *, time_limit: float = 60.0, workers: int = 2, hint: Sched
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Result(name, None, None, int(solver.best_objective_bound), seconds, cb.trace)
     start: list[int | None] = []
-    for i, t in enumerate(p.tasks):
-        ok = t.option is None or solver.boolean_value(v.option[t.option])
+    for i, o in enumerate(p.option):
+        ok = o is None or solver.boolean_value(v.option[o])
         start.append(int(solver.value(v.start[i])) if ok else None)
     mk = int(solver.objective_value)
     return Result(name, Schedule(start, mk), mk, int(solver.best_objective_bound), seconds, cb.trace)

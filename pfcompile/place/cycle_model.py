@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pfcompile.formats.errors import InputError
-from pfcompile.graph.taskgraph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
+from pfcompile.formats.ops import FLOATING_KINDS
+from pfcompile.formats.plan import Task
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
 from pfcompile.place.list_schedule import list_schedule
 from pfcompile.formats.ops import P2P_KINDS, Op
 from pfcompile.place.problem import Problem, Schedule, to_us
@@ -197,7 +199,7 @@ def steps_from_schedule(cm: CycleModel, s: Schedule) -> dict[int, list[list[Op]]
     by_rank: dict[int, list[tuple]] = {q: [] for q in cm.tg.ranks}
     for i, t in enumerate(cm.tasks):
         if s.start[i] is not None:
-            by_rank[t.rank].append((s.start[i], s.start[i] + cm.problem.tasks[i].dur, i))
+            by_rank[t.rank].append((s.start[i], s.start[i] + cm.problem.dur[i], i))
     for q, rows in by_rank.items():
         step = 0
         for _, _, i in sorted(rows):
@@ -226,8 +228,8 @@ def schedule_from_steps(cm: CycleModel, steps: dict[int, list[list[Op]]]) -> Sch
                     continue
                 seen.add(i)
                 chain.append(i)
-                if cm.problem.tasks[i].option is not None:
-                    taken.add(cm.problem.tasks[i].option)
+                if cm.problem.option[i] is not None:
+                    taken.add(cm.problem.option[i])
         chains.append(chain)
     p = replace(cm.problem, chains=chains)
     try:

@@ -24,7 +24,9 @@ from dataclasses import replace
 import networkx as nx
 
 from pfcompile.formats.errors import InputError
-from pfcompile.graph.taskgraph import FLOATING_KINDS, Task, TaskGraph, build_task_graph
+from pfcompile.formats.ops import FLOATING_KINDS
+from pfcompile.formats.plan import Task
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 

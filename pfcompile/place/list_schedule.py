@@ -13,10 +13,9 @@ refresh's K-FAC work second reproduces PipeFisher's greedy filling of the bubble
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import defaultdict
 
-from pfcompile.place.problem import Problem, Schedule
+from pfcompile.place.problem import Problem, Schedule, topological_order
 
 
 class _Timeline:
@@ -49,7 +48,7 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
                   pinned: dict[int, int] | None = None, options: set[int] | None = None) -> Schedule:
     """`pinned`: tasks whose start is given (booked before anything else is placed);
     `options`: the option to take in each choice they cover (default: the earliest finish)."""
-    n = len(p.tasks)
+    n = p.n
     preds: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for a, b, l in p.edges:
         preds[b].append((a, l))
@@ -76,7 +75,7 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     def rank(i: int) -> tuple:
         return (i < n and i not in first, key(i) if i < n else ())
 
-    order = _lexicographic_topological(total, succ, rank)
+    order = topological_order(total, succ, rank)
 
     by_opt = p.option_tasks()
     chosen: set[int] = set(options or ())
@@ -86,11 +85,11 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     start: list[int | None] = [None] * total
     for i, t0 in (pinned or {}).items():
         start[i] = t0
-        lines[p.tasks[i].resource].book(t0, p.tasks[i].dur)
+        lines[p.resource[i]].book(t0, p.dur[i])
     decided = {c[0] for c in p.choices if any(o in chosen for o in c)}  # choices (by first option id)
 
     def dur(i: int) -> int:
-        return p.tasks[i].dur if i < n else 0
+        return p.dur[i] if i < n else 0
 
     def release(i: int) -> int:
         r = 0
@@ -102,14 +101,14 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     def place_group(members: list[int], trial: bool) -> int:
         t = max(release(i) for i in members)
         while True:
-            t2 = max(lines[p.tasks[i].resource].fit(t, p.tasks[i].dur) for i in members)
+            t2 = max(lines[p.resource[i]].fit(t, p.dur[i]) for i in members)
             if t2 == t:
                 break
             t = t2
         if not trial:
             for i in members:
                 start[i] = t
-                lines[p.tasks[i].resource].book(t, p.tasks[i].dur)
+                lines[p.resource[i]].book(t, p.dur[i])
         return t
 
     for i in order:
@@ -118,15 +117,15 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
         if i >= n:  # a barrier
             start[i] = release(i)
             continue
-        o = p.tasks[i].option
+        o = p.option[i]
         if o is not None:
             c = choice_of[o]
             if c[0] not in decided:
                 decided.add(c[0])
                 # the option whose first tasks would finish earliest (the least loaded replica)
                 best = min(c, key=lambda oo: max(
-                    (place_group(group_of.get(j, [j]), trial=True) + p.tasks[j].dur
-                     for j in by_opt[oo] if not any(a < n and p.tasks[a].option == oo for a, _ in preds[j])),
+                    (place_group(group_of.get(j, [j]), trial=True) + p.dur[j]
+                     for j in by_opt[oo] if not any(a < n and p.option[a] == oo for a, _ in preds[j])),
                     default=0))
                 chosen.add(best)
             if o not in chosen:
@@ -134,26 +133,5 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
         members = [j for j in group_of.get(i, [i]) if start[j] is None]
         place_group(members, trial=False)
     start = start[:n]
-    mk = max((s + p.tasks[i].dur for i, s in enumerate(start) if s is not None), default=0)
+    mk = max((s + p.dur[i] for i, s in enumerate(start) if s is not None), default=0)
     return Schedule(start, mk)
-
-
-def _lexicographic_topological(n: int, succ: list[list[int]], rank) -> list[int]:
-    """Topological order taking, among the ready nodes, the least `rank` first."""
-    indeg = [0] * n
-    for a in range(n):
-        for b in succ[a]:
-            indeg[b] += 1
-    ready = [(rank(i), i) for i in range(n) if indeg[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, a = heapq.heappop(ready)
-        order.append(a)
-        for b in succ[a]:
-            indeg[b] -= 1
-            if indeg[b] == 0:
-                heapq.heappush(ready, (rank(b), b))
-    if len(order) != n:
-        raise ValueError("the dependencies have a cycle")
-    return order

@@ -272,7 +272,7 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
             " (the pipeline was not moved to make room for K-FAC work)"),
         "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
         "workers": opts.workers, "time_limit_s": opts.time_limit,
-        "tasks_model": len(best.cm.problem.tasks),
+        "tasks_model": best.cm.problem.n,
     }
     assemble.finish(plan, profile, stats)
     if cfg.kfac:

@@ -16,7 +16,8 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import write_atomic
 from pfcompile.formats.plan import Plan
 from pfcompile.render.style import label_of, group_of
-from pfcompile.formats.trace import TraceEvent, stream_of, write_trace
+from pfcompile.formats.ops import stream_of
+from pfcompile.formats.trace import TraceEvent, write_trace
 
 IMAGE_FORMATS = ("svg", "png", "pdf")
 

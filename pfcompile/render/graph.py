@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
-from pfcompile.check.deps import Task, collective_peers, dependencies, tasks_of
+from pfcompile.check.deps import collective_peers, dependencies, planned_times, tasks_of
+from pfcompile.formats.ops import stage_served
+from pfcompile.formats.plan import Task
 from pfcompile.render.style import GROUPS, color_of, group_of, label_of
 
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
@@ -40,17 +42,8 @@ class TaskFilter:
             if op.layer is not None:
                 return op.layer in self.layers
             # pipeline work is kept where it feeds the chosen layers: on their stages
-            return _stage_served(op) in {plan.layer_stage[l] for l in self.layers if l < len(plan.layer_stage)}
+            return stage_served(op) in {plan.layer_stage[l] for l in self.layers if l < len(plan.layer_stage)}
         return True
-
-
-def _stage_served(op) -> int | None:
-    """The stage an op works for: a receive carries the producing stage but serves its neighbour."""
-    if op.kind == "recv_act":
-        return op.stage + 1
-    if op.kind == "recv_grad":
-        return op.stage - 1
-    return op.stage
 
 
 @dataclass
@@ -69,9 +62,9 @@ def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
     op = task.op
     k = op.kind
     if k in ("fwd", "send_act", "recv_act"):  # a receive joins the forward it feeds
-        return ("F", _stage_served(op), op.mb)
+        return ("F", stage_served(op), op.mb)
     if k in ("bwd", "bwd_input", "send_grad", "recv_grad"):
-        return ("B", _stage_served(op), op.mb)
+        return ("B", stage_served(op), op.mb)
     if k == "bwd_weight":
         return ("W", op.stage, op.mb)
     if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
@@ -96,12 +89,14 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
     return f"update stage {key[1]}", GROUPS["step"][1]
 
 
-def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None) -> tuple[list[Node], dict[tuple, Node]]:
+def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None,
+                times: dict[Task, tuple[float, float]] | None = None) -> tuple[list[Node], dict[Task, Node]]:
     """Nodes for the kept tasks (one per task, or per group at level `collapse`), and the
-    map task key -> its node."""
+    map task -> its node. `times`: the plan's (start, end) of each task."""
+    times = planned_times(plan) if times is None else times
     nodes: dict[tuple, Node] = {}
-    of_task: dict[tuple, Node] = {}
-    for task in sorted(tasks, key=lambda t: (t.rank, t.step, t.start)):
+    of_task: dict[Task, Node] = {}
+    for task in sorted(tasks, key=lambda t: (t.rank, t.step, times[t][0])):
         key = (task.rank, task.step) + (_collapsed_key(task, plan, collapse) if collapse else (task.op,))
         node = nodes.get(key)
         if node is None:
@@ -109,9 +104,9 @@ def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None) -> tuple[li
                 label, color = _collapsed_label(key[2:], plan)
             else:
                 label, color = str(task.op), color_of(task.op.kind)
-            node = nodes[key] = Node(f"n{len(nodes)}", task.rank, task.step, label, color, task.start)
+            node = nodes[key] = Node(f"n{len(nodes)}", task.rank, task.step, label, color, times[task][0])
         node.tasks.append(task)
-        of_task[task.key] = node
+        of_task[task] = node
     for node in nodes.values():
         if collapse and len(node.tasks) > 1:
             node.label += f"\n{len(node.tasks)} ops"
@@ -132,6 +127,7 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
     import graphviz  # noqa: PLC0415 (only this output needs it)
 
     all_tasks = tasks_of(plan)
+    times = planned_times(plan)
     flt = flt or TaskFilter()
     kept = [t for t in all_tasks if flt.keep(plan, t)]
     if not kept:
@@ -140,13 +136,13 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
         collapse = "layer"
     if collapse is None:
         collapse = "layer" if len(kept) > AUTO_COLLAPSE_ABOVE else False
-        if collapse and len(build_nodes(plan, kept, "layer")[0]) > AUTO_STAGE_ABOVE:
+        if collapse and len(build_nodes(plan, kept, "layer", times)[0]) > AUTO_STAGE_ABOVE:
             collapse = "stage"
     if collapse and collapse not in COLLAPSE_LEVELS:
         raise ValueError(f"collapse level must be one of {COLLAPSE_LEVELS}, got {collapse!r}")
     collapse = collapse or None
-    nodes, of_task = build_nodes(plan, kept, collapse)
-    kept_keys = {t.key for t in kept}
+    nodes, of_task = build_nodes(plan, kept, collapse, times)
+    kept_keys = set(kept)
 
     cfg = plan.config
     title = (f"{plan.model.get('name', 'model')}: {cfg['schedule']} D={cfg['stages']} N={cfg['micro_batches']} "
@@ -171,13 +167,13 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
 
     edges = set()
     for producer, consumer in dependencies(plan, all_tasks):
-        if producer.key in kept_keys and consumer.key in kept_keys:
-            a, b = of_task[producer.key], of_task[consumer.key]
+        if producer in kept_keys and consumer in kept_keys:
+            a, b = of_task[producer], of_task[consumer]
             if a is not b:
                 edges.add((a.id, b.id, producer.rank != consumer.rank))
     for a_id, b_id, cross in sorted(edges):
         g.edge(a_id, b_id, **({"color": "#c0392b", "style": "bold"} if cross else {}))
-    peers = {(of_task[a.key].id, of_task[b.key].id) for a, b in collective_peers(plan, kept)}
+    peers = {(of_task[a].id, of_task[b].id) for a, b in collective_peers(plan, kept)}
     for a_id, b_id in sorted(peers):
         g.edge(a_id, b_id, style="dashed", dir="none", constraint="false", color="#b07aa1")
     _legend(g, {group_of(t.op.kind) for t in kept}, collapse)

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from pfcompile.formats.jsonio import write_atomic
-from pfcompile.formats.ops import PASS_KINDS, PIPELINE_KINDS, Op
+from pfcompile.formats.ops import PASS_KINDS, PIPELINE_KINDS, Op, stage_served
 from pfcompile.formats.plan import Plan
 
 FORMATS = ("compute_comms", "compute_only")
@@ -45,11 +45,11 @@ def _action(op: Op, local_mb: int) -> str:
     if k == "send_act":
         return f"{s}SEND_F{local_mb}"
     if k == "recv_act":
-        return f"{s + 1}RECV_F{local_mb}"
+        return f"{stage_served(op)}RECV_F{local_mb}"
     if k == "send_grad":
         return f"{s}SEND_B{local_mb}"
     if k == "recv_grad":
-        return f"{s - 1}RECV_B{local_mb}"
+        return f"{stage_served(op)}RECV_B{local_mb}"
     raise ValueError(f"{op} is no pipeline action")
 
 
@@ -79,12 +79,7 @@ def actions(plan: Plan, replica: int = 0, fmt: str = "compute_comms") -> list[li
 
 
 def _on_pipeline(op: Op, held: set[int]) -> bool:
-    # recv ops carry the producing stage: the receiver holds the next (act) or previous (grad)
-    if op.kind == "recv_act":
-        return op.stage + 1 in held
-    if op.kind == "recv_grad":
-        return op.stage - 1 in held
-    return op.stage in held
+    return stage_served(op) in held  # a receive runs on the stage it feeds
 
 
 def csv_paths(plan: Plan, path: str | os.PathLike) -> list[Path]:

@@ -1,0 +1,64 @@
+"""The graph builder's dependency rules (pfcompile.graph.taskgraph, what the planners place)
+and the replay's (pfcompile.check.deps, what checks their plans) are written apart; here
+they must agree, edge for edge, on every family, with and without K-FAC.
+
+A collective is compared as one unit: the graph makes each member wait for every replica's
+producers, the replay makes each member wait for its own and then for the rendezvous; both
+mean "the collective starts when all members' producers are done"."""
+
+import pytest
+
+from pfcompile.check.deps import PlanLayout, op_dependencies
+from pfcompile.formats.plan import task_at
+from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.place import assemble
+from tests.test_graph import uniform_profile
+
+CASES = [
+    ("gpipe", dict(stages=2, micro_batches=3)),
+    ("gpipe", dict(stages=2, micro_batches=4, replicas=2)),
+    ("1f1b", dict(stages=4, micro_batches=5)),
+    ("1f1b", dict(stages=2, micro_batches=4, replicas=2)),
+    ("interleaved", dict(stages=2, micro_batches=4, virtual_stages=2)),
+    ("chimera", dict(stages=4, micro_batches=4)),
+    ("zb-h1", dict(stages=4, micro_batches=5)),
+    ("zb-v", dict(stages=2, micro_batches=4)),
+]
+
+
+def _units(tg):
+    """Each task's unit: the members of its collective, or itself."""
+    unit = {t: (t,) for t in tg.g.nodes}
+    for members in tg.collectives.values():
+        for t in members:
+            unit[t] = tuple(members)
+    return unit
+
+
+@pytest.mark.parametrize("kfac", [True, False])
+@pytest.mark.parametrize("schedule,kw", CASES)
+def test_graph_and_replay_dependency_rules_agree(schedule, kw, kfac):
+    prof = uniform_profile(blocks=4)
+    cfg = PipelineConfig(schedule, refresh_steps=2, kfac=kfac, **kw)
+    tg = build_task_graph(prof, cfg)
+    plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
+    layout = PlanLayout(plan)
+    listed = {}  # graph task -> the step its plan lists it in
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for p in ops:
+                listed[tuple(task_at(t, q, p.op))] = t
+    assert set(listed) == {tuple(t) for t in tg.g.nodes}  # the plan lists exactly the graph's tasks
+
+    checked = 0
+    for members in set(_units(tg).values()):
+        inside = {tuple(t) for t in members}
+        graph_preds = {tuple(u) for t in members for u in tg.g.predecessors(t)} - inside
+        replay_preds = set()
+        for t in members:
+            local, remote = op_dependencies(layout, t.rank, 0, listed[tuple(t)], t.op)
+            replay_preds |= {(step, rank, op) for cycle, step, rank, op in local + remote if cycle == 0}
+        assert graph_preds == replay_preds - inside, (members, graph_preds ^ replay_preds)
+        checked += 1
+    assert checked > 10
