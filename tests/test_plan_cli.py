@@ -36,7 +36,9 @@ def test_plan_json_reports_the_replayed_statistics(chimera_plan):
                 "peak_memory_bytes", "step_overhead"):
         assert key in stats
     assert 0 < stats["baseline_utilization"] < stats["utilization"] <= 1
-    assert stats["refresh_steps"] >= stats["refresh_steps_lower_bound"] >= 1
+    assert stats["refresh_steps_lower_bound"] >= 1
+    assert (stats["refresh_steps"] >= stats["refresh_steps_lower_bound"]
+            or stats["step_time_ms"] > stats["tight_baseline_step_time_ms"])
     assert stats["step_overhead"] == pytest.approx(stats["step_time_ms"] / stats["baseline_step_time_ms"] - 1, abs=1e-5)
     assert len(stats["peak_memory_bytes"]) == 4
     # both utilization definitions; the tight baseline is the CP-SAT first-order plan, never

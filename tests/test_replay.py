@@ -46,15 +46,18 @@ def test_every_family_passes_the_replay(kw, method, kfac):
         # the greedy only fills bubbles: its step is the baseline plus the per-step precond
         precond = 2 * 0.05 * (kw.get("virtual_stages", 1) + (1 if kw["schedule"] == "chimera" else 0))
         assert plan.stats["step_time_ms"] <= baseline.step_time_ms + precond + 1e-3
-        assert plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
+        # below the k bound no plan runs at the best first-order step time
+        assert (plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
+                or plan.stats["step_time_ms"] > plan.stats["tight_baseline_step_time_ms"])
 
 
 def test_greedy_reaches_the_lower_bound_and_raises_utilization():
     prof = uniform_profile(blocks=4, curv=0.5, inv=1.5)
     plan, result, baseline = build_plan(prof, PipelineConfig("1f1b", stages=4, micro_batches=4), "greedy")
     assert result.utilization > baseline.utilization
-    # work on rank s: 2 layers x 4 mbs x 2 factors x 0.5 + 4 inversions x 1.5 = 14 ms; the
-    # bubble of each rank is (D-1)(f+b) = 9 ms, so k >= ceil(14/9) = 2
+    # work on rank s: 2 layers x 4 mbs x 2 factors x 0.5 + 4 inversions x 1.5 = 14 ms; at the
+    # first-order step time (N+D-1)(f+b) = 21 ms a rank is idle 21 - 4x3 - 2x0.05 (its
+    # per-step preconditioning) = 8.9 ms, so k >= ceil(14/8.9) = 2
     assert plan.stats["refresh_steps_lower_bound"] == 2
     assert plan.stats["refresh_steps"] >= 2
 
@@ -231,7 +234,9 @@ def test_any_valid_configuration_plans_and_replays(schedule, D, N, v, R):
     plan, result, baseline = build_plan(prof, cfg, "greedy")
     if plan.stats["tasks_after_last_step"] == 0:  # all work went into bubbles: only adds busy time
         assert result.utilization >= baseline.utilization - 1e-9
-    assert plan.stats["refresh_steps"] >= plan.stats["refresh_steps_lower_bound"]
+    lb = plan.stats["refresh_steps_lower_bound"]  # None: a rank has refresh work and no idle time
+    assert (lb is None or plan.stats["refresh_steps"] >= lb
+            or plan.stats["step_time_ms"] > plan.stats["tight_baseline_step_time_ms"])
 
 
 def test_utilization_definitions_against_closed_forms():

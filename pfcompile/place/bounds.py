@@ -14,7 +14,7 @@ All bounds relax the problem (drop constraints), so each is below every feasible
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -121,9 +121,24 @@ def shared_work_bound(p: Problem, head=None, tail=None) -> int:
 
 
 def lower_bounds(p: Problem) -> Bounds:
+    if p.periodic:
+        # the period: a rank's work fits in one period wherever it starts, so heads, tails
+        # and chains across ranks bound nothing (critical path 0); each rank's work does
+        zero = [0] * p.n
+        by_rank = replace(p, resource=[(r[0],) for r in p.resource])
+        return Bounds(0, device_work_bound(by_rank, zero, zero), shared_work_bound(by_rank, zero, zero))
     head, tail = heads_and_tails(p)
     return Bounds(critical_path_bound(p, head, tail), device_work_bound(p, head, tail),
                   shared_work_bound(p, head, tail))
+
+
+def refresh_steps_lower_bound_at(kfac_work_ms: dict, step_work_ms: dict, step_time_ms: float) -> int | None:
+    """The least k at which a plan can run at `step_time_ms` (the best first-order step
+    time: K-FAC then costs nothing): each device's idle time per step at that step time
+    (step time - the work every step holds, fwd/bwd, gradient sync, preconditioning,
+    update) must absorb its refresh work over k steps. A plan may use fewer steps, but it
+    is then slower than `step_time_ms`."""
+    return refresh_steps_lower_bound(kfac_work_ms, {q: step_time_ms - w for q, w in step_work_ms.items()})
 
 
 def refresh_steps_lower_bound(kfac_work_ms: dict, idle_ms: dict) -> int | None:

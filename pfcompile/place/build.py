@@ -17,7 +17,7 @@ from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place import assemble
-from pfcompile.place.bounds import refresh_steps_lower_bound
+from pfcompile.place.bounds import refresh_steps_lower_bound_at
 from pfcompile.place.greedy import greedy_steps
 
 METHODS = ("none", "greedy", "cpsat")
@@ -25,17 +25,28 @@ METHODS = ("none", "greedy", "cpsat")
 
 def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, where: str = "<plan>",
                progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
-               fixed_order: bool = True) -> tuple[Plan, ReplayResult, ReplayResult]:
+               fixed_order: bool = True, refresh_steps: int | None = None,
+               steady_state: bool = True) -> tuple[Plan, ReplayResult, ReplayResult]:
     """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
-    `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`
-    and `fixed_order` are CP-SAT's (per k tried)."""
+    `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`,
+    `fixed_order`, `refresh_steps` (a fixed k) and `steady_state` (minimise the repeating
+    cycle, not the cycle from idle) are CP-SAT's (per k tried)."""
     if method not in METHODS:
         raise InputError("--method", None, f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    if refresh_steps is not None and (method != "cpsat" or not cfg.kfac):
+        raise InputError("--refresh-steps", None, "a fixed k needs --method cpsat with K-FAC "
+                         "(the greedy's k is what its first fit needs)")
+    if refresh_steps is not None and refresh_steps < 1:
+        raise InputError("--refresh-steps", None, f"must be at least 1, got {refresh_steps}")
     t0 = time.perf_counter()
     # the baseline is only a reference here: the memory limit applies to the plan made
     base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
+    # the best first-order plan of the family: the tight baseline, and the step time the k
+    # lower bound aims at
+    tight = tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers) if cfg.kfac else None
+    first_order_ms = min(tight.stats["step_time_ms"], baseline.step_time_ms) if tight else baseline.step_time_ms
     if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
     elif method == "none":
@@ -46,9 +57,8 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     elif method == "greedy":
         tg, steps, info = greedy_steps(profile, cfg, progress=progress)
         plan = assemble.assemble(profile, tg, steps, "greedy")
-        # k >= ceil(work put into bubbles / bubble per step) on every rank (work no bubble
-        # can hold runs after the cycle's last step instead)
-        lb = refresh_steps_lower_bound(info["bubble_work_ms"], info["bubble_ms"])
+        # below this k no plan runs at the best first-order step time (bounds.py)
+        lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first_order_ms)
         k = len(next(iter(steps.values())))
         try:
             replay(plan, profile, where=where, cycles=1)
@@ -61,15 +71,18 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
             "solver_status": "greedy", "refresh_steps_lower_bound": lb,
             "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
             # greedy has no bound on its own objective; the gap is on k against the bound
-            "gap": round((k - lb) / k, 6) if lb else None,
+            "gap": round(max(0, k - lb) / k, 6) if lb else None,
             "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
     else:
         try:
             from pfcompile.place.solver import solve_plan
         except ImportError as e:
             raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
-        plan = solve_plan(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                          progress=progress, describe=describe)
+        from pfcompile.place.solver import SolverOptions
+
+        plan = solve_plan(profile, cfg, progress=progress, describe=describe, options=SolverOptions(
+            time_limit=time_limit, workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps,
+            steady_state=steady_state, first_order_step_ms=first_order_ms))
         solver_stats = dict(plan.stats)
         result = assemble.finish(plan, profile, where=where)
         plan.stats = {**solver_stats, **plan.stats,
@@ -77,8 +90,8 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
                          if k in solver_stats}}
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
-    if cfg.kfac:
-        add_tight_baseline_stats(plan, profile, cfg, time_limit=time_limit, workers=workers)
+    if tight is not None:
+        add_tight_baseline_stats(plan, tight)
     return plan, result, baseline
 
 
@@ -96,12 +109,7 @@ def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float =
                       workers=workers, fixed_order=True)
 
 
-def add_tight_baseline_stats(plan: Plan, profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0,
-                             workers: int = 2) -> None:
-    # capped: the first-order problem is small and usually proven optimal in well under a second
-    tight = tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers)
-    if tight is None:
-        return
+def add_tight_baseline_stats(plan: Plan, tight: Plan) -> None:
     b = min(tight.stats["step_time_ms"], plan.stats["baseline_step_time_ms"])  # never looser than the canonical
     plan.stats["tight_baseline_step_time_ms"] = round(b, 6)
     plan.stats["tight_baseline_status"] = tight.stats.get("solver_status")

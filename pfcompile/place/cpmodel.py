@@ -32,7 +32,7 @@ class Vars:
     end: list
     interval: list
     option: dict[int, object]  # option id -> Boolean literal (taken)
-    makespan: object = None
+    makespan: object = None  # the objective: the makespan, or the period (Problem.periodic)
     boundary: list = field(default_factory=list)  # (var, tasks before it)
 
     def present(self, p: Problem, i: int) -> list:
@@ -128,12 +128,32 @@ def add_phases(m, p: Problem, v: Vars, horizon: int) -> None:
 
 
 def add_makespan_objective(m, p: Problem, v: Vars, horizon: int) -> None:
+    if p.periodic:
+        return add_period_objective(m, p, v, horizon)
     # a task with a mandatory successor ends before it: only the others bound C
     has_succ = {a for a, b, _ in p.edges if p.option[b] is None}
     v.makespan = m.new_int_var(0, horizon, "makespan")
     for i in range(p.n):
         if i not in has_succ:
             m.add(v.makespan >= v.end[i]).only_enforce_if(v.present(p, i))
+    m.minimize(v.makespan)
+
+
+def add_period_objective(m, p: Problem, v: Vars, horizon: int) -> None:
+    """minimise P >= hi_q - lo_q, lo_q <= start_i, hi_q >= end_i for every task i of rank q:
+    the steady-state cycle (Problem.periodic). A task with a successor on its own rank in
+    a fixed chain ends before it, but chains are few; every task bounds its rank's span."""
+    v.makespan = m.new_int_var(0, horizon, "period")
+    by_rank: dict = {}
+    for i, r in enumerate(p.resource):
+        by_rank.setdefault(r[0], []).append(i)
+    for r, tasks in by_rank.items():
+        lo, hi = m.new_int_var(0, horizon, f"lo{r}"), m.new_int_var(0, horizon, f"hi{r}")
+        for i in tasks:
+            lits = v.present(p, i)
+            m.add(lo <= v.start[i]).only_enforce_if(lits)
+            m.add(hi >= v.end[i]).only_enforce_if(lits)
+        m.add(v.makespan >= hi - lo)
     m.minimize(v.makespan)
 
 

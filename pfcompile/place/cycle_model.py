@@ -69,15 +69,17 @@ def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int) -> TaskGraph:
 
 
 def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
-                     group_curvature: bool = False, choose_inverter: bool = True) -> CycleModel:
-    """`choose_inverter=False` (the user's `--inversion all`): every replica inverts."""
+                     group_curvature: bool = False, choose_inverter: bool = True,
+                     periodic: bool = False) -> CycleModel:
+    """`choose_inverter=False` (the user's `--inversion all`): every replica inverts.
+    `periodic`: minimise the steady-state cycle instead of the makespan (Problem.periodic)."""
     cfg = tg.cfg
     choose = cfg.kfac and cfg.replicas > 1 and choose_inverter
     host, emit, edges = _contract(tg, refresh, group_curvature)
     # deterministic task order (every model duration is >= 1 µs, so a task never starts
     # with its successor: sorting a rank's tasks by start alone respects the dependencies)
     tasks = sorted(emit, key=lambda t: (_step(t), t.rank, t.op))
-    p = Problem()
+    p = Problem(periodic=periodic)
     index: dict[Task, int] = {}
     option_of = _inversion_options(tg, p) if choose and refresh else {}
     duration = tg.costs.duration

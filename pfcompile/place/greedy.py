@@ -160,8 +160,9 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
             steps[t.rank][k - 1].append(t.op)
     work = {q: sum(tg.duration(t) for t in floating if t.rank == q) for q in orders}
     in_bubbles = {q: sum(tg.duration(t) for t in placed if t.rank == q) for q in orders}
+    step_work = {q: sum(tg.duration(t) for t in ts) for q, ts in orders.items()}  # every step's own work
     info = {"step_time_model_ms": T, "tail_tasks": sum(len(g) for g in tail), "bubble_ms": bubble,
-            "kfac_work_ms": work, "bubble_work_ms": in_bubbles, "refresh_steps": k}
+            "kfac_work_ms": work, "bubble_work_ms": in_bubbles, "step_work_ms": step_work, "refresh_steps": k}
     return tg, steps, info
 
 

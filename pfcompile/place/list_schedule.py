@@ -133,5 +133,4 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
         members = [j for j in group_of.get(i, [i]) if start[j] is None]
         place_group(members, trial=False)
     start = start[:n]
-    mk = max((s + p.dur[i] for i, s in enumerate(start) if s is not None), default=0)
-    return Schedule(start, mk)
+    return Schedule(start, p.objective(start))

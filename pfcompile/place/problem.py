@@ -17,6 +17,12 @@ exhaustive search work on tiny hand-made instances as well as on real task graph
 - `chains`: sequences of tasks that must run in this order (`--fixed-order`).
 - `phases`: per rank, groups of tasks that run one group after another (the steps of the
   cycle: every task of group j ends before any task of group j+1 starts).
+- `periodic`: the objective is the cycle as it repeats, not the makespan from an idle
+  start. Each rank runs its op lists in order, cycle after cycle, so the next cycle's
+  first op on a rank starts after this cycle's last op there: a schedule repeated every P
+  is valid iff every rank's span (last end - first start) is at most P (the edge from a
+  stage's last update to its next forward is on one rank, so the span covers it), and the
+  least such P is the steady-state period of the plan. `Schedule.makespan` is then P.
 
 Rounding: durations and lags are rounded to the nearest microsecond, so a makespan found
 optimal here is within 0.5 µs × (tasks on the critical path) of the true optimum.
@@ -52,6 +58,20 @@ class Problem:
     capacity: dict[int, int | None] = field(default_factory=dict)
     chains: list[list[int]] = field(default_factory=list)
     phases: list[list[list[int]]] = field(default_factory=list)
+    periodic: bool = False
+
+    def objective(self, start: list[int | None]) -> int:
+        """The makespan, or with `periodic` the largest span of a rank (resource[0])."""
+        if not self.periodic:
+            return max((s + self.dur[i] for i, s in enumerate(start) if s is not None), default=0)
+        lo: dict = {}
+        hi: dict = {}
+        for i, s in enumerate(start):
+            if s is not None:
+                r = self.resource[i][0]
+                lo[r] = min(lo.get(r, s), s)
+                hi[r] = max(hi.get(r, s), s + self.dur[i])
+        return max((hi[r] - lo[r] for r in hi), default=0)
 
     def add(self, key: Hashable, dur: int, resource: tuple, option: int | None = None) -> int:
         self.key.append(key)
@@ -138,8 +158,8 @@ def violations(p: Problem, s: Schedule, *, memory: bool = True) -> list[str]:
             cap = p.capacity.get(rank)
             if cap is not None and peak > cap:
                 out.append(f"rank {rank}: memory {peak} > capacity {cap}")
-    if s.makespan < max((st[i] + p.dur[i] for i in range(p.n) if st[i] is not None), default=0):
-        out.append("makespan below the last end")
+    if s.makespan < p.objective(st):
+        out.append("period below a rank's span" if p.periodic else "makespan below the last end")
     return out
 
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pfcompile.place import assemble
-from pfcompile.place.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound
+from pfcompile.place.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.cpmodel import Result, solve
 from pfcompile.place.cycle_model import (CycleModel, curvature_ops, cycle_from_graph, cycle_graph, memory_error,
                                    schedule_from_steps, steps_from_schedule)
@@ -59,6 +59,8 @@ class SolverOptions:
     refresh_steps: int | None = None  # force k
     group_curvature: bool | None = None  # None: when the curvature ops alone exceed GROUP_ABOVE
     total_time_limit: float | None = None  # if set: shared evenly by the k tried (overrides time_limit)
+    steady_state: bool = True  # minimise the cycle as it repeats (False: the makespan from idle)
+    first_order_step_ms: float | None = None  # the best first-order step time (None: solved here)
 
 
 def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
@@ -100,7 +102,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     make room. `time_limit` is shared 20/30/50 between them."""
     tg = cycle_graph(profile, cfg, k)
     cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
-                          choose_inverter=cfg.inversion != "all")
+                          choose_inverter=cfg.inversion != "all", periodic=opts.steady_state)
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
@@ -111,7 +113,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     report = _reporter(describe, k)
 
     # (1) the pipeline timeline
-    ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False)
+    ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False, periodic=opts.steady_state)
     ref_head, _ = heads_and_tails(ref_cm.problem)
     ref_canon = _canonical_position(ref_cm)
     ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
@@ -223,11 +225,18 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
     t0 = time.perf_counter()
     greedy, greedy_info = _greedy(profile, cfg)
     k_greedy = len(next(iter(greedy.values())))
-    k_lb = refresh_steps_lower_bound(greedy_info["kfac_work_ms"], greedy_info["bubble_ms"]) if cfg.kfac else 1
+    k_lb, target = 1, None
+    if cfg.kfac:
+        target = opts.first_order_step_ms
+        if target is None:  # the tight first-order plan (small: proven optimal in well under a second)
+            target = solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None),
+                                options=replace(opts, time_limit=min(opts.time_limit, 10.0), refresh_steps=None,
+                                                total_time_limit=None)).stats["step_time_ms"]
+        k_lb = refresh_steps_lower_bound_at(greedy_info["kfac_work_ms"], greedy_info["step_work_ms"], target)
     if opts.refresh_steps:
         ks = [opts.refresh_steps]
     else:
-        # the bound is the greedy's bubbles over its work: a padded greedy step can beat it
+        # from the greedy's k when it is below the bound (a slower step holds more refresh work)
         k_first = min(k_lb or k_greedy, k_greedy)
         ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
     if opts.total_time_limit:
@@ -258,6 +267,7 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         "gap": round(best.gap, 6),
         "solve_seconds": round(time.perf_counter() - t0, 3),
         "refresh_steps_lower_bound": k_lb,
+        "refresh_steps_bound_step_time_ms": None if target is None else round(target, 6),
         "lower_bounds_ms": lower_bounds(best.cm.problem).as_dict(1 / 1000 / best.k),
         "solution_from": best.hint_source,
         "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
@@ -300,7 +310,7 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, gre
     if not (faster or as_fast_fewer_steps):
         return plan
     same_k = [s for s in tried if s.k == k]
-    mk = result.cycle_time_ms * 1000
+    mk = (result.steady_cycle_time_ms if opts.steady_state else result.cycle_time_ms) * 1000
     gap = max(0.0, (mk - same_k[0].bound) / mk) if same_k else None
     # within rounding of a proven optimum (µs durations, 1 µs floors) the optimum stands
     status = same_k[0].result.status if same_k and gap is not None and gap <= 1e-4 else "FEASIBLE"
