@@ -120,3 +120,31 @@ def test_malformed_plan_is_refused_by_inspect(chimera_plan, tmp_path, edit, need
     assert r.returncode == 2
     assert needle in r.stderr and str(bad) in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_refresh_steps_below_the_bound_is_a_valid_slower_plan(tmp_path):
+    out = tmp_path / "k2.json"
+    r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--time-limit", "2",
+            "--workers", "1", "--refresh-steps", "2", "--json", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["refresh_steps"] == 2 < st["refresh_steps_lower_bound"]
+    # below the bound no plan reaches the best first-order step: it says by how much it misses
+    assert st["step_time_ms"] > st["tight_baseline_step_time_ms"]
+    assert "below the lower bound" in r.stderr and f"{100 * st['step_overhead_tight']:.2f}%" in r.stderr
+    plan = load_plan(str(out))
+    assert plan.refresh_steps == 2
+    assert replay(plan, load_profile(PROFILE)).step_time_ms == pytest.approx(st["step_time_ms"], rel=1e-6)
+
+
+def test_fixed_k_over_the_memory_limit_names_the_smallest_limit():
+    r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--time-limit", "2",
+            "--refresh-steps", "3", "--memory-limit", "1GiB")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--memory-limit" in lines[0] and "smallest feasible limit" in lines[0]
+    smallest = int(lines[0].split("smallest feasible limit under the family's order is ")[1].split()[0])
+    r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--time-limit", "2",
+            "--workers", "1", "--refresh-steps", "3", "--memory-limit", str(smallest), "--json")
+    assert r.returncode == 0, r.stderr
+    assert max(json.loads(r.stdout)["peak_memory_bytes"]) <= smallest

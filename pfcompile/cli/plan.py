@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 from pfcompile.graph.costs import parse_partition
 from pfcompile.formats.errors import InputError
@@ -52,6 +53,12 @@ def register(sub) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="cpsat: solver time limit in seconds for each refresh cycle length k tried")
     p.add_argument("--workers", type=int, default=2, metavar="W", help="cpsat: parallel search workers")
+    p.add_argument("--refresh-steps", type=int, default=None, metavar="K",
+                   help="cpsat: fix the refresh cycle k (default: the planner chooses, from its lower bound)")
+    p.add_argument("--pareto", action="store_true",
+                   help="cpsat: plan every k from the lower bound until the step time stops falling and print "
+                        "step time, overhead and status of each; -o writes the plan of --refresh-steps K "
+                        "(default: the fastest)")
     order = p.add_mutually_exclusive_group()
     order.add_argument("--fixed-order", dest="fixed_order", action="store_true", default=True,
                        help="cpsat: keep the family's forward/backward order, place the rest (default)")
@@ -95,16 +102,21 @@ def run(args) -> int:
         def describe(text: str) -> None:
             bar.update(task, description=text)
 
+        if args.pareto:
+            return _run_pareto(args, profile, cfg, describe)
         plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
                                             progress=progress, describe=describe, time_limit=args.time_limit,
-                                            workers=args.workers, fixed_order=args.fixed_order)
+                                            workers=args.workers, fixed_order=args.fixed_order,
+                                            refresh_steps=args.refresh_steps)
+    if "refresh_steps_note" in plan.stats:
+        print(plan.stats["refresh_steps_note"], file=sys.stderr)
     if args.output:
         plan.save(args.output)
     keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
             "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
-            "peak_memory_bytes")
+            "peak_memory_bytes", "refresh_steps_note")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
            **{k: plan.stats.get(k) for k in keys}}
     if args.json:
@@ -115,4 +127,46 @@ def run(args) -> int:
         if args.output:
             print(f"wrote {args.output}")
         print(format_stats(plan))
+    return 0
+
+
+PARETO_KEYS = ("refresh_steps", "step_time_ms", "step_overhead", "step_overhead_tight", "solver_status", "gap",
+               "utilization_pipefisher_mean", "utilization_strict")
+
+
+def _run_pareto(args, profile, cfg, describe) -> int:
+    if args.method != "cpsat" or not cfg.kfac:
+        raise InputError("--pareto", None, "needs --method cpsat with K-FAC")
+    from pfcompile.place.build import pareto
+
+    plans = pareto(profile, cfg, time_limit=args.time_limit, workers=args.workers, fixed_order=args.fixed_order,
+                   describe=describe)
+    if args.refresh_steps is not None:
+        picked = [p for p in plans if p.refresh_steps == args.refresh_steps]
+        if not picked:
+            picked = [build_plan(profile, cfg, "cpsat", time_limit=args.time_limit, workers=args.workers,
+                                 fixed_order=args.fixed_order, refresh_steps=args.refresh_steps)[0]]
+    else:
+        picked = [min(plans, key=lambda p: (round(p.stats["step_time_ms"], 3), p.refresh_steps))]
+    if args.output:
+        picked[0].save(args.output)
+    rows = [{k: p.stats.get(k) for k in PARETO_KEYS} for p in plans]
+    if args.json:
+        print(json.dumps({"plan": args.output, "refresh_steps_lower_bound": plans[0].stats.get("refresh_steps_lower_bound"),
+                          "baseline_step_time_ms": plans[0].stats.get("baseline_step_time_ms"),
+                          "tight_baseline_step_time_ms": plans[0].stats.get("tight_baseline_step_time_ms"),
+                          "pareto": rows}))
+        return 0
+    if args.output:
+        print(f"wrote {args.output} (k={picked[0].refresh_steps})")
+    st = plans[0].stats
+    print(f"k lower bound {st.get('refresh_steps_lower_bound')}; baseline {st['baseline_step_time_ms']:.1f} ms, "
+          f"tight baseline {st.get('tight_baseline_step_time_ms', float('nan')):.1f} ms")
+    print("| k | step ms | overhead | overhead vs tight | status | gap | util. PipeFisher mean | util. strict |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+        print(f"| {r['refresh_steps']} | {r['step_time_ms']:.1f} | {pct(r['step_overhead'])} | "
+              f"{pct(r['step_overhead_tight'])} | {r['solver_status']} | {pct(r['gap'])} | "
+              f"{pct(r['utilization_pipefisher_mean'])} | {pct(r['utilization_strict'])} |")
     return 0

@@ -92,7 +92,35 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     assemble.add_baseline_stats(plan, baseline)
     if tight is not None:
         add_tight_baseline_stats(plan, tight)
+    lb = plan.stats.get("refresh_steps_lower_bound")
+    if refresh_steps is not None and lb is not None and refresh_steps < lb:
+        slower = plan.stats["step_time_ms"] / first_order_ms - 1
+        plan.stats["refresh_steps_note"] = (
+            f"k={refresh_steps} is below the lower bound {lb}: no k={refresh_steps} plan runs at the best first-order "
+            f"step time ({first_order_ms:.1f} ms); this one is {slower:.2%} slower than it")
     return plan, result, baseline
+
+
+def pareto(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
+           fixed_order: bool = True, steady_state: bool = True, max_extra: int = 8,
+           describe=None) -> list[Plan]:
+    """CP-SAT plans for k = the k lower bound, +1, ... up to the first k whose step time does
+    not fall below the previous one's (at most `max_extra` past the bound): what a
+    shorter refresh cycle costs in step time."""
+    tight = tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers)
+    first = min(tight.stats["step_time_ms"], assemble.baseline_plan(profile, cfg, check_memory=False)[1].step_time_ms)
+    _, _, info = greedy_steps(profile, cfg)
+    lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first) or 1
+    plans: list[Plan] = []
+    for k in range(lb, lb + max_extra + 1):
+        if describe:
+            describe(f"pareto: k={k}")
+        plan, _, _ = build_plan(profile, cfg, "cpsat", time_limit=time_limit, workers=workers,
+                                fixed_order=fixed_order, refresh_steps=k, steady_state=steady_state)
+        plans.append(plan)
+        if len(plans) > 1 and plan.stats["step_time_ms"] >= plans[-2].stats["step_time_ms"] * (1 - 1e-4):
+            break
+    return plans
 
 
 def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2) -> Plan | None:

@@ -285,7 +285,7 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         "tasks_model": best.cm.problem.n,
     }
     assemble.finish(plan, profile, stats)
-    if cfg.kfac:
+    if cfg.kfac and opts.refresh_steps in (None, k_greedy):  # a fixed k keeps its k
         plan = _no_worse_than_greedy(profile, cfg, plan, greedy, tried, opts)
     if progress:
         progress(len(ks), len(ks))
