@@ -4,7 +4,11 @@
       Schedule1F1B on the same model, partition, micro-batches and optimizer (AdamW);
   (b) the compiled plan with K-FAC in the bubbles (CP-SAT) against K-FAC appended after
       each step's pipeline work (`--method none`) and against no K-FAC;
-  (c) predicted (plan.stats.step_time_ms) against measured step time.
+  (c) predicted (plan.stats.step_time_ms) against measured step time;
+  (d) zero bubble without K-FAC: our zb-v against torch's ScheduleZBVZeroBubble (same V
+      placement: rank r holds stages r and 3-r), our zb-h1 against torch's
+      ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = ZB-H1), and our zb-h1
+      against our 1f1b (the bubble the split backward saves, measured).
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
@@ -72,7 +76,8 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     """The same stages, data and AdamW as our runtime's no-K-FAC plan, under torch's schedules."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     from pfcompile.formats.plan import load_plan
     from runtime.data import make_stream
@@ -85,25 +90,37 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     p = load_plan(plan_path)
     N = p.config["micro_batches"]
     cfg = resolve_config(p.model["name"], vocab=p.model.get("vocab"), seq_len=p.model["seq_len"])
-    module = Stage(cfg, p.partition[rank], seed=0)
+    S = len(p.partition)
+    held = [s for s, r in p.stages_of(rank)]  # zb-v: rank r holds stages r and 2D-1-r
     b, T = p.model["micro_batch"], p.model["seq_len"]
-    example = (torch.zeros(b, T, dtype=torch.long) if rank == 0 else torch.zeros(b, T, cfg.hidden),)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=example)
-    make = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = make(stage, n_microbatches=N, loss_fn=lambda logits, y: lm_loss(logits, y))
-    opt = build_optimizer(module, [])
+    modules, stages = [], []
+    for s in held:
+        modules.append(Stage(cfg, p.partition[s], seed=0))
+        example = (torch.zeros(b, T, dtype=torch.long) if s == 0 else torch.zeros(b, T, cfg.hidden),)
+        stages.append(PipelineStage(modules[-1], s, S, torch.device("cpu"), input_args=example))
+    loss = lambda logits, y: lm_loss(logits, y)  # noqa: E731
+    if schedule in ("gpipe", "1f1b"):
+        sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], n_microbatches=N, loss_fn=loss)
+    else:
+        make = {"zbv": ScheduleZBVZeroBubble, "zb1p": ScheduleInterleavedZeroBubble}[schedule]
+        sched = make(stages, n_microbatches=N, loss_fn=loss)
+    opts = [build_optimizer(m, []) for m in modules]
     stream = make_stream(cfg.kind, b * N, T, seed=0, synthetic=True, vocab=cfg.vocab)
 
     def one_step(step: int) -> None:
         batch = stream.batch(step)
-        if rank == 0:
+        first, last = 0 in held, S - 1 in held
+        if first and last:
+            sched.step(batch.tokens, target=batch.targets)
+        elif first:
             sched.step(batch.tokens)
-        elif rank == world - 1:
+        elif last:
             sched.step(target=batch.targets)
         else:
             sched.step()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
 
     for step in range(warmup):
         one_step(step)
@@ -129,7 +146,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per k")
     ap.add_argument("--out", default="bench-out")
-    ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b"), help=argparse.SUPPRESS)
+    ap.add_argument("--only-zero-bubble", action="store_true", help="only part (d) and its 1f1b reference")
+    ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b", "zbv", "zb1p"), help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.pipelining_worker:
@@ -147,13 +165,20 @@ def main() -> None:
             "1f1b, K-FAC appended": plan(a.profile, out, "1f1b-kfac-appended", "--schedule", "1f1b", *n, "--method", "none"),
             "1f1b, K-FAC in bubbles (cpsat)": plan(a.profile, out, "1f1b-kfac-cpsat", "--schedule", "1f1b", *n,
                                                   "--method", "cpsat", "--time-limit", str(a.time_limit), "--workers", "2"),
+            "zb-h1, no K-FAC": plan(a.profile, out, "zbh1-nokfac", "--schedule", "zb-h1", *n, "--no-kfac", "--method", "none"),
+            "zb-v, no K-FAC": plan(a.profile, out, "zbv-nokfac", "--schedule", "zb-v", *n, "--no-kfac", "--method", "none"),
         }
+        if a.only_zero_bubble:
+            plans = {k: v for k, v in plans.items() if k in ("1f1b, no K-FAC", "zb-h1, no K-FAC", "zb-v, no K-FAC")}
     k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
     warmup = max(a.warmup, k_max)
     steps = max(a.steps, warmup + k_max)  # at least one whole refresh cycle timed
     runs = {name: (lambda p=p: run_ours(p, steps, warmup)) for name, p in plans.items()}
-    runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
-    runs["torch Schedule1F1B"] = lambda: run_pipelining("1f1b", plans["1f1b, no K-FAC"], steps, warmup)
+    if not a.only_zero_bubble:
+        runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
+        runs["torch Schedule1F1B"] = lambda: run_pipelining("1f1b", plans["1f1b, no K-FAC"], steps, warmup)
+    runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
+    runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     op_ratio: dict[str, list[float | None]] = {name: [] for name in runs}
@@ -189,15 +214,23 @@ def main() -> None:
         alone = f"{best[name] / pred / ops:.3f}" if pred and ops else "-"
         print(f"| {name} | {best[name]:.1f} | {med[name]:.1f} | {rb} | {rm} | {pr} | {mp} | {opr} | {alone} |")
 
-    print("| **(a) ours vs torch.distributed.pipelining** (ratio vs the torch row above) | | | | | | | | |")
-    row("torch ScheduleGPipe", "torch ScheduleGPipe")
-    row("gpipe, no K-FAC", "torch ScheduleGPipe")
-    row("torch Schedule1F1B", "torch Schedule1F1B")
-    row("1f1b, no K-FAC", "torch Schedule1F1B")
-    print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | |")
+    if not a.only_zero_bubble:
+        print("| **(a) ours vs torch.distributed.pipelining** (ratio vs the torch row above) | | | | | | | | |")
+        row("torch ScheduleGPipe", "torch ScheduleGPipe")
+        row("gpipe, no K-FAC", "torch ScheduleGPipe")
+        row("torch Schedule1F1B", "torch Schedule1F1B")
+        row("1f1b, no K-FAC", "torch Schedule1F1B")
+        print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | |")
+        row("1f1b, no K-FAC", "1f1b, no K-FAC")
+        row("1f1b, K-FAC appended", "1f1b, no K-FAC")
+        row("1f1b, K-FAC in bubbles (cpsat)", "1f1b, no K-FAC")
+    print("| **(d) zero bubble, no K-FAC** (ratio vs the torch row above; last: vs our 1f1b) | | | | | | | | |")
+    row("torch ScheduleZBVZeroBubble", "torch ScheduleZBVZeroBubble")
+    row("zb-v, no K-FAC", "torch ScheduleZBVZeroBubble")
+    row("torch ScheduleInterleavedZeroBubble (ZB-H1)", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
+    row("zb-h1, no K-FAC", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
     row("1f1b, no K-FAC", "1f1b, no K-FAC")
-    row("1f1b, K-FAC appended", "1f1b, no K-FAC")
-    row("1f1b, K-FAC in bubbles (cpsat)", "1f1b, no K-FAC")
+    row("zb-h1, no K-FAC", "1f1b, no K-FAC")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
