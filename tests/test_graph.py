@@ -119,3 +119,35 @@ def test_interleaved_with_one_chunk_is_1f1b():
     for D, N in ((4, 8), (3, 6)):
         one = compute_orders(PipelineConfig("1f1b", stages=D, micro_batches=N))
         assert compute_orders(PipelineConfig("interleaved", stages=D, micro_batches=N, virtual_stages=1)) == one
+
+
+def test_pipefisher_inversion_split_counts_where_each_factor_is_inverted():
+    """PipeFisher's division (pipe-fisher main_bert.py): a stage of B blocks gives floor(B/R)
+    blocks to each replica, the B mod R left over are inverted on every replica. Chimera
+    D=4 on 12 blocks: 3 blocks a stage, R=2: block 0 of the stage on replica 0, block 1 on
+    replica 1, block 2 on both; counted in a replayed plan."""
+    from collections import Counter
+
+    from pfcompile.place.build import build_plan
+
+    prof = uniform_profile(blocks=12)
+    cfg = PipelineConfig("chimera", stages=4, micro_batches=4, inversion="pipefisher")
+    plan, _, _ = build_plan(prof, cfg, "greedy")
+    where = Counter()
+    for q, steps in enumerate(plan.ranks):
+        for ops in steps:
+            for po in ops:
+                if po.op.kind == "inv":
+                    where[(po.op.layer, po.op.factor, q)] += 1
+    for l, layer in enumerate(prof.kfac_layers):
+        s = plan.layer_stage[l]
+        j = int(layer.part[len("block"):]) - 3 * s  # the block's place in its stage
+        ranks = {cfg.rank_of(s, 0): j in (0, 2), cfg.rank_of(s, 1): j in (1, 2)}
+        for f in ("A", "B"):
+            for q, inverts in ranks.items():
+                assert where[(l, f, q)] == (1 if inverts else 0), (l, f, q)
+    # a split factor's inverse reaches the other replica by broadcast; the rest need none
+    bcasts = {(po.op.layer, po.op.factor) for steps in plan.ranks for ops in steps for po in ops
+              if po.op.kind == "bcast_inv"}
+    assert bcasts == {(l, f) for l, layer in enumerate(prof.kfac_layers) for f in ("A", "B")
+                      if (int(layer.part[len("block"):]) - 3 * plan.layer_stage[l]) != 2}

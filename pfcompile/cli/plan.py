@@ -47,7 +47,9 @@ def register(sub) -> None:
     p.add_argument("--no-kfac", action="store_true", help="first-order baseline: no K-FAC ops")
     p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
     p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,
-                   help="which replicas invert a factor: one (balanced over replicas, then broadcast) or all")
+                   help="which replicas invert a factor: balanced (one, chosen by the planner, then broadcast), "
+                        "pipefisher (PipeFisher's split: floor(blocks/replicas) blocks of a stage to each replica, "
+                        "the rest on every replica) or all")
     p.add_argument("--partition", default=None, metavar="PARTS",
                    help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",

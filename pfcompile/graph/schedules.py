@@ -26,7 +26,7 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import SCHEDULES, Layout  # noqa: F401  (SCHEDULES: the plan format's list)
 
-INVERSION_POLICIES = ("balanced", "all")
+INVERSION_POLICIES = ("balanced", "pipefisher", "all")
 
 
 @dataclass
@@ -34,7 +34,9 @@ class PipelineConfig:
     """Everything that defines a plan besides the profile.
 
     `inversion`: "balanced" inverts each factor on ONE replica of its stage (round-robin
-    weighted by load, then broadcast), "all" inverts on every replica (no broadcast).
+    weighted by load, then broadcast; CP-SAT chooses the replica), "all" inverts on every
+    replica (no broadcast), "pipefisher" PipeFisher's split (floor(blocks/R) blocks of the
+    stage to each replica, the rest on every replica; taskgraph.replica_share).
     `refresh_steps` is k, the cycle length; planners that choose k overwrite it.
     """
 

@@ -258,12 +258,35 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
                     tg.collectives.setdefault((None, b.op), []).append(b)
 
 
+def replica_share(costs: Costs, replicas: int) -> list[int | None]:
+    """PipeFisher's division of a stage's K-FAC layers between its replicas (pipe-fisher
+    main_bert.py, `module_partitions`): the stage's B blocks (its parts that hold K-FAC
+    layers, in model order) give floor(B/R) consecutive blocks to each replica in turn;
+    the B mod R blocks left over belong to every replica (None). Per K-FAC layer: the
+    replica that owns it, or None."""
+    layers = costs.profile.kfac_layers
+    owner: list[int | None] = [None] * len(layers)
+    for s, ls in enumerate(costs.stage_layers):
+        blocks = list(dict.fromkeys(layers[l].part for l in ls))
+        size = len(blocks) // replicas
+        for l in ls:
+            j = blocks.index(layers[l].part)
+            owner[l] = j // size if size and j < size * replicas else None
+    return owner
+
+
 def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
-    """"all": every replica inverts. "balanced": longest inversion first, each to the
-    candidate rank with the least inversion work so far (LPT), so R replicas share a
-    stage's inversions about evenly, as PipeFisher and KAISA do."""
+    """"all": every replica inverts. "pipefisher": PipeFisher's split (`replica_share`):
+    a layer a replica owns is inverted there only, the left-over blocks' on every replica.
+    "balanced": longest inversion first, each to the candidate rank with the least
+    inversion work so far (LPT), so R replicas share a stage's inversions about evenly."""
     if tg.cfg.inversion == "all":
         return {key: list(c) for key, c in tg.inv_candidates.items()}
+    if tg.cfg.inversion == "pipefisher":
+        owner = replica_share(tg.costs, tg.cfg.replicas)
+        # candidates are in replica order (cfg.replica_ranks)
+        return {key: list(c) if owner[key[0]] is None else [c[owner[key[0]]]]
+                for key, c in sorted(tg.inv_candidates.items())}
     load = {q: 0.0 for q in tg.ranks}
     out = {}
     by_cost = sorted(tg.inv_candidates, key=lambda key: -tg.costs.duration(Op("inv", layer=key[0], factor=key[1])))

@@ -58,13 +58,14 @@ def build_cycle(profile: Profile, cfg: PipelineConfig, k: int, *, fixed_order: b
     follow or precede (see `_contract`); `group_curvature` makes the curvature ops of one
     producer one task (fewer tasks, coarser packing, kept tensors held to the group's end)."""
     return cycle_from_graph(cycle_graph(profile, cfg, k), fixed_order=fixed_order, refresh=refresh,
-                            group_curvature=group_curvature)
+                            group_curvature=group_curvature, choose_inverter=cfg.inversion == "balanced")
 
 
 def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int) -> TaskGraph:
     """The task graph the model is built from: with replicas, every candidate inverts (the
     model's options choose one)."""
     choose = cfg.kfac and cfg.replicas > 1
+    choose = choose and cfg.inversion == "balanced"  # the other policies fix the inverters
     return build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion))
 
 

@@ -102,7 +102,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     make room. `time_limit` is shared 20/30/50 between them."""
     tg = cycle_graph(profile, cfg, k)
     cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
-                          choose_inverter=cfg.inversion != "all", periodic=opts.steady_state)
+                          choose_inverter=cfg.inversion == "balanced", periodic=opts.steady_state)
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
