@@ -7,7 +7,7 @@ import pytest
 
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.formats.ops import Op
-from pfcompile.formats.plan import plan_from_json
+from pfcompile.formats.plan import plan_from_json, task_at
 from pfcompile.place.build import build_plan
 from pfcompile.place.assemble import assemble, baseline_plan, canonical_steps
 from pfcompile.check.replay import ReplayError, replay
@@ -202,7 +202,7 @@ def test_random_edits_never_crash_or_hang_the_replay(chimera_small, data):
     t = data.draw(st.integers(0, broken.refresh_steps - 1))
     ops = broken.ranks[q][t]
     i = data.draw(st.integers(0, len(ops) - 1))
-    action = data.draw(st.sampled_from(["drop", "dup", "swap", "move"]))
+    action = data.draw(st.sampled_from(["drop", "dup", "swap", "swap next", "move"]))
     if action == "drop":
         del ops[i]
     elif action == "dup":
@@ -210,13 +210,54 @@ def test_random_edits_never_crash_or_hang_the_replay(chimera_small, data):
     elif action == "swap":
         j = data.draw(st.integers(0, len(ops) - 1))
         ops[i], ops[j] = ops[j], ops[i]
+    elif action == "swap next":  # often still valid: two independent neighbours
+        j = min(i + 1, len(ops) - 1)
+        ops[i], ops[j] = ops[j], ops[i]
     else:
         other = broken.ranks[data.draw(st.integers(0, len(broken.ranks) - 1))][t]
         other.insert(data.draw(st.integers(0, len(other))), ops.pop(i))
     try:
-        replay(broken, prof)
+        result = replay(broken, prof)
     except ReplayError as e:
         assert "\n" not in str(e) and ("rank" in str(e) or "ranks" in str(e))
+        return
+    assert_consistent_timeline(broken, prof, result)  # accepted: it must still be a valid plan
+
+
+def assert_consistent_timeline(plan, prof, result):
+    """An accepted plan is valid, checked against the task graph's rules (the planners'
+    pfcompile.graph.taskgraph, not the replay's own): it lists every task of the cycle once,
+    each op lasts its cost, a rank runs its list in order without overlap, every dependency
+    ends (plus its message's transfer time) before its consumer starts, and the members of
+    a collective start together."""
+    cfg = PipelineConfig(plan.config["schedule"], plan.config["stages"], plan.config["micro_batches"],
+                         replicas=plan.config["replicas"], virtual_stages=plan.config.get("virtual_stages", 1),
+                         kfac=plan.config["kfac"], refresh_steps=plan.refresh_steps,
+                         partition=[list(g) for g in plan.partition])
+    inverters = {}
+    for q, steps in enumerate(plan.ranks):
+        for ops in steps:
+            for po in ops:
+                if po.op.kind == "inv":
+                    inverters.setdefault((po.op.layer, po.op.factor), []).append(q)
+    tg = build_task_graph(prof, cfg, inverters={k: sorted(v) for k, v in inverters.items()})
+    at = {}
+    for q, steps in enumerate(plan.ranks):
+        prev_end = 0.0
+        for t, ops in enumerate(steps):
+            for i, po in enumerate(ops):
+                start, end = result.times[q][t][i]
+                task = task_at(t, q, po.op)
+                assert task not in at, f"{task} listed twice"
+                at[task] = (start, end)
+                assert end - start == pytest.approx(tg.costs.duration(po.op), abs=1e-9)
+                assert start >= prev_end - 1e-9, f"{task} overlaps the op before it on rank {q}"
+                prev_end = end
+    assert set(at) == set(tg.g.nodes)
+    for u, v, lag in tg.g.edges(data="lag"):
+        assert at[u][1] + lag <= at[v][0] + 1e-9, f"{v} starts before {u} ends"
+    for members in tg.collectives.values():
+        assert len({round(at[t][0], 9) for t in members}) == 1, f"collective {members} does not start together"
 
 
 @settings(max_examples=25, deadline=None)

@@ -156,6 +156,10 @@ def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
     def missing(q, op):
         return ReplayError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing")
 
+    bcasts: dict[tuple[int, str], list[tuple[int, Op]]] = defaultdict(list)  # (layer, factor) -> (rank, op)
+    for (r, o) in floating:
+        if o.kind == "bcast_inv":
+            bcasts[(o.layer, o.factor)].append((r, o))
     for l, s in enumerate(L.layer_stage):
         group = L.group(s)
         for q in group:
@@ -172,12 +176,12 @@ def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
             if not inverters:
                 raise missing(group[0], Op("inv", layer=l, factor=f))
             if len(inverters) < len(group):
+                receivers = {r for r, _ in bcasts[(l, f)]}
                 for q in group:
-                    if not any(o.kind == "bcast_inv" and o.layer == l and o.factor == f and r == q
-                               for (r, o) in floating):
+                    if q not in receivers:
                         raise missing(q, Op("bcast_inv", layer=l, factor=f, peer=inverters[0]))
-                for (r, o) in floating:
-                    if o.kind == "bcast_inv" and o.layer == l and o.factor == f and o.peer not in inverters:
+                for (r, o) in bcasts[(l, f)]:
+                    if o.peer not in inverters:
                         raise ReplayError(where, f"ranks[{r}]", f"{o} (rank {r}): rank {o.peer} does not invert factor {f} of layer {l}")
 
 

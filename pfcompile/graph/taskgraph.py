@@ -41,7 +41,9 @@ All durations and memory come from pfcompile.graph.costs.Costs (`tg.costs`), the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
@@ -122,8 +124,40 @@ class TaskGraph:
         self.g.add_edge(u, v, lag=lag)
 
 
+_BUILT: "OrderedDict[tuple, TaskGraph] | None" = None  # graphs of the planning run in progress
+_KEEP = 6  # a planning run asks for a few distinct graphs (baseline, greedy, each k, tight baseline)
+
+
+@contextmanager
+def one_build_per_graph():
+    """Within this block, asking twice for the same graph (same profile object, every
+    configuration field equal) returns the first one built: a planning run asks for the
+    baseline's, the greedy's and each k's graph from several places. Callers treat graphs
+    as read-only; outside a block every call builds afresh (a profile may be edited)."""
+    global _BUILT
+    outer, _BUILT = _BUILT, (_BUILT if _BUILT is not None else OrderedDict())
+    try:
+        yield
+    finally:
+        _BUILT = outer
+
+
 def build_task_graph(profile: Profile, cfg: PipelineConfig,
                      inverters: dict[tuple[int, str], list[int]] | None = None) -> TaskGraph:
+    if _BUILT is None:
+        return _build(profile, cfg, inverters)
+    key = (id(profile), repr(cfg),
+           None if inverters is None else tuple(sorted((k, tuple(v)) for k, v in inverters.items())))
+    tg = _BUILT.get(key)
+    if tg is None or tg.costs.profile is not profile:
+        tg = _BUILT[key] = _build(profile, replace(cfg), inverters)
+        while len(_BUILT) > _KEEP:
+            _BUILT.popitem(last=False)
+    _BUILT.move_to_end(key)
+    return tg
+
+
+def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None) -> TaskGraph:
     partition = (check_partition(cfg.partition, profile, cfg.num_stages)
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac)

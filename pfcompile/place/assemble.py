@@ -33,9 +33,10 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
 
 
 def finish(plan: Plan, profile: Profile, extra_stats: dict | None = None, *, where: str = "<plan>",
-           check_memory: bool = True) -> ReplayResult:
-    """Replay the plan; write the replayed times and statistics into it."""
-    result = replay(plan, profile, where=where, check_memory=check_memory)
+           check_memory: bool = True, replayed: ReplayResult | None = None) -> ReplayResult:
+    """Replay the plan; write the replayed times and statistics into it. `replayed`: the
+    plan's replay, already made (a plan is replayed once)."""
+    result = replayed or replay(plan, profile, where=where, check_memory=check_memory)
     for q, steps in enumerate(plan.ranks):
         for t, ops in enumerate(steps):
             for i, po in enumerate(ops):

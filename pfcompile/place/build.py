@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult, replay
+from pfcompile.check.replay import ReplayError, ReplayResult
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.graph.taskgraph import build_task_graph, one_build_per_graph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
 from pfcompile.place.greedy import greedy_steps
@@ -32,7 +32,16 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
     `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`,
     `fixed_order`, `refresh_steps` (a fixed k) and `steady_state` (minimise the repeating
-    cycle, not the cycle from idle) are CP-SAT's (per k tried)."""
+    cycle, not the cycle from idle) are CP-SAT's (per k tried). Each task graph is built once."""
+    with one_build_per_graph():
+        return _build_plan(profile, cfg, method, where=where, progress=progress, describe=describe,
+                           time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                           refresh_steps=refresh_steps, steady_state=steady_state)
+
+
+def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,
+                time_limit: float, workers: int, fixed_order: bool, refresh_steps: int | None,
+                steady_state: bool) -> tuple[Plan, ReplayResult, ReplayResult]:
     if method not in METHODS:
         raise InputError("--method", None, f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if refresh_steps is not None and (method != "cpsat" or not cfg.kfac):
@@ -61,33 +70,27 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
         lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first_order_ms)
         k = len(next(iter(steps.values())))
         try:
-            replay(plan, profile, where=where, cycles=1)
+            result = assemble.finish(plan, profile, {
+                "solver_status": "greedy", "refresh_steps_lower_bound": lb,
+                "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
+                # greedy has no bound on its own objective; the gap is on k against the bound
+                "gap": round(max(0, k - lb) / k, 6) if lb else None,
+                "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
         except ReplayError as e:
             if e.field == "config.memory_limit_bytes":  # PipeFisher's greedy has no memory model
                 raise ReplayError(e.where, e.field, e.message + "; the greedy plans without memory, "
                                   "try --method cpsat") from None
             raise
-        result = assemble.finish(plan, profile, {
-            "solver_status": "greedy", "refresh_steps_lower_bound": lb,
-            "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
-            # greedy has no bound on its own objective; the gap is on k against the bound
-            "gap": round(max(0, k - lb) / k, 6) if lb else None,
-            "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
     else:
         try:
-            from pfcompile.place.solver import solve_plan
+            from pfcompile.place.solver import solve_plan_replayed
         except ImportError as e:
             raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
         from pfcompile.place.solver import SolverOptions
 
-        plan = solve_plan(profile, cfg, progress=progress, describe=describe, options=SolverOptions(
+        plan, result = solve_plan_replayed(profile, cfg, progress=progress, describe=describe, options=SolverOptions(
             time_limit=time_limit, workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps,
             steady_state=steady_state, first_order_step_ms=first_order_ms))
-        solver_stats = dict(plan.stats)
-        result = assemble.finish(plan, profile, where=where)
-        plan.stats = {**solver_stats, **plan.stats,
-                      **{k: solver_stats[k] for k in ("solver_status", "gap", "solve_seconds", "refresh_steps_lower_bound")
-                         if k in solver_stats}}
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
     if tight is not None:

@@ -39,8 +39,9 @@ from pfcompile.place.list_schedule import list_schedule
 from pfcompile.formats.plan import Plan
 from pfcompile.place.problem import Schedule, violations
 from pfcompile.formats.profile import Profile
-from pfcompile.check.replay import ReplayError, replay
+from pfcompile.check.replay import ReplayError, ReplayResult, replay
 from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import one_build_per_graph
 
 class NoScheduleFound(InputError):
     """No schedule within the limits found in the time given (none proven impossible)."""
@@ -61,6 +62,9 @@ class SolverOptions:
     total_time_limit: float | None = None  # if set: shared evenly by the k tried (overrides time_limit)
     steady_state: bool = True  # minimise the cycle as it repeats (False: the makespan from idle)
     first_order_step_ms: float | None = None  # the best first-order step time (None: solved here)
+    # return the greedy's plan when the solver found none faster in its time (the stats then
+    # say `fell_back_to_greedy: true`); off: CP-SAT's own solution, whatever it is
+    fall_back_to_greedy: bool = True
 
 
 def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
@@ -216,6 +220,22 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
                options: SolverOptions | None = None) -> Plan:
     """The CP-SAT plan: k searched upwards from its lower bound (module docstring), the
     solution replayed; stats carry status, bound, gap and the k search."""
+    return solve_plan_replayed(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                               refresh_steps=refresh_steps, progress=progress, describe=describe,
+                               options=options)[0]
+
+
+def solve_plan_replayed(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
+                        fixed_order: bool = True, refresh_steps: int | None = None, progress=None, describe=None,
+                        options: SolverOptions | None = None) -> tuple[Plan, ReplayResult]:
+    """`solve_plan` and the plan's replay (-> (plan, replay result)). Each task graph is built once."""
+    with one_build_per_graph():
+        return _solve_plan(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
+                           refresh_steps=refresh_steps, progress=progress, describe=describe, options=options)
+
+
+def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, workers: int, fixed_order: bool,
+                refresh_steps: int | None, progress, describe, options: SolverOptions | None) -> tuple[Plan, ReplayResult]:
     opts = options or SolverOptions(time_limit=time_limit, workers=workers, fixed_order=fixed_order,
                                     refresh_steps=refresh_steps)
     if not opts.time_limit > 0:
@@ -283,17 +303,19 @@ def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.
         "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
         "workers": opts.workers, "time_limit_s": opts.time_limit,
         "tasks_model": best.cm.problem.n,
+        "fell_back_to_greedy": False,
     }
-    assemble.finish(plan, profile, stats)
-    if cfg.kfac and opts.refresh_steps in (None, k_greedy):  # a fixed k keeps its k
-        plan = _no_worse_than_greedy(profile, cfg, plan, greedy, tried, opts)
+    result = assemble.finish(plan, profile, stats)
+    # a fixed k keeps its k
+    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
+        plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
     if progress:
         progress(len(ks), len(ks))
-    return plan
+    return plan, result
 
 
-def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, greedy: dict, tried: list,
-                          opts: SolverOptions) -> Plan:
+def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, replayed: ReplayResult,
+                          greedy: dict, tried: list, opts: SolverOptions) -> tuple[Plan, ReplayResult]:
     """The greedy's plan, replayed, if it is faster than what the solver found in its time
     (grouped curvature cannot take the greedy's split placement as a warm start): the
     planner then never returns worse than the baseline it is compared with."""
@@ -303,12 +325,12 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, gre
     try:
         result = replay(other, profile)
     except ReplayError:  # over the memory limit: the greedy has no memory model
-        return plan
+        return plan, replayed
     ours = plan.stats["step_time_ms"]
     faster = result.step_time_ms < ours - 1e-9
     as_fast_fewer_steps = result.step_time_ms <= ours * (1 + 1e-6) and k < plan.refresh_steps
     if not (faster or as_fast_fewer_steps):
-        return plan
+        return plan, replayed
     same_k = [s for s in tried if s.k == k]
     mk = (result.steady_cycle_time_ms if opts.steady_state else result.cycle_time_ms) * 1000
     gap = max(0.0, (mk - same_k[0].bound) / mk) if same_k else None
@@ -316,14 +338,14 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, gre
     status = same_k[0].result.status if same_k and gap is not None and gap <= 1e-4 else "FEASIBLE"
     stats = {**plan.stats, "solver_status": status, "gap": None if gap is None else round(gap, 6),
              "solution_from": "greedy (the solver found no faster plan within its time limit)",
+             "fell_back_to_greedy": True,
              "objective_step_time_ms": round(result.step_time_ms, 6),
              "best_bound_step_time_ms": round(same_k[0].bound / k / 1000, 6) if same_k else None}
     for key in ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
                 "step_time_ms", "step_time_from_idle_ms", "cycle_time_ms", "steady_cycle_time_ms", "busy_ms",
                 "idle_ms", "peak_memory_bytes", "tasks", "refresh_steps"):
         stats.pop(key, None)
-    assemble.finish(other, profile, stats)
-    return other
+    return other, assemble.finish(other, profile, stats, replayed=result)
 
 
 def _greedy(profile: Profile, cfg: PipelineConfig):
