@@ -182,17 +182,17 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
 
 
 def test_a_plan_that_falls_back_to_the_greedy_says_so():
-    kw = FAMILIES["chimera"]
-    prof = _profile(kw, curv=0.3, inv=0.7)
+    kw = FAMILIES["gpipe"]
+    prof = _profile(kw, curv=0.3, inv=2.0)
     cfg = PipelineConfig(**kw)
     greedy, _, _ = build_plan(prof, cfg, "greedy")
-    assert greedy.refresh_steps > 1
-    # k forced to 1: the whole refresh in one step is slower than the greedy's longer cycle
-    own = solve_plan(prof, cfg, options=SolverOptions(time_limit=3, workers=1, refresh_steps=1,
-                                                      fall_back_to_greedy=False))
-    assert own.refresh_steps == 1 and own.stats["fell_back_to_greedy"] is False
+    # a lax k rule (accept the first k tried, within 100% of the no-refresh step): CP-SAT
+    # keeps a short cycle that is slower than the greedy's longer one (13.2 vs 12.2 ms)
+    lax = dict(time_limit=2, workers=1, tolerance=1.0, extra_steps=0)
+    own = solve_plan(prof, cfg, options=SolverOptions(**lax, fall_back_to_greedy=False))
+    assert own.stats["fell_back_to_greedy"] is False and own.refresh_steps < greedy.refresh_steps
     assert own.stats["step_time_ms"] > greedy.stats["step_time_ms"]
-    back = solve_plan(prof, cfg, options=SolverOptions(time_limit=3, workers=1, refresh_steps=1))
+    back = solve_plan(prof, cfg, options=SolverOptions(**lax))
     assert back.stats["fell_back_to_greedy"] is True and back.stats["solution_from"].startswith("greedy")
     assert back.refresh_steps == greedy.refresh_steps
     assert back.stats["step_time_ms"] == pytest.approx(greedy.stats["step_time_ms"], rel=1e-9)
