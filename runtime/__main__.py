@@ -37,11 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         return _fail(rank, e, EXIT_INPUT)
     if summary is not None:
-        if args.json:
-            print(json.dumps(summary.__dict__), flush=True)
-        else:
+        if not args.json:
             print(summary.loss_curve(), flush=True)
             print(summary.line(), flush=True)
+            for line in summary.memory_lines():
+                print(line, flush=True)
+        else:
+            print(json.dumps(summary.__dict__), flush=True)
+            # a run over the memory limit still says so where a person reads it
+            for line in summary.limit_lines():
+                print(line, file=sys.stderr, flush=True)
     return 0
 
 

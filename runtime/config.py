@@ -22,7 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--data", choices=("pydoc", "synthetic"), default="pydoc",
                    help="pydoc-corpus MLM batches (default) or synthetic tokens")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
+                   help="float32 / float64 throughout, or bfloat16 mixed precision (autocast; parameters, "
+                        "K-FAC and optimizer state float32); default: the plan's model dtype, else float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cpu (gloo, even on a GPU host) or cuda (NCCL, one GPU per local rank); "
+                        "default: the device of the plan's profile, else cpu")
+    p.add_argument("--p2p-tags", choices=("on", "off"), default=None,
+                   help="match messages by tag (gloo only) or by per-pair issue order as NCCL does; "
+                        "default: on for cpu, off for cuda")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's)")
     p.add_argument("--checkpoint-dir", default=None, help="write per-rank checkpoints here")
@@ -45,11 +53,14 @@ class Job:
     """What a rank knows after validation, before touching the network."""
     plan: object                 # pfcompile.formats.plan.Plan
     spec: object                 # model spec: cfg, part_names, build_part
-    dtype: object                # torch dtype
+    dtype: object                # torch dtype of the parameters (float32 under bfloat16)
     rank: int
     world_size: int
     seed: int
     where: str                   # the plan's path, for error messages
+    precision: object = None     # runtime.precision.Precision
+    device_type: str = "cpu"     # "cpu" | "cuda": the backend follows it (runtime.comm)
+    p2p_tags: bool = True        # False: messages matched per pair in issue order (NCCL's rule)
 
 
 def prepare(args, rank: int, world_size: int) -> Job:
@@ -73,8 +84,22 @@ def prepare(args, rank: int, world_size: int) -> Job:
         from runtime.data import VOCAB
         if spec.cfg.vocab < len(VOCAB):
             raise InputError(where, "model.vocab", f"{spec.cfg.vocab} is smaller than the pydoc corpus' {len(VOCAB)} tokens; use --data synthetic")
-    dtype = getattr(torch, args.dtype)
-    return Job(plan, spec, dtype, rank, world_size, args.seed, where)
+    from runtime.precision import NAMES, precision
+
+    dtype_name = args.dtype or plan.model.get("dtype") or "float32"
+    if dtype_name not in NAMES:
+        raise InputError(where, "model.dtype", f"{dtype_name!r} is not one the runtime runs ({', '.join(NAMES)}); pass --dtype")
+    prec = precision(dtype_name)
+    device_type = args.device or plan.profile.get("device_type") or "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise InputError(where, "profile.device_type", f"{device_type!r}: pass --device cpu or --device cuda")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device" if args.device else where, None if args.device else "profile.device_type",
+                         f"cuda, but torch sees no CUDA device here (torch {torch.__version__}); pass --device cpu")
+    tags = (device_type == "cpu") if args.p2p_tags is None else args.p2p_tags == "on"
+    if tags and device_type == "cuda":
+        raise InputError("--p2p-tags", None, "on needs gloo (--device cpu): NCCL ignores point-to-point tags")
+    return Job(plan, spec, prec.param_dtype, rank, world_size, args.seed, where, prec, device_type, tags)
 
 
 def _check_flags(args) -> None:

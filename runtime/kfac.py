@@ -274,6 +274,10 @@ class KfacLayer:
         self.kl_term = (P * G).sum()
         self.set_grad_matrix(P)
 
+    def kept_bytes(self) -> int:
+        """Bytes of the captured inputs / output gradients waiting for their curv op."""
+        return sum(t.numel() * t.element_size() for saved in self._saved.values() for t in saved.values())
+
     def state_bytes(self) -> int:
         """Bytes of the layer's resident state: accumulators, factors, inverses (in force,
         pending, spare). The planner's model counts accumulator + factor + 2 inverses."""

@@ -5,7 +5,6 @@ at the end gather the measured timelines into the summary (rank 0)."""
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ def run(job, args) -> measure.Summary | None:
     plan = job.plan
     N = int(plan.config["micro_batches"])
     torch.set_num_threads(args.threads)
-    world = comm.init_world(args.timeout)
+    world = comm.init_world(args.timeout, job.device_type)
     clean = False
     try:
         comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
@@ -35,9 +34,9 @@ def run(job, args) -> measure.Summary | None:
         mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
         stream = make_stream(cfg.kind, batch_size=mb_size * N, seq_len=seq_len, seed=args.seed,
                              synthetic=args.data == "synthetic", vocab=cfg.vocab)
-        timeline = measure.Timeline(world.rank)
-        interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.dtype,
-                             make_update(kfac_cfg), timeline)
+        timeline = measure.Timeline(world.rank, device_type=world.device.type)
+        interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision,
+                             make_update(kfac_cfg), timeline, tags=job.p2p_tags)
 
         first = checkpoint.resume(args.checkpoint_dir, world, stages) if args.resume else 0
         if first >= args.steps:
@@ -45,7 +44,7 @@ def run(job, args) -> measure.Summary | None:
         before_step = faults.crash_hook(world.rank)
         losses = torch.zeros(args.steps, dtype=torch.float64)
         dist.barrier()
-        timeline.t0 = time.perf_counter()  # all ranks measure from (about) the same instant
+        timeline.start()  # all ranks measure from (about) the same instant
         for step in range(first, args.steps):
             before_step(step)
             mbs = split_micro_batches(stream.batch(step), N)
@@ -78,7 +77,9 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
                                 plan.stats.get("step_time_ms"), first + warmup, args.steps, first,
                                 losses[first:].tolist(), predicted_ops=[
                                     [[(str(po.op), po.end - po.start) for po in ops] for ops in steps]
-                                    for steps in plan.ranks])
+                                    for steps in plan.ranks],
+                                predicted_peaks=plan.stats.get("peak_memory_bytes"),
+                                memory_limit=plan.config.get("memory_limit_bytes"))
     if args.trace:
         measure.write_measured_trace(args.trace, timelines, {
             "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})

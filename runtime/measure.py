@@ -129,10 +129,11 @@ class Summary:
             ratio = f"{b / p:.3f}" if p else "n/a"
             out.append(f"{q:>4}  {b / 2**20:>10.2f} MiB  " + (f"{p / 2**20:>11.2f} MiB" if p else f"{'n/a':>15}")
                        + f"  {ratio:>18}")
-        for q in self.over_limit():
-            out.append(f"runtime: rank {q} measured peak {got[q]} bytes exceeds the plan's memory limit of "
-                       f"{self.memory_limit_bytes} bytes")
-        return out
+        return out + self.limit_lines()
+
+    def limit_lines(self) -> list[str]:
+        return [f"runtime: rank {q} measured peak {self.peak_memory_bytes_measured[q]} bytes exceeds the plan's "
+                f"memory limit of {self.memory_limit_bytes} bytes" for q in self.over_limit()]
 
     def loss_curve(self, points: int = 8) -> str:
         """The loss at about `points` evenly spaced steps, first and last included."""

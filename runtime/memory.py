@@ -111,5 +111,5 @@ class MemoryMeter:
         return total + sum(layer.state_bytes() for layer in self.layers)
 
     def _current(self) -> int:
-        kept = sum(nbytes(t) for layer in self.layers for saved in layer._saved.values() for t in saved.values())
+        kept = sum(layer.kept_bytes() for layer in self.layers)
         return self.resident + sum(self.acts.values()) + kept

@@ -37,12 +37,16 @@ def _mc_generator(seed: int, step: int, mb: int) -> torch.Generator:
 
 def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch: Batch, step: int,
                micro_batches: int, cfg: KfacConfig | None, *, kl_groups: list[list[KfacLayer]] | None = None,
-               seed: int = 0) -> float:
+               seed: int = 0, precision=None) -> float:
     """One training step; returns the step's loss (mean over micro-batches of their mean loss).
 
     `kl_groups` partitions kfac_layers for the KL clip (the pipeline runtime clips per stage);
-    default: one group of all layers.
+    default: one group of all layers. `precision` (runtime.precision.Precision): bfloat16 runs
+    the forwards under autocast, as the runtime does (the backward follows their dtypes).
     """
+    import contextlib
+    device_type = next(model.parameters()).device.type
+    amp = (lambda: precision.autocast(device_type)) if precision is not None else contextlib.nullcontext
     M = micro_batches
     use_kfac = bool(kfac_layers) and cfg is not None
     refresh = use_kfac and step % cfg.refresh_steps == 0
@@ -55,8 +59,9 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
     for m, (tokens, targets) in enumerate(split_micro_batches(batch, M)):
         with capturing(kfac_layers, m, on=refresh):
             if refresh and cfg.fisher == "mc":
-                logits = model(tokens)
-                loss = lm_loss(logits, targets)
+                with amp():
+                    logits = model(tokens)
+                    loss = lm_loss(logits, targets)
                 sampled = sample_targets(logits, targets, _mc_generator(seed, step, m))
                 params = [p for p in model.parameters() if p.requires_grad]
                 # Its own backward: only the hooks' captured output gradients are kept.
@@ -64,7 +69,8 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
                 for l in kfac_layers:
                     l.skip_grad_capture = True
             else:
-                loss = model(tokens, targets)
+                with amp():
+                    loss = model(tokens, targets)
             (loss / M).backward()
         losses.append(loss.detach())
         if refresh:

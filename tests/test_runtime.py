@@ -222,15 +222,18 @@ def distributed_params(ckpt: Path, step: int, plan_path: Path) -> dict[str, torc
     return params
 
 
-def reference_params(plan_path: Path, steps: int, kfac: bool = True) -> tuple[dict, dict]:
+def reference_params(plan_path: Path, steps: int, kfac: bool = True, dtype: str = "float64") -> tuple[dict, dict]:
     """The single-process run (runtime.train.train_step) of the plan's model, data (global
     batch of N micro-batches), optimizer and refresh cycle, KL-clipped per stage like the
-    runtime; returns (initial, final) parameters."""
+    runtime; returns (initial, final) parameters. dtype "bfloat16": autocast, float32 state."""
+    from runtime.precision import precision
+
+    prec = precision(dtype)
     plan = json.loads(plan_path.read_text())
     spec = model_spec(plan["model"]["name"])
     cfg = spec.cfg
     n, k = plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
-    model = build_model(spec, seed=0, dtype=torch.float64)
+    model = build_model(spec, seed=0, dtype=prec.param_dtype)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
     kcfg = KfacConfig(refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
     layers = make_layers(kfac_linears(model), kcfg, n) if kfac else []
@@ -240,7 +243,7 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True) -> tuple[di
     stream = make_stream(cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
     for step in range(steps):
         train_step(model, layers, opt, stream.batch(step), step, n, kcfg if kfac else None,
-                   kl_groups=[g for g in groups if g])
+                   kl_groups=[g for g in groups if g], precision=prec if prec.mixed else None)
     return initial, model.state_dict()
 
 
@@ -255,22 +258,24 @@ def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5)
 
 
 # --- tests ---------------------------------------------------------------------------------
-# (schedule, stages, replicas, model): one case runs the user's model through --model-code.
-CASES = [("gpipe", 2, 1, USER_MODEL), ("1f1b", 2, 1, MODEL), ("gpipe", 4, 1, MODEL), ("1f1b", 2, 2, MODEL),
-         ("chimera", 4, 2, MODEL)]
+# (schedule, stages, replicas, model, p2p tags): one case runs the user's model through
+# --model-code. Tags off: messages matched per pair in issue order, NCCL's rule, on gloo.
+CASES = [("gpipe", 2, 1, USER_MODEL, "on"), ("1f1b", 2, 1, MODEL, "off"), ("gpipe", 4, 1, MODEL, "off"),
+         ("1f1b", 2, 2, MODEL, "on"), ("chimera", 4, 2, MODEL, "off")]
 
 
 ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test
 
 
-@pytest.mark.parametrize("schedule,D,R,model", CASES, ids=[f"{s}-{D}x{R}-{m}" for s, D, R, m in CASES])
-def test_matches_single_process(tmp_path, schedule, D, R, model):
+@pytest.mark.parametrize("schedule,D,R,model,tags", CASES,
+                         ids=[f"{s}-{D}x{R}-{m}-tags-{t}" for s, D, R, m, t in CASES])
+def test_matches_single_process(tmp_path, schedule, D, R, model, tags):
     plan = make_plan(tmp_path, schedule, D, R, name=model)
     W = D if schedule == "chimera" else D * R
     trace = tmp_path / "trace.json"
     user = ["--model-code", model] if model == USER_MODEL else []
     r = torchrun(plan, W, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", "3", "--trace", str(trace), *user)
+                 "--checkpoint-every", "3", "--trace", str(trace), "--p2p-tags", tags, *user)
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
     got = distributed_params(tmp_path / "ckpt", 3, plan)
@@ -394,7 +399,7 @@ def test_planner_output_matches_single_process(tmp_path):
     config = json.loads(plan.read_text())["config"]
     steps = config["refresh_steps"] + 1
     r = torchrun(plan, config["world_size"], "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", str(steps))
+                 "--checkpoint-every", str(steps), "--p2p-tags", "off")
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, steps)
     assert_same_params(distributed_params(tmp_path / "ckpt", steps, plan), want, initial)

@@ -28,7 +28,9 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
         config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],
         layers=[l.name for l in profile.kfac_layers], layer_stage=list(tg.layer_stage),
         placement=cfg.placement(), micro_batch_replica=cfg.micro_batch_replica(), ranks=ranks,
-        profile={"name": profile.name, "hash": profile.hash, "source": profile.source},
+        profile={"name": profile.name, "hash": profile.hash, "source": profile.source,
+                 # the runtime's default device (and so its backend) is the profiled one
+                 "device_type": profile.provenance.get("device_type", "cpu")},
     )
 
 
