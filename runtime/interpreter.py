@@ -70,6 +70,7 @@ class Interpreter:
         # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
             if plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES else {}
+        self.memory.split = self.split  # W's kept output gradients count too
         self.handlers = {
             "fwd": self._fwd, "bwd": self._bwd, "bwd_input": self._bwd_input, "bwd_weight": self._bwd_weight,
             "send_act": self._send, "send_grad": self._send,

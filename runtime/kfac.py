@@ -274,6 +274,10 @@ class KfacLayer:
         self.kl_term = (P * G).sum()
         self.set_grad_matrix(P)
 
+    def kept_tensors(self, factor: str) -> list[torch.Tensor]:
+        """The captured tensors of one factor waiting for their curv op."""
+        return list(self._saved[factor].values())
+
     def kept_bytes(self) -> int:
         """Bytes of the captured inputs / output gradients waiting for their curv op."""
         return sum(t.numel() * t.element_size() for saved in self._saved.values() for t in saved.values())

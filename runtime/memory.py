@@ -10,10 +10,14 @@ planner's memory model holds (pfcompile.graph.costs), from its own tensors:
   counted once, parameters excluded — the profiler's rule), held from the `fwd` until the
   end of its `bwd`. Shapes are fixed, so each stage is counted on its first forward and
   that count is reused (counting every forward would add a hook call per saved tensor);
-- kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`.
+- kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`;
+- split backward (zero-bubble families): the output gradients B keeps for W, until W ends;
+  the activations stay until W too. A K-FAC output gradient that IS one of W's tensors
+  counts once (the planner's rule).
 
-The count is taken after every op; a `bwd` is sampled before its activations are released
-(the model frees them at the op's end, after the op allocated the kept output gradients).
+The count is taken after every op; a `bwd` (`bwd_weight`) is sampled before its activations
+are released (the model frees them at the op's end, after the op allocated the kept output
+gradients).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class MemoryMeter:
         self.acts: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes held until its bwd ends
         self.resident = 0
         self.peak = 0
+        self.split: dict = {}  # stage -> runtime.split_backward.WeightPasses (zero-bubble families)
 
     # --- the step -------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -112,4 +117,8 @@ class MemoryMeter:
 
     def _current(self) -> int:
         kept = sum(layer.kept_bytes() for layer in self.layers)
+        if self.split:
+            shared = {t.untyped_storage().data_ptr() for layer in self.layers for t in layer.kept_tensors("B")}
+            kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
+                        for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
         return self.resident + sum(self.acts.values()) + kept
