@@ -20,6 +20,10 @@ Then the simulated time to a target loss. How the two measurements are combined:
 
     python examples/paper_setting.py [--time-limit 20] [--quick] [-o out/paper]
 
+Then the zero-bubble families (ZB-H1, ZB-V: split backward, W passes and K-FAC sharing
+the bubbles) next to 1F1B and Chimera on bert-large, D = 8 (`--zero-bubble-only`: just
+that table, to out/paper/zero_bubble.md).
+
 Writes out/paper/paper_setting.md (the tables) and timeline pictures of the baseline and
 the filled Chimera plans of the paper's setting (bert-large, D = 8, N = 8).
 """
@@ -54,6 +58,39 @@ def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit
             "cpsat_wall_s": wall}
 
 
+ZB_SCHEDULES = ("1f1b", "chimera", "zb-h1", "zb-v")
+
+
+def zero_bubble_table(profile, depth: int, time_limit: float) -> list[str]:
+    """Which pipeline trains fastest with and without K-FAC: the zero-bubble families
+    (split backward, W passes competing with K-FAC for the bubbles) next to 1F1B and
+    Chimera, on one profile and depth, N = D and 2D. Step times are the steady state;
+    utilization both ways: PipeFisher's (per step, mean over the cycle) and the strict one
+    (compute time over the steady cycle)."""
+    rows = ["| schedule | D | N | baseline ms/step | baseline util. (PipeFisher / strict) "
+            "| greedy ms/step | greedy overhead | greedy util. (PipeFisher / strict) | greedy k (lb) "
+            "| CP-SAT ms/step | CP-SAT overhead | CP-SAT util. (PipeFisher / strict) | CP-SAT k (lb) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for schedule in ZB_SCHEDULES:
+        if schedule == "zb-v" and len(profile.parts) < 2 * depth:
+            continue  # two chunks per device need 2D parts
+        for n in (depth, 2 * depth):
+            print(f"zero bubble table: {schedule} D={depth} N={n} ...", file=sys.stderr, flush=True)
+            r = plan_row(profile, schedule, depth, n, time_limit)
+            b, g, c = r["baseline"], r["greedy"], r["cpsat"]
+
+            def util(st):
+                return f"{pct(st.get('utilization_pipefisher_mean'))} / {pct(st.get('utilization_strict'))}"
+
+            rows.append(f"| {schedule} | {depth} | {n} | {b['step_time_ms']:.1f} | {util(b)} "
+                        f"| {g['step_time_ms']:.1f} | {pct(g['step_overhead'])} | {util(g)} "
+                        f"| {g['refresh_steps']} ({g['refresh_steps_lower_bound']}) "
+                        f"| {c['step_time_ms']:.1f} | {pct(c['step_overhead'])} | {util(c)} "
+                        f"| {c['refresh_steps']} ({c['refresh_steps_lower_bound']}) |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 def steps_ratio(path: Path):
     """Median over seeds of K-FAC steps / AdamW steps to AdamW's final validation loss.
 
@@ -85,7 +122,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="bert-large only, D = 8 only")
     ap.add_argument("--convergence", type=Path, default=ROOT / "benchmarks" / "results" / "convergence.json")
     ap.add_argument("-o", "--output", type=Path, default=Path("out/paper"))
+    ap.add_argument("--zero-bubble-only", action="store_true",
+                    help="only the zero-bubble table (bert-large, D = 8): ZB-H1, ZB-V next to 1F1B and Chimera")
     args = ap.parse_args()
+    if args.zero_bubble_only:
+        from pfcompile.formats.profile import load_profile
+        from pfcompile.formats.jsonio import write_atomic
+
+        args.output.mkdir(parents=True, exist_ok=True)
+        rows = zero_bubble_table(load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json")), 8, args.time_limit)
+        text = "\n".join(["## Zero bubble with K-FAC (bert-large P100 reference, D = 8)", "", *rows, ""])
+        write_atomic(args.output / "zero_bubble.md", text)
+        print(text)
+        return 0
 
     from pfcompile.formats.profile import load_profile
     from pfcompile.render import render_files
@@ -139,6 +188,8 @@ def main() -> int:
                 "", f"Steps ratio (K-FAC / AdamW, bert-tiny MLM): {how}.",
                 "Time to target = steps ratio x (1 + step overhead); see this script's docstring for what is assumed.",
                 "", "Timelines: chimera8-baseline.png, chimera8-greedy.png, chimera8-cpsat.png", ""]
+    out += ["## Zero bubble with K-FAC (bert-large, D = 8)", "",
+            *zero_bubble_table(load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json")), 8, args.time_limit), ""]
     text = "\n".join(out)
     from pfcompile.formats.jsonio import write_atomic
 
