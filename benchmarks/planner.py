@@ -143,14 +143,34 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
             plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit))
             t = time.perf_counter() - t0
             st = plan.stats
+            stage = st.get("stage_seconds", {})
             rows.append([family, D, N, st["tasks"], st["tasks_model"], "yes" if st["curvature_grouped"] else "no",
                          f"{st['refresh_steps']} / {greedy.stats['refresh_steps']}",
                          round(st["step_time_ms"], 1), f"{st['step_time_ms'] / greedy.stats['step_time_ms']:.4f}",
-                         st["solver_status"].split(" ")[0], pct(st["gap"]), round(t, 1)])
+                         st["solver_status"].split(" ")[0], pct(st["gap"]), round(t, 1),
+                         *(round(stage.get(k, 0.0), 1) for k in STAGES), peak_rss_mib()])
             print(f"  {family} D={D} N={N}: {rows[-1]}", file=sys.stderr, flush=True)
     print(table(["family", "D", "N", "plan ops", "model tasks", "curv grouped", "k cpsat / greedy", "step ms",
-                 "cpsat / greedy step", "status", "gap", "seconds"], rows))
-    print()
+                 "cpsat / greedy step", "status", "gap", "seconds", *(f"{k} s" for k in STAGES),
+                 "peak RSS MiB"], rows))
+    print(f"\n(per-stage seconds are the CP-SAT planner's: {', '.join(STAGES)}; the greedy and the "
+          f"first-order baseline run before and are not counted. Load average at the end: {load_average()})\n")
+
+
+STAGES = ("graph", "warm start", "solve", "replay")
+
+
+def peak_rss_mib() -> int:
+    """The process's peak resident set so far (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def load_average() -> str:
+    import os
+
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -159,6 +179,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="paper/memory: CP-SAT seconds per k tried")
     ap.add_argument("--instance-limit", type=float, default=None, help="scaling: CP-SAT seconds per instance")
     ap.add_argument("--only", choices=("paper", "memory", "scaling"), default=None)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="profile the Python side with cProfile and print its N most expensive functions")
     ap.add_argument("--big", action="store_true",
                     help="scaling: also 32 stages x 128 micro-batches (minutes of Python per k tried)")
     ap.add_argument("--sizes", nargs="+", default=None, metavar="DxN",
@@ -173,6 +195,21 @@ def main() -> None:
             ap.error(f"--sizes: expected DxN like 32x128, got {' '.join(args.sizes)}")
     tl = args.time_limit or (10.0 if args.quick else 30.0)
     il = args.instance_limit or (15.0 if args.quick else 30.0)
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(run, args, tl, il, sizes)
+        print(f"## Python profile (cProfile, {args.cprofile} most expensive by own time; CP-SAT's search is "
+              f"the native `solve`)\n\n```")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
+        print("```")
+        return
+    run(args, tl, il, sizes)
+
+
+def run(args, tl: float, il: float, sizes) -> None:
     greedy = None
     if args.only in (None, "paper", "memory"):
         greedy = paper(tl) if args.only != "memory" else build_plan(

@@ -260,3 +260,19 @@ def test_cli_cpsat_is_the_default_and_reports_solver_stats(tmp_path):
                           "-o", str(tmp_path / "q.json")], capture_output=True, text=True, cwd=repo, timeout=300)
     assert bad.returncode == 2 and "--workers" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "q.json").exists()
+
+
+def test_an_exhausted_time_limit_skips_cpsat_and_still_returns_a_checked_plan():
+    from pfcompile.place.budget import Budget
+
+    kw = FAMILIES["chimera"]
+    prof = _profile(kw, curv=0.3, inv=0.7)
+    budget = Budget(0.0)  # the command's time is already up: no CP-SAT call may start
+    plan = solve_plan(prof, PipelineConfig(**kw), options=SolverOptions(time_limit=30, workers=1, budget=budget))
+    assert budget.cap(1.0) == 0.0
+    st = plan.stats
+    assert st["stage_seconds"].get("solve", 0.0) == 0.0  # no search ran
+    assert {"graph", "warm start", "replay"} <= set(st["stage_seconds"])
+    assert st["solver_status"] in ("FEASIBLE", "OPTIMAL") and len(st["k_search"]) == 1  # no second k tried
+    again = replay(plan_from_json(plan.to_json()), prof)  # a valid plan from the warm starts
+    assert again.step_time_ms == pytest.approx(st["step_time_ms"], rel=1e-6)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
+
+STARTED = time.monotonic()  # the command's start: `plan --time-limit` counts from here
 
 from pfcompile import __version__
 from pfcompile.formats.errors import InputError

@@ -53,7 +53,8 @@ def register(sub) -> None:
     p.add_argument("--partition", default=None, metavar="PARTS",
                    help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
-                   help="cpsat: solver time limit in seconds for each refresh cycle length k tried")
+                   help="cpsat: hard wall-clock limit in seconds for the whole command, Python included "
+                        "(the solver's stages and the k tried share it; the best plan found by then is kept)")
     p.add_argument("--workers", type=int, default=2, metavar="W", help="cpsat: parallel search workers")
     p.add_argument("--refresh-steps", type=int, default=None, metavar="K",
                    help="cpsat: fix the refresh cycle k (default: the planner chooses, from its lower bound)")
@@ -88,6 +89,13 @@ def config_from_args(args, profile) -> PipelineConfig:
 
 
 def run(args) -> int:
+    from pfcompile.place.budget import Budget
+
+    if not args.time_limit > 0:
+        raise InputError("--time-limit", None, f"must be positive, got {args.time_limit}")
+    from pfcompile.cli import STARTED
+
+    budget = Budget(args.time_limit, started=STARTED)  # from the command's start: imports, loading, writing count
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
     from rich.console import Console
@@ -109,7 +117,7 @@ def run(args) -> int:
         plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
                                             progress=progress, describe=describe, time_limit=args.time_limit,
                                             workers=args.workers, fixed_order=args.fixed_order,
-                                            refresh_steps=args.refresh_steps)
+                                            refresh_steps=args.refresh_steps, budget=budget)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
     if args.output:

@@ -18,6 +18,7 @@ from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph, one_build_per_graph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
+from pfcompile.place.budget import Budget
 from pfcompile.place.greedy import greedy_steps
 
 METHODS = ("none", "greedy", "cpsat")
@@ -26,22 +27,24 @@ METHODS = ("none", "greedy", "cpsat")
 def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, where: str = "<plan>",
                progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
                fixed_order: bool = True, refresh_steps: int | None = None,
-               steady_state: bool = True) -> tuple[Plan, ReplayResult, ReplayResult]:
+               steady_state: bool = True, budget: Budget | None = None) -> tuple[Plan, ReplayResult, ReplayResult]:
     """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
     `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`,
     `fixed_order`, `refresh_steps` (a fixed k) and `steady_state` (minimise the repeating
-    cycle, not the cycle from idle) are CP-SAT's (per k tried). Each task graph is built once."""
+    cycle, not the cycle from idle) are CP-SAT's (per k tried). `budget`: the command's
+    wall-clock limit (pfcompile.place.budget), which caps every CP-SAT call. Each task
+    graph is built once."""
     with one_build_per_graph():
         return _build_plan(profile, cfg, method, where=where, progress=progress, describe=describe,
                            time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                           refresh_steps=refresh_steps, steady_state=steady_state)
+                           refresh_steps=refresh_steps, steady_state=steady_state, budget=budget)
 
 
 def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,
                 time_limit: float, workers: int, fixed_order: bool, refresh_steps: int | None,
-                steady_state: bool) -> tuple[Plan, ReplayResult, ReplayResult]:
+                steady_state: bool, budget: Budget | None) -> tuple[Plan, ReplayResult, ReplayResult]:
     if method not in METHODS:
         raise InputError("--method", None, f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if refresh_steps is not None and (method != "cpsat" or not cfg.kfac):
@@ -54,7 +57,8 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: st
     base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
     # the best first-order plan of the family: the tight baseline, and the step time the k
     # lower bound aims at
-    tight = tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers) if cfg.kfac else None
+    tight = (tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers, budget=budget)
+             if cfg.kfac else None)
     first_order_ms = min(tight.stats["step_time_ms"], baseline.step_time_ms) if tight else baseline.step_time_ms
     if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
@@ -90,7 +94,7 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: st
 
         plan, result = solve_plan_replayed(profile, cfg, progress=progress, describe=describe, options=SolverOptions(
             time_limit=time_limit, workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps,
-            steady_state=steady_state, first_order_step_ms=first_order_ms))
+            steady_state=steady_state, first_order_step_ms=first_order_ms, budget=budget))
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
     if tight is not None:
@@ -126,7 +130,8 @@ def pareto(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, w
     return plans
 
 
-def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2) -> Plan | None:
+def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
+                   budget: Budget | None = None) -> Plan | None:
     """The best first-order plan of the family: the family's forward/backward order with its
     gradient syncs, sends and receives placed by the same CP-SAT machinery (None without
     OR-Tools). The canonical baseline posts every sync at the end of the step; moving a
@@ -136,8 +141,10 @@ def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float =
         from pfcompile.place.solver import solve_plan
     except ImportError:
         return None
-    return solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), time_limit=time_limit,
-                      workers=workers, fixed_order=True)
+    from pfcompile.place.solver import SolverOptions
+
+    return solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), options=SolverOptions(
+        time_limit=time_limit, workers=workers, fixed_order=True, budget=budget))
 
 
 def add_tight_baseline_stats(plan: Plan, tight: Plan) -> None:

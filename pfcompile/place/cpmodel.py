@@ -198,10 +198,11 @@ class _Progress(cp_model.CpSolverSolutionCallback):
 
 def solve(p: Problem, *, time_limit: float = 60.0, workers: int = 2, hint: Schedule | None = None,
           horizon: int | None = None, on_solution=None, extra_bound: int = 0,
-          pinned: dict[int, int] | None = None) -> Result:
+          pinned: dict[int, int] | None = None, deadline: float | None = None) -> Result:
     """Solve to optimality or the time limit. `extra_bound` is a known lower bound on the
     makespan (pfcompile.place.bounds); it tightens the model and the reported gap. `pinned`
-    fixes the start of some tasks (a decomposition's earlier stage)."""
+    fixes the start of some tasks (a decomposition's earlier stage). `deadline` (a
+    time.monotonic()): the search ends by then, whatever building the model took."""
     horizon = horizon or (max(p.horizon(), hint.makespan + 1) if hint else p.horizon())
     m, v = build_model(p, horizon)
     if extra_bound:
@@ -211,6 +212,8 @@ def solve(p: Problem, *, time_limit: float = 60.0, workers: int = 2, hint: Sched
     if hint is not None:
         add_hint(m, p, v, hint)
     solver = cp_model.CpSolver()
+    if deadline is not None:  # building the model took time too: the search gets what is left
+        time_limit = max(0.01, min(time_limit, deadline - time.monotonic()))
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(workers)
     solver.parameters.expand_reservoir_constraints = False

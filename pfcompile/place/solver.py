@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pfcompile.place import assemble
+from pfcompile.place.budget import Budget
 from pfcompile.place.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.cpmodel import Result, solve
 from pfcompile.place.cycle_model import (CycleModel, curvature_ops, cycle_from_graph, cycle_graph, memory_error,
@@ -65,6 +66,9 @@ class SolverOptions:
     # return the greedy's plan when the solver found none faster in its time (the stats then
     # say `fell_back_to_greedy: true`); off: CP-SAT's own solution, whatever it is
     fall_back_to_greedy: bool = True
+    # the command's wall-clock budget (pfcompile.place.budget): caps every CP-SAT call and
+    # records the seconds of each stage; None: no limit beyond time_limit
+    budget: Budget | None = None
 
 
 def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
@@ -104,9 +108,12 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     bound is a lower bound of the whole cycle); (2) the refresh work packed into that
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
     make room. `time_limit` is shared 20/30/50 between them."""
-    tg = cycle_graph(profile, cfg, k)
-    cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
-                          choose_inverter=cfg.inversion == "balanced", periodic=opts.steady_state)
+    budget = opts.budget or Budget()
+    with budget.stage("graph"):
+        tg = cycle_graph(profile, cfg, k)
+        cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
+                              choose_inverter=cfg.inversion == "balanced", periodic=opts.steady_state)
+        ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False, periodic=opts.steady_state)
     err = memory_error(cm, opts.fixed_order)
     if err:
         raise err
@@ -114,17 +121,25 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     head, _ = heads_and_tails(p)
     by_head = lambda i: (head[i], i)  # noqa: E731
     canon = _canonical_position(cm)
-    report = _reporter(describe, k)
+    report = _reporter(describe, k, budget)
+
+    def cpsat(problem, share: float, **kw) -> Result:
+        """One CP-SAT call within the command's budget (skipped when nothing is left)."""
+        limit = budget.cap(share * opts.time_limit)
+        if limit <= 0:
+            return Result("UNKNOWN", None, None, 0, 0.0)
+        with budget.stage("solve"):
+            return solve(problem, time_limit=limit, workers=opts.workers, deadline=budget.deadline_for_search(), **kw)
 
     # (1) the pipeline timeline
-    ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False, periodic=opts.steady_state)
-    ref_head, _ = heads_and_tails(ref_cm.problem)
-    ref_canon = _canonical_position(ref_cm)
-    ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
-                    list_schedule(ref_cm.problem, order_key=lambda i: ref_canon.get(i, (ref_head[i], i)))),
-                   key=lambda s: s.makespan)
-    ref = solve(ref_cm.problem, time_limit=0.2 * opts.time_limit, workers=opts.workers, hint=ref_hint,
-                extra_bound=lower_bounds(ref_cm.problem).makespan, on_solution=report("pipeline"))
+    with budget.stage("warm start"):
+        ref_head, _ = heads_and_tails(ref_cm.problem)
+        ref_canon = _canonical_position(ref_cm)
+        ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
+                        list_schedule(ref_cm.problem, order_key=lambda i: ref_canon.get(i, (ref_head[i], i)))),
+                       key=lambda s: s.makespan)
+    ref = cpsat(ref_cm.problem, 0.2, hint=ref_hint, extra_bound=lower_bounds(ref_cm.problem).makespan,
+                on_solution=report("pipeline"))
     if ref.status == "INFEASIBLE":  # activations alone do not fit (free order)
         raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
             "--memory-limit", None, "the activations alone do not fit the limit")
@@ -132,19 +147,19 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     bound = max(lower_bounds(p).makespan, ref.bound)
 
     # candidates: the greedy, a list schedule, and (2) the packing into the timeline
-    cands: list[tuple[str, Schedule]] = [
-        ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
-        ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
-        ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
-    if greedy_steps is not None:
-        h = schedule_from_steps(cm, greedy_steps)
-        if h is not None:
-            cands.append(("greedy", h))
-    pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
-    packed = list_schedule(p, pinned=pinned, order_key=by_head)
-    cands.append(("timeline+first-fit", packed))
-    pack = solve(p, time_limit=0.3 * opts.time_limit, workers=opts.workers, hint=packed, pinned=pinned,
-                 extra_bound=bound, on_solution=report("packing"))
+    with budget.stage("warm start"):
+        cands: list[tuple[str, Schedule]] = [
+            ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
+            ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
+            ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
+        if greedy_steps is not None:
+            h = schedule_from_steps(cm, greedy_steps)
+            if h is not None:
+                cands.append(("greedy", h))
+        pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
+        packed = list_schedule(p, pinned=pinned, order_key=by_head)
+        cands.append(("timeline+first-fit", packed))
+    pack = cpsat(p, 0.3, hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
     if pack.schedule is not None:
         cands.append(("timeline+cpsat packing", pack.schedule))
     ok = [c for c in cands if not violations(p, c[1])]
@@ -153,8 +168,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
 
     # (3) the whole model, unless the packing is already within 0.01% of the bound
     if best.makespan - bound > 1e-4 * best.makespan:
-        full = solve(p, time_limit=0.5 * opts.time_limit, workers=opts.workers, hint=best, extra_bound=bound,
-                     on_solution=report("whole cycle"))
+        full = cpsat(p, 0.5, hint=best, extra_bound=bound, on_solution=report("whole cycle"))
         stages.append("whole cycle")
         if full.status == "INFEASIBLE":
             raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
@@ -203,11 +217,16 @@ def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
     return key
 
 
-def _reporter(describe, k: int):
+def _reporter(describe, k: int, budget: Budget):
+    """Progress a user can read on long solves: the best step time so far, the bound, the
+    gap, and the seconds left of the command's limit."""
     def stage(name: str):
         def on_solution(sec, obj, bound):
             if describe:
-                describe(f"cpsat k={k} {name}: {obj / k / 1000:.2f} ms/step, bound {bound / k / 1000:.2f} ({sec:.0f} s)")
+                gap = (obj - bound) / obj if obj else 0.0
+                left = budget.left() + budget.reserve
+                describe(f"cpsat k={k} {name}: best {obj / k / 1000:.2f} ms/step, bound {bound / k / 1000:.2f}, "
+                         f"gap {gap:.2%}" + (f", {left:.0f} s left" if left != float("inf") else ""))
         return on_solution
     return stage
 
@@ -243,8 +262,17 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
     if opts.workers < 1:
         raise InputError("--workers", None, f"must be at least 1, got {opts.workers}")
     t0 = time.perf_counter()
-    greedy, greedy_info = _greedy(profile, cfg)
+    if opts.budget is None:
+        opts = replace(opts, budget=Budget())
+    budget = opts.budget
+    with budget.stage("warm start"):
+        greedy, greedy_info = _greedy(profile, cfg)
     k_greedy = len(next(iter(greedy.values())))
+    # kept for assembling and replaying the plan (and the greedy's, to compare) at the end:
+    # ~0.8 ms per op of the plan at a load average of 10 on 2 cores (paper setting: 5 s for
+    # two replays of 6432 ops), plus writing the file
+    ops = sum(len(ops) for steps in greedy.values() for ops in steps) / k_greedy
+    budget.reserve = max(budget.reserve, 2.0 + 8e-4 * ops * max(k_greedy, opts.refresh_steps or 1, 2))
     k_lb, target = 1, None
     if cfg.kfac:
         target = opts.first_order_step_ms
@@ -273,6 +301,8 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             continue
         tried.append(sol)
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+            break
+        if budget.left() <= 0:  # the command's time is up: keep the best k found so far
             break
     if not tried:
         raise failure
@@ -305,10 +335,12 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "tasks_model": best.cm.problem.n,
         "fell_back_to_greedy": False,
     }
-    result = assemble.finish(plan, profile, stats)
-    # a fixed k keeps its k
-    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
-        plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
+    with budget.stage("replay"):
+        result = assemble.finish(plan, profile, stats)
+        # a fixed k keeps its k
+        if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
+            plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
+    plan.stats["stage_seconds"] = budget.report()
     if progress:
         progress(len(ks), len(ks))
     return plan, result

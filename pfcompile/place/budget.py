@@ -1,0 +1,55 @@
+"""Wall-clock budget of one planning command, and where its time went.
+
+`--time-limit S` is a hard limit for the whole command, Python included: the command
+makes a `Budget(S)` at its start; every CP-SAT call asks `budget.cap(share)` for its limit
+(its share, or what is left after keeping `reserve` seconds for the work that must follow:
+assembling and replaying the plan, writing it), and loops stop trying more when
+`budget.left()` runs out. `budget.stage("graph")` accumulates the seconds of each stage
+(graph, warm start, solve, replay) for the plan's stats and the benchmark's table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+MIN_SOLVE_S = 0.05  # a CP-SAT call shorter than this finds nothing: skip it instead
+
+
+class Budget:
+    def __init__(self, seconds: float | None = None, started: float | None = None):
+        self.t0 = time.monotonic() if started is None else started  # time.monotonic() of the start
+        self.deadline = None if seconds is None else self.t0 + seconds
+        self.reserve = 0.0  # seconds kept for what follows the search (set from the plan's size)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def left(self) -> float:
+        """Seconds left for searching (infinite without a limit)."""
+        if self.deadline is None:
+            return float("inf")
+        return self.deadline - time.monotonic() - self.reserve
+
+    def deadline_for_search(self) -> float | None:
+        """The time.monotonic() by which a search must end (None: no limit)."""
+        return None if self.deadline is None else self.deadline - self.reserve
+
+    def cap(self, share: float) -> float:
+        """A CP-SAT limit: the share, or what is left if less (0 when nothing is)."""
+        left = self.left()
+        return share if left >= share else (left if left >= MIN_SOLVE_S else 0.0)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    @contextmanager
+    def stage(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t
+
+    def report(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
