@@ -77,8 +77,10 @@ def test_buffers_pair_allocation_and_free():
     kept = [b for b in tg.buffers if b.key[0].startswith("kept")]
     # kept tensors only for step 0's micro-batches: 2 stages x 2 layers x 2 mbs x 2 factors
     assert len(kept) == 16 and all(b.alloc.step == 0 and b.free.op.kind.startswith("curv") for b in kept)
-    # resident: params + grads + 8 factor-state buffers of 4 bytes per layer
-    assert tg.resident_bytes[0] == 200 + 2 * 8 * 4
+    # resident: params + grads (100 + 100), AdamW's two moments (the synthetic factors are
+    # too small to cover a weight, so no parameter is K-FAC's), and per K-FAC layer the
+    # accumulator + factor and the in-force + pending inverse of A and B (4 bytes each)
+    assert tg.resident_bytes[0] == 200 + 2 * 100 + 2 * (2 * (4 + 4) + 2 * (4 + 4))
 
 
 def test_chimera_layout_and_collectives():
