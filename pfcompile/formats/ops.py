@@ -42,7 +42,7 @@ Conventions that every consumer relies on:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # kind -> (text prefix, fields that must be set)
@@ -128,6 +128,7 @@ def peer_stage(op: "Op") -> int:
         return op.stage
     raise ValueError(f"{op} is not a point-to-point op")
 
+
 _FIELDS = ("stage", "mb", "layer", "factor", "peer")
 
 
@@ -139,8 +140,24 @@ class Op:
     layer: int | None = None
     factor: str | None = None
     peer: int | None = None
+    # the hash, computed once: ops key every dict and graph of the planner (millions of
+    # lookups on a 32 x 128 cycle); equal ops have equal fields, hence equal hashes
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:  # the generated one builds two tuples per comparison
+        if self is other:
+            return True
+        if other.__class__ is not Op:
+            return NotImplemented
+        return (self._hash == other._hash and self.kind == other.kind and self.stage == other.stage
+                and self.mb == other.mb and self.layer == other.layer and self.factor == other.factor
+                and self.peer == other.peer)
 
     def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.mb, self.layer, self.factor, self.peer)))
         if self.kind not in OP_KINDS:
             raise ValueError(f"unknown op {self.kind!r} (known: {', '.join(OP_KINDS)})")
         need = OP_KINDS[self.kind][1]

@@ -19,7 +19,11 @@ from pfcompile.place.problem import Problem, Schedule, topological_order
 
 
 class _Timeline:
-    """Busy intervals of one resource, sorted, with first-fit insertion."""
+    """Busy time of one resource as sorted, disjoint blocks with first-fit insertion.
+
+    Touching bookings merge into one block, so a fit scans only the gaps after its release
+    time, not every task booked there: linear, not quadratic, in a rank's task count (a
+    rank of a 32 x 128 cycle holds thousands of back-to-back tasks)."""
 
     def __init__(self):
         self.starts: list[int] = []
@@ -28,20 +32,32 @@ class _Timeline:
     def fit(self, t: int, dur: int) -> int:
         if dur == 0:
             return t
-        i = bisect.bisect_right(self.ends, t)
-        while i < len(self.starts):
-            if t + dur <= self.starts[i]:
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_right(ends, t)
+        n = len(starts)
+        while i < n:
+            if t + dur <= starts[i]:
                 return t
-            t = max(t, self.ends[i])
+            if ends[i] > t:
+                t = ends[i]
             i += 1
         return t
 
     def book(self, t: int, dur: int) -> None:
         if dur == 0:
             return
-        i = bisect.bisect_left(self.starts, t)
-        self.starts.insert(i, t)
-        self.ends.insert(i, t + dur)
+        starts, ends = self.starts, self.ends
+        e = t + dur
+        i = bisect.bisect_left(starts, t)
+        if i > 0 and ends[i - 1] >= t:  # touches the block before: extend it
+            i -= 1
+            ends[i] = max(ends[i], e)
+        else:
+            starts.insert(i, t)
+            ends.insert(i, e)
+        while i + 1 < len(starts) and starts[i + 1] <= ends[i]:  # reaches the next block: merge
+            ends[i] = max(ends[i], ends[i + 1])
+            del starts[i + 1], ends[i + 1]
 
 
 def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
