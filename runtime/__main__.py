@@ -1,9 +1,11 @@
 """`torchrun --nproc-per-node N -m runtime PLAN`: execute a compiled plan.
 
-Where things live: runtime.config (flags, validation of flags, plan and model against the
-job), runtime.build (this rank's stages, K-FAC layers, optimizers), runtime.loop (the
-training loop), runtime.checkpoint (save / resume), runtime.measure (timeline, summary),
-runtime.faults (fault injection for tests).
+Where things live: runtime.config (flags, validation of flags, config, plan, model and data
+against the job), runtime.train_config (the TOML training config), runtime.build (this
+rank's stages, K-FAC layers, optimizers, the update), runtime.loop (the training loop),
+runtime.checkpoint (save / resume), runtime.metrics (metrics log, progress), runtime.export
+(the trained model file), runtime.measure (timeline, summary), runtime.faults (fault
+injection for tests).
 
 Exit codes: 0 done, 2 bad input (plan, flags, model), 3 a peer was lost / timed out.
 """

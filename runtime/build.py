@@ -1,6 +1,6 @@
 """Building this rank's part of the model: its stages (modules on the job's device), their
 K-FAC layers (numbered by the plan's layer index) and optimizers, and the update the plan's
-`step` op runs."""
+`step` op runs (with global-norm gradient clipping)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pfcompile.formats.errors import InputError
 from runtime import kfac
 from runtime.interpreter import StageReplica
 from runtime.models import Stage, kfac_linears
-from runtime.optim import build_optimizer
+from runtime.optim import build_optimizer, clip_coefficient, raw_grad_norm_sq, scale_all_grads
 
 
 def build_stages(job, world, kfac_cfg, optim_cfg) -> dict[int, StageReplica]:
@@ -42,12 +42,52 @@ def _kfac_layers(job, s: int, module, kfac_cfg, N: int) -> dict[int, kfac.KfacLa
     return layers
 
 
-def make_update(kfac_cfg):
-    """The step(stage) op: KL-clip over the stage's K-FAC layers, then the optimizer."""
+class Update:
+    """The `step(stage)` op: KL-clip over the stage's K-FAC layers, then the optimizer.
 
-    def update(sr) -> None:
+    It also adds each stage's squared gradient norm (before preconditioning; replica 0 only,
+    so a replicated stage counts once) to this rank's share of the step's global norm.
+    With clipping (max_grad_norm > 0) the global norm is known only once every stage on
+    every rank has its gradient, so the updates wait for the end of the rank's step:
+    `finish_step` all-reduces the norm over the world and runs them, every gradient scaled
+    by the same factor. Deferring is safe whatever the plan: a step op sends nothing, and
+    nothing of a stage runs after its step op within the step.
+    """
+
+    def __init__(self, kfac_cfg, max_grad_norm: float = 0.0, world=None):
+        self.kfac_cfg, self.max_grad_norm, self.world = kfac_cfg, max_grad_norm, world
+        self.norm_sq = 0.0          # this rank's share of the step's squared global norm
+        self.deferred: list[StageReplica] = []
+
+    def __call__(self, sr: StageReplica) -> None:
+        if sr.replica == 0:
+            self.norm_sq += float(raw_grad_norm_sq(sr.module, list(sr.kfac.values())))
+        if self.max_grad_norm > 0:
+            self.deferred.append(sr)
+        else:
+            self._apply(sr)
+
+    def _apply(self, sr: StageReplica) -> None:
         if sr.kfac:
-            kfac.apply_kl_clip(list(sr.kfac.values()), sr.optimizer.lr, kfac_cfg.kl_clip)
+            kfac.apply_kl_clip(list(sr.kfac.values()), sr.optimizer.lr, self.kfac_cfg.kl_clip)
         sr.optimizer.step()
         sr.optimizer.zero_grad()
-    return update
+
+    def finish_step(self) -> float:
+        """Run the deferred (clipped) updates; returns this rank's contribution to the step's
+        squared global norm, which summed over ranks is the squared norm."""
+        share, self.norm_sq = self.norm_sq, 0.0
+        if self.max_grad_norm <= 0:
+            return share
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([share], dtype=torch.float64, device=self.world.device)
+        dist.all_reduce(total)
+        norm_sq = float(total)
+        c = clip_coefficient(norm_sq ** 0.5, self.max_grad_norm)
+        for sr in self.deferred:
+            scale_all_grads(sr.module, list(sr.kfac.values()), c)
+            self._apply(sr)
+        self.deferred.clear()
+        return norm_sq if self.world.rank == 0 else 0.0  # already global: counted once

@@ -17,11 +17,21 @@ from pfcompile.formats.errors import InputError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m runtime",
-        description="Run a pfcompile plan with torch.distributed (gloo on CPU, NCCL on CUDA).")
+        description="Run a pfcompile plan with torch.distributed (gloo on CPU, NCCL on CUDA).",
+        epilog="Training settings: --config FILE.toml and --set SECTION.KEY=VALUE (see runtime/train_config.py "
+               "for every key); --steps, --seed and --lr are shorthands for --set train.steps=, train.seed=, "
+               "optimizer.lr=.")
     p.add_argument("plan", help="plan JSON written by `pfcompile plan`")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--data", choices=("pydoc", "synthetic"), default="pydoc",
-                   help="pydoc-corpus MLM batches (default) or synthetic tokens")
+    p.add_argument("--config", default=None, metavar="TRAIN.toml", help="training config (TOML)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                   help="override one config key, e.g. --set kfac.damping=1e-4 (repeatable; later wins)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (= --set train.steps=S; default 10)")
+    p.add_argument("--seed", type=int, default=None, help="model and data seed (= --set train.seed=S; default 0)")
+    p.add_argument("--lr", type=float, default=None, help="K-FAC layers' learning rate (= --set optimizer.lr=LR)")
+    p.add_argument("--data", default="pydoc", metavar="pydoc|synthetic|TRAIN.bin",
+                   help="pydoc corpus (default), synthetic tokens, or a token file with its JSON sidecar")
+    p.add_argument("--val-data", default=None, metavar="VAL.bin",
+                   help="held-out token file for evaluation (pydoc and synthetic bring their own)")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
                    help="float32 / float64 throughout, or bfloat16 mixed precision (autocast; parameters, "
                         "K-FAC and optimizer state float32); default: the plan's model dtype, else float32")
@@ -31,11 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p-tags", choices=("on", "off"), default=None,
                    help="match messages by tag (gloo only) or by per-pair issue order as NCCL does; "
                         "default: on for cpu, off for cuda")
-    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the optimizer's)")
-    p.add_argument("--checkpoint-dir", default=None, help="write per-rank checkpoints here")
+    p.add_argument("--checkpoint-dir", default=None, help="write per-rank checkpoints (and the effective config) here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="C", help="checkpoint every C steps")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="metrics.jsonl, TensorBoard events (if installed) and the effective config (default: --checkpoint-dir)")
+    p.add_argument("--save-model", default=None, metavar="OUT.safetensors",
+                   help="at the end, gather the trained model into this file (spec beside it, OUT.json)")
+    p.add_argument("--save-model-every-checkpoint", action="store_true",
+                   help="also write --save-model at every checkpoint")
     p.add_argument("--trace", "-o", default=None, metavar="OUT.json",
                    help="write the measured timeline (Perfetto/Chrome trace) here")
     p.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION",
@@ -61,13 +75,21 @@ class Job:
     precision: object = None     # runtime.precision.Precision
     device_type: str = "cpu"     # "cpu" | "cuda": the backend follows it (runtime.comm)
     p2p_tags: bool = True        # False: messages matched per pair in issue order (NCCL's rule)
+    train: object = None         # runtime.train_config.TrainConfig, plan-fixed keys filled in
+    data: object = None          # runtime.data.TokenFile, or None (pydoc / synthetic)
+    val_data: object = None      # runtime.data.TokenFile, or None
+    steps: int = 0
 
 
 def prepare(args, rank: int, world_size: int) -> Job:
-    """Validate flags, plan and model against this job; every problem is a one-line InputError."""
+    """Validate flags, config, plan, model and data against this job; every problem is a
+    one-line InputError."""
     from pfcompile.formats.plan import load_plan
+    from runtime import train_config
 
     _check_flags(args)
+    train = train_config.load(args.config, args.overrides, {
+        "train.steps": (args.steps, "--steps"), "train.seed": (args.seed, "--seed"), "optimizer.lr": (args.lr, "--lr")})
     plan = load_plan(args.plan)
     where = args.plan
     if plan.world_size != world_size:
@@ -75,15 +97,37 @@ def prepare(args, rank: int, world_size: int) -> Job:
                          f"the plan is for {plan.world_size} ranks but this job has {world_size} "
                          f"(launch with torchrun --nproc-per-node/--nnodes giving {plan.world_size})")
     _check_rank_ops(plan, rank, where)
-
-    import torch
-
     spec = _resolve_model(plan, args, where)
     _check_plan_fits_model(plan, spec, where)
+    train_config.apply_plan(train, plan, where)
+    data, val_data = _check_data(args, plan, spec, where)
+    prec, device_type, tags = _device_and_precision(args, plan, where)
+    return Job(plan, spec, prec.param_dtype, rank, world_size, train["train.seed"], where, prec, device_type, tags,
+               train, data, val_data, train["train.steps"])
+
+
+def _check_data(args, plan, spec, where: str):
+    """The token files (None for the built-in pydoc / synthetic data), checked before training."""
+    from runtime.data import VOCAB, open_token_file
+
+    batch = int(plan.model["micro_batch"]) * int(plan.config["micro_batches"])
+    seq_len = int(plan.model["seq_len"])
     if args.data == "pydoc":
-        from runtime.data import VOCAB
         if spec.cfg.vocab < len(VOCAB):
             raise InputError(where, "model.vocab", f"{spec.cfg.vocab} is smaller than the pydoc corpus' {len(VOCAB)} tokens; use --data synthetic")
+    if args.data in ("pydoc", "synthetic"):
+        if args.val_data:
+            raise InputError("--val-data", None, f"is for a token file given with --data, not the built-in {args.data!r} data")
+        return None, None
+    data = open_token_file(args.data, spec.cfg.vocab, batch, seq_len)
+    val = open_token_file(args.val_data, spec.cfg.vocab, batch, seq_len) if args.val_data else None
+    return data, val
+
+
+def _device_and_precision(args, plan, where: str):
+    """(precision, device type, p2p tags) of the job, from the flags or the plan's profile."""
+    import torch
+
     from runtime.precision import NAMES, precision
 
     dtype_name = args.dtype or plan.model.get("dtype") or "float32"
@@ -99,12 +143,12 @@ def prepare(args, rank: int, world_size: int) -> Job:
     tags = (device_type == "cpu") if args.p2p_tags is None else args.p2p_tags == "on"
     if tags and device_type == "cuda":
         raise InputError("--p2p-tags", None, "on needs gloo (--device cpu): NCCL ignores point-to-point tags")
-    return Job(plan, spec, prec.param_dtype, rank, world_size, args.seed, where, prec, device_type, tags)
+    return prec, device_type, tags
 
 
 def _check_flags(args) -> None:
-    if args.steps < 1:
-        raise InputError("--steps", None, f"must be >= 1, got {args.steps}")
+    if args.save_model_every_checkpoint and not args.save_model:
+        raise InputError("--save-model-every-checkpoint", None, "needs --save-model")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise InputError("--checkpoint-dir", None, "is needed by --checkpoint-every and --resume")
     if args.checkpoint_every < 0:

@@ -1,4 +1,9 @@
-"""Training data: the pydoc corpus (or synthetic tokens) as deterministic batches.
+"""Training data: the pydoc corpus, synthetic tokens, or a token file, as deterministic batches.
+
+A token file (`.bin`) is a flat array of token ids, uint16 or uint32 (the layout nanoGPT
+writes), with a JSON sidecar beside it (train.bin -> train.json: {"dtype", "vocab_size"});
+`python -m runtime.prepare_data` makes both from any text. It is read through numpy.memmap,
+never whole; `open_token_file` checks it before training (one-line InputError).
 
 The corpus is CPython's own `pydoc_data.topics` (~465 kB of English documentation), so the
 project needs no download. Tokens are characters: 4 specials, newline and printable ASCII
@@ -16,10 +21,13 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from pfcompile.formats.errors import InputError
 from runtime.models import IGNORE_INDEX
 
 SPECIALS = ["[PAD]", "[UNK]", "[MASK]", "[SEP]"]
@@ -96,7 +104,10 @@ class BatchStream:
             raise ValueError(f"token stream of {len(self.stream)} is shorter than seq_len {self.seq_len} + 2")
 
     def _windows(self, starts: torch.Tensor) -> torch.Tensor:
-        return self.stream[starts[:, None] + torch.arange(self.seq_len + 1)]
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        if isinstance(self.stream, torch.Tensor):
+            return self.stream[idx]
+        return torch.from_numpy(np.asarray(self.stream[idx.numpy()], dtype=np.int64))  # memmap: reads only these
 
     def _from_windows(self, w: torch.Tensor, g: torch.Generator) -> Batch:
         if self.task == "lm":
@@ -132,9 +143,12 @@ def task_of(kind: str) -> str:
 
 
 def make_stream(kind: str, batch_size: int, seq_len: int, seed: int = 0, split: str = "train",
-                synthetic: bool = False, vocab: int | None = None) -> BatchStream:
+                synthetic: bool = False, vocab: int | None = None, token_file: "TokenFile | None" = None) -> BatchStream:
     """Batches for a model kind ("bert" -> MLM, "gpt" -> next token) from the pydoc corpus,
-    or from a synthetic uniform token stream of `vocab` tokens (deterministic in seed)."""
+    from a synthetic uniform token stream of `vocab` tokens (deterministic in seed), or from
+    a checked token file (then `split` is ignored: pass the held-out file for validation)."""
+    if token_file is not None:
+        return BatchStream(token_file.tokens, task_of(kind), batch_size, seq_len, seed, token_file.vocab_size)
     if synthetic:
         v = vocab or len(VOCAB)
         g = _generator(seed, 0, salt=2 if split == "train" else 3)
@@ -153,3 +167,57 @@ def split_micro_batches(batch: Batch, micro_batches: int) -> list[Batch]:
         raise ValueError(f"batch of {b} rows does not split into {micro_batches} equal micro-batches")
     n = b // micro_batches
     return [Batch(batch.tokens[i * n:(i + 1) * n], batch.targets[i * n:(i + 1) * n]) for i in range(micro_batches)]
+
+
+# --- token files --------------------------------------------------------------------------------
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def sidecar_path(path: str | Path) -> Path:
+    """train.bin -> train.json: the dtype and vocabulary size of a token file."""
+    return Path(path).with_suffix(".json")
+
+
+@dataclass
+class TokenFile:
+    path: str
+    dtype: str
+    vocab_size: int
+    tokens: np.ndarray  # a read-only numpy.memmap
+
+
+def open_token_file(path: str, model_vocab: int, batch_size: int, seq_len: int) -> TokenFile:
+    """Open and check a token file: it exists and is not empty, its size is a multiple of the
+    dtype's, no id is >= the model's vocabulary, and it holds at least one batch."""
+    from pfcompile.formats.jsonio import Fields, read_json
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(path, None, "no such file" if not p.exists() else "is not a file")
+    side = sidecar_path(p)
+    if not side.is_file():
+        raise InputError(str(side), None, f"missing: {path} needs this JSON sidecar with dtype (uint16 or uint32) and "
+                         "vocab_size; python -m runtime.prepare_data writes both")
+    f = Fields(read_json(side), str(side))
+    dtype = f.req("dtype", str, check=lambda v: v in TOKEN_DTYPES, why="uint16 or uint32")
+    vocab = f.req("vocab_size", int, check=lambda v: v > len(SPECIALS), why=f"an integer > {len(SPECIALS)}")
+    if vocab > model_vocab:
+        raise InputError(str(side), "vocab_size", f"{vocab} exceeds the model's vocabulary of {model_vocab}")
+    size, item = p.stat().st_size, np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if size == 0:
+        raise InputError(path, None, "empty file")
+    if size % item:
+        raise InputError(path, None, f"size {size} bytes is not a multiple of {dtype}'s {item} bytes (wrong dtype in {side.name}?)")
+    tokens = np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
+    need = batch_size * seq_len + 1
+    if len(tokens) < need:
+        raise InputError(path, None, f"{len(tokens)} tokens, fewer than one batch needs "
+                         f"({batch_size} rows x {seq_len} tokens + 1 = {need})")
+    limit = min(vocab, model_vocab)
+    chunk = 1 << 22
+    for start in range(0, len(tokens), chunk):  # streamed: a large file is never in memory whole
+        part = tokens[start:start + chunk]
+        if int(part.max()) >= limit:
+            i = start + int(np.argmax(part >= limit))
+            raise InputError(path, None, f"token id {int(tokens[i])} at position {i} is >= the vocabulary size {limit}")
+    return TokenFile(str(path), dtype, vocab, tokens)

@@ -104,6 +104,22 @@ class Interpreter:
         tl.end_step(step, step_start, tl.mark(), mem.end_step())
         return float(self.loss_sum)
 
+    def run_forward(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+        """Evaluation: only this rank's fwd ops and activation messages of the plan, in plan
+        order (a sub-order of a deadlock-free order is deadlock-free), without gradients or
+        K-FAC capture; returns this rank's share of the loss, like run_step."""
+        self.tokens, self.targets, self.loss_sum = tokens, targets, 0.0
+        self.capturing = False
+        with torch.no_grad():
+            for op in self.plan.ops(self.world.rank, 0):
+                if op.kind in ("fwd", "send_act", "recv_act"):
+                    self.handlers[op.kind](op)
+            self.mailbox.drain()
+        for sr in self.stages.values():
+            sr.inputs.clear()
+            sr.outputs.clear()
+        return self.loss_sum
+
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
         sr = self.stages[op.stage]

@@ -92,6 +92,7 @@ class KfacLayer:
         self._spare: dict[str, torch.Tensor] = {}
         self._ema_done = False  # factors EMA-updated from this cycle's accumulators
         self.kl_term = None     # <g̃, g> of the last precondition(), for the KL clip
+        self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
         self._hooks = []
 
     # --- capture ----------------------------------------------------------------------------
@@ -256,6 +257,7 @@ class KfacLayer:
     def precondition(self) -> None:
         """weight.grad / bias.grad <- B⁻¹ G A⁻¹ with the inverses in force (unchanged if none)."""
         G = self.grad_matrix()
+        self.raw_grad_sq = (G * G).sum()
         if not ("A" in self.inverses and "B" in self.inverses):
             self.kl_term = None
             return

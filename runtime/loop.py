@@ -1,86 +1,178 @@
 """The training loop of one rank, top to bottom: join the job, build this rank's stages,
-resume if asked, run the plan's ops step after step (runtime.interpreter), checkpoint, and
-at the end gather the measured timelines into the summary (rank 0)."""
+resume if asked, run the plan's ops step after step (runtime.interpreter), report metrics,
+evaluate, checkpoint, and at the end gather the trained model and the measured timelines
+(rank 0)."""
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from pfcompile.formats.errors import InputError
-from runtime import checkpoint, comm, faults, measure
-from runtime.build import build_stages, make_update
+from pfcompile.formats.jsonio import write_atomic
+from runtime import checkpoint, comm, export, faults, measure
+from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
 from runtime.interpreter import Interpreter
-from runtime.kfac import KfacConfig
-from runtime.optim import OptimConfig
+from runtime.metrics import Metrics
 
 
 def run(job, args) -> measure.Summary | None:
     """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
-    plan = job.plan
+    plan, train = job.plan, job.train
     N = int(plan.config["micro_batches"])
+    steps = job.steps
     torch.set_num_threads(args.threads)
     world = comm.init_world(args.timeout, job.device_type)
     clean = False
     try:
         comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-        kfac_cfg = KfacConfig(refresh_steps=plan.refresh_steps, inverse=plan.config.get("inverse", "cholesky"))
-        optim_cfg = OptimConfig() if args.lr is None else OptimConfig(lr=args.lr)
+        kfac_cfg, optim_cfg = train.kfac_config(), train.optim_config()
         stages = build_stages(job, world, kfac_cfg, optim_cfg)
         cfg = job.spec.cfg
         mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
-        stream = make_stream(cfg.kind, batch_size=mb_size * N, seq_len=seq_len, seed=args.seed,
-                             synthetic=args.data == "synthetic", vocab=cfg.vocab)
+        stream, val_batches = _data(job, args, mb_size * N, seq_len)
         timeline = measure.Timeline(world.rank, device_type=world.device.type)
-        interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision,
-                             make_update(kfac_cfg), timeline, tags=job.p2p_tags)
+        update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
+        interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision, update, timeline,
+                             tags=job.p2p_tags)
 
         first = checkpoint.resume(args.checkpoint_dir, world, stages) if args.resume else 0
-        if first >= args.steps:
-            raise InputError("--steps", None, f"{args.steps}, but the checkpoint is already at step {first}")
+        if first >= steps:
+            raise InputError("--steps", None, f"{steps}, but the checkpoint is already at step {first}")
+        log_dir = args.log_dir or args.checkpoint_dir
+        metrics = None
+        if world.rank == 0:
+            _announce(train, [d for d in {log_dir, args.checkpoint_dir} if d])
+            metrics = Metrics(log_dir, steps, first, mb_size * N * seq_len)
         before_step = faults.crash_hook(world.rank)
-        losses = torch.zeros(args.steps, dtype=torch.float64)
+        losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
+        pending: list[tuple] = []  # (step, loss share, norm² share, ms, lr, refresh) until the next reduction
+        every, log_every = train["eval.every"], train["log.every"]
         dist.barrier()
         timeline.start()  # all ranks measure from (about) the same instant
-        for step in range(first, args.steps):
+        for step in range(first, steps):
             before_step(step)
+            started = time.perf_counter()
+            lr = _lr(optim_cfg, step, bool(plan.config["kfac"]))
             mbs = split_micro_batches(stream.batch(step), N)
-            tokens = [b.tokens.to(world.device) for b in mbs]
-            targets = [b.targets.to(world.device) for b in mbs]
-            losses[step] = interp.run_step(step, tokens, targets)
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                checkpoint.save_rank(args.checkpoint_dir, step + 1, world, stages)
+            loss = interp.run_step(step, [b.tokens.to(world.device) for b in mbs],
+                                   [b.targets.to(world.device) for b in mbs])
+            norm_sq = update.finish_step()
+            pending.append((step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr,
+                            step % plan.refresh_steps == 0 and bool(plan.config["kfac"])))
+            done = step + 1
+            evaluate_now = val_batches and ((every and done % every == 0) or done == steps)
+            if len(pending) >= log_every or done == steps or evaluate_now:
+                _flush(world, pending, losses, metrics)
+            if evaluate_now:
+                _evaluate(interp, stages, world, val_batches, N, done, metrics)
+            if args.checkpoint_every and done % args.checkpoint_every == 0:
+                checkpoint.save_rank(args.checkpoint_dir, done, world, stages)
+                if args.save_model_every_checkpoint:
+                    _save_model(job, args, train, world, stages, len(val_batches or []))
 
-        # One reduction at the end: a per-step one would add a collective to every step.
-        losses_dev = losses.to(world.device)
-        dist.all_reduce(losses_dev)
-        losses = losses_dev.cpu()
+        if args.save_model:
+            _save_model(job, args, train, world, stages, len(val_batches or []))
         gathered = comm.gather_json(world, timeline.to_json())
         clean = True
         if world.rank != 0:
             return None
+        metrics.close()
         return _summary(job, args, [measure.Timeline.from_json(d) for d in gathered], losses, first)
     finally:
         comm.shutdown(clean)
+
+
+def _data(job, args, batch_size: int, seq_len: int):
+    """The training stream and the fixed evaluation batches (None without held-out data)."""
+    kind, train = job.spec.cfg.kind, job.train
+    seed = train["train.seed"]
+    if job.data is not None:
+        stream = make_stream(kind, batch_size, seq_len, seed=seed, token_file=job.data)
+        val = job.val_data and make_stream(kind, batch_size, seq_len, seed=0, token_file=job.val_data)
+    else:
+        synthetic = args.data == "synthetic"
+        stream = make_stream(kind, batch_size, seq_len, seed=seed, synthetic=synthetic, vocab=job.spec.cfg.vocab)
+        val = make_stream(kind, batch_size, seq_len, seed=0, split="val", synthetic=synthetic, vocab=job.spec.cfg.vocab)
+    return stream, (val.fixed_batches(train["eval.batches"]) if val else None)
+
+
+def _lr(optim_cfg, step: int, kfac: bool) -> float:
+    """The learning rate of step's update: the K-FAC layers' (SGD), or AdamW's without
+    K-FAC; every stage follows the same schedule, whichever stages this rank holds."""
+    return (optim_cfg.lr if kfac else optim_cfg.adam_lr) * optim_cfg.lr_factor(step)
+
+
+def _flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
+    """One all-reduce of the buffered steps' loss and squared-norm shares; rank 0 logs them."""
+    if not pending:
+        return
+    shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=world.device)
+    dist.all_reduce(shares)
+    shares = shares.cpu()
+    if world.rank == 0:
+        rows = []
+        for (step, _, _, ms, lr, refresh), (loss, norm_sq) in zip(pending, shares.tolist()):
+            losses[step] = loss
+            rows.append({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(max(norm_sq, 0.0)),
+                         "step_ms": ms, "refresh": refresh})
+        metrics.steps(rows)
+    pending.clear()
+
+
+def _evaluate(interp, stages, world, batches, N: int, step: int, metrics) -> float:
+    """Mean loss over the fixed held-out batches, forward only through the pipeline."""
+    for sr in stages.values():
+        sr.module.eval()
+    total = 0.0
+    for batch in batches:
+        mbs = split_micro_batches(batch, N)
+        total += interp.run_forward([b.tokens.to(world.device) for b in mbs], [b.targets.to(world.device) for b in mbs])
+    for sr in stages.values():
+        sr.module.train()
+    t = torch.tensor([total], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    loss = float(t) / len(batches)
+    if world.rank == 0:
+        row = metrics.evaluation(step, loss, len(batches))
+        print(f"runtime: eval at step {step}: loss {loss:.4f}, perplexity {row['perplexity']:.2f}", flush=True)
+    return loss
+
+
+def _save_model(job, args, train, world, stages, val_batches: int) -> None:
+    tensors = export.gather_model(world, job.plan, stages)
+    if world.rank == 0:
+        export.save_model(args.save_model, tensors, export.model_spec(job, train, val_batches))
+
+
+def _announce(train, dirs: list[str]) -> None:
+    """Rank 0: print the effective config and save it (train.toml) where the run writes."""
+    text = train.to_toml()
+    print("runtime: effective config (plan-fixed keys from the plan):\n" + text.rstrip(), flush=True)
+    for d in dirs:
+        write_atomic(os.path.join(d, "train.toml"), text)
 
 
 def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor, first: int) -> measure.Summary:
     """Rank 0: the run's summary over the steps after warm-up, and the measured trace if asked."""
     plan = job.plan
     k = plan.refresh_steps
-    last = args.steps - 1
-    warmup = args.warmup if args.warmup is not None else (k if args.steps - first > 2 * k else 1)
+    steps = job.steps
+    last = steps - 1
+    warmup = args.warmup if args.warmup is not None else (k if steps - first > 2 * k else 1)
     summary = measure.summarize(timelines, float(losses[last]) if last >= first else None,
-                                plan.stats.get("step_time_ms"), first + warmup, args.steps, first,
+                                plan.stats.get("step_time_ms"), first + warmup, steps, first,
                                 losses[first:].tolist(), predicted_ops=[
-                                    [[(str(po.op), po.end - po.start) for po in ops] for ops in steps]
-                                    for steps in plan.ranks],
+                                    [[(str(po.op), po.end - po.start) for po in ops] for ops in steps_]
+                                    for steps_ in plan.ranks],
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
                                 memory_limit=plan.config.get("memory_limit_bytes"))
     if args.trace:
         measure.write_measured_trace(args.trace, timelines, {
-            "plan": os.path.abspath(args.plan), "steps": args.steps, "summary": summary.line()})
+            "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line()})
     return summary

@@ -337,3 +337,38 @@ def kfac_linears(module_with_parts: nn.Module,
             if isinstance(m, nn.Linear) and include(name):
                 out.append((name, m))
     return out
+
+
+# --- a trained model file ----------------------------------------------------------------------
+def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineModel, dict]:
+    """The unpipelined model of a `--save-model` file (model.safetensors with model.json
+    beside it) and its spec. A user model's code is imported only if `model_code` names it.
+    Raises ModelSpecError (one line) on a missing or mismatched pair."""
+    import json
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    spec_file = Path(path).with_suffix(".json")
+    try:
+        meta = json.loads(spec_file.read_text())
+        name = meta["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelSpecError(f"{spec_file}: not a model spec written with the safetensors file ({type(e).__name__})") from None
+    if ":" in name:
+        if model_code != name:
+            raise ModelSpecError(f"{spec_file}: model is user code {name!r}; pass --model-code {name} to allow importing it")
+        spec = resolve_model(name)
+    else:
+        spec = resolve_model(resolve_config(meta["config"]))
+    model = build_model(spec, dtype=getattr(torch, meta.get("dtype", "float32")))
+    try:
+        state = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise ModelSpecError(f"{path}: cannot read safetensors ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    missing = set(model.state_dict()) ^ set(state)
+    if missing:
+        raise ModelSpecError(f"{path}: tensors do not match model {name!r} (e.g. {sorted(missing)[0]!r})")
+    model.load_state_dict(state)
+    return model, meta

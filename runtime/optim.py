@@ -1,10 +1,19 @@
 """The optimizer of one stage (or the whole model): SGD with momentum on the K-FAC layers'
 preconditioned gradients, AdamW on everything K-FAC does not cover (embeddings, LayerNorms,
-the head). Without K-FAC layers it is plain AdamW, the first-order baseline."""
+the head). Without K-FAC layers it is plain AdamW, the first-order baseline.
+
+Both learning rates follow one schedule (`lr_factor`): linear warm-up over warmup_steps,
+then constant, linear, cosine or polynomial decay to final_lr_ratio over decay_steps.
+Gradient clipping by global norm (`clip_coefficient`) scales every gradient of the model by
+one factor; the single-process trainer and the pipeline runtime both use it.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+DECAYS = ("constant", "linear", "cosine", "polynomial")
 
 import torch
 import torch.nn as nn
@@ -19,6 +28,33 @@ class OptimConfig:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_weight_decay: float = 0.01
     warmup_steps: int = 0        # linear warm-up of both learning rates
+    decay: str = "constant"      # after warm-up: constant | linear | cosine | polynomial
+    decay_steps: int = 0         # steps from the end of warm-up to the final rate (0: no decay)
+    final_lr_ratio: float = 0.0  # the decayed rate as a fraction of the peak
+    power: float = 1.0           # polynomial decay exponent (BERT: 1.0)
+
+    def __post_init__(self):
+        if self.decay not in DECAYS:
+            raise ValueError(f"decay must be one of {', '.join(DECAYS)}, got {self.decay!r}")
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("warmup_steps and decay_steps must be >= 0")
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise ValueError(f"final_lr_ratio must be in [0, 1], got {self.final_lr_ratio}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of both peak learning rates for the update of step `step` (0-based)."""
+        w = self.warmup_steps
+        if w > 0 and step < w:
+            return (step + 1) / w
+        if self.decay == "constant" or self.decay_steps == 0:
+            return 1.0
+        p = min(1.0, (step - w) / self.decay_steps)
+        r = self.final_lr_ratio
+        if self.decay == "linear":
+            return 1.0 - (1.0 - r) * p
+        if self.decay == "cosine":
+            return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
+        return r + (1.0 - r) * (1.0 - p) ** self.power
 
 
 class KfacOptimizer:
@@ -40,9 +76,8 @@ class KfacOptimizer:
         return [o for o in (self.sgd, self.adamw) if o is not None]
 
     def warmup_factor(self, step: int | None = None) -> float:
-        s = self.steps if step is None else step
-        w = self.cfg.warmup_steps
-        return min(1.0, (s + 1) / w) if w > 0 else 1.0
+        """The schedule's factor for the next update (or for step `step`)."""
+        return self.cfg.lr_factor(self.steps if step is None else step)
 
     @property
     def lr(self) -> float:
@@ -76,6 +111,43 @@ class KfacOptimizer:
             self.sgd.load_state_dict(sd["sgd"])
         if self.adamw:
             self.adamw.load_state_dict(sd["adamw"])
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor that clips a gradient of global norm `norm` to `max_norm` (torch's
+    clip_grad_norm_ rule); 1.0 when clipping is off (max_norm <= 0) or not needed."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def raw_grad_norm_sq(module: nn.Module, kfac_layers) -> torch.Tensor:
+    """Σ g² over the module's gradient as back-propagated, before K-FAC preconditioning:
+    a K-FAC layer reports its own (its precondition() replaced the gradient), the other
+    parameters are read from .grad."""
+    covered = {id(p) for l in kfac_layers for p in l.module.parameters()}
+    total = torch.zeros((), dtype=torch.float64)
+    for l in kfac_layers:
+        if l.raw_grad_sq is not None:
+            total = total + l.raw_grad_sq.detach().double().cpu()
+    for p in module.parameters():
+        if id(p) not in covered and p.grad is not None:
+            total = total + p.grad.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def scale_all_grads(module: nn.Module, kfac_layers, c: float) -> None:
+    """Multiply every gradient of the module by c. Preconditioning is linear, so scaling the
+    preconditioned gradient equals preconditioning the scaled one; the KL-clip term
+    <g̃, g> scales by c²."""
+    if c == 1.0:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(c)
+    for l in kfac_layers:
+        if l.kl_term is not None:
+            l.kl_term = l.kl_term * (c * c)
 
 
 def build_optimizer(stage_module: nn.Module, kfac_layers, cfg: OptimConfig | None = None) -> KfacOptimizer:

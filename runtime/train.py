@@ -19,6 +19,7 @@ import torch.nn as nn
 from runtime.data import Batch, split_micro_batches
 from runtime.kfac import KfacConfig, KfacLayer, apply_kl_clip, capturing
 from runtime.models import IGNORE_INDEX, lm_loss
+from runtime.optim import clip_coefficient, raw_grad_norm_sq, scale_all_grads
 
 
 def sample_targets(logits: torch.Tensor, targets: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -37,12 +38,15 @@ def _mc_generator(seed: int, step: int, mb: int) -> torch.Generator:
 
 def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch: Batch, step: int,
                micro_batches: int, cfg: KfacConfig | None, *, kl_groups: list[list[KfacLayer]] | None = None,
-               seed: int = 0, precision=None) -> float:
+               seed: int = 0, precision=None, max_grad_norm: float = 0.0, stats: dict | None = None) -> float:
     """One training step; returns the step's loss (mean over micro-batches of their mean loss).
 
     `kl_groups` partitions kfac_layers for the KL clip (the pipeline runtime clips per stage);
     default: one group of all layers. `precision` (runtime.precision.Precision): bfloat16 runs
     the forwards under autocast, as the runtime does (the backward follows their dtypes).
+    `max_grad_norm` > 0 clips the back-propagated gradient to that global norm (before
+    preconditioning; applied after it, which is the same by linearity). `stats`, if given,
+    receives "grad_norm" (before clipping).
     """
     import contextlib
     device_type = next(model.parameters()).device.type
@@ -84,6 +88,12 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
     if use_kfac:
         for l in kfac_layers:
             l.precondition()
+    active = kfac_layers if use_kfac else []
+    norm = float(raw_grad_norm_sq(model, active)) ** 0.5
+    scale_all_grads(model, active, clip_coefficient(norm, max_grad_norm))
+    if stats is not None:
+        stats["grad_norm"] = norm
+    if use_kfac:
         for group in kl_groups or [kfac_layers]:
             apply_kl_clip(group, optimizer.lr, cfg.kl_clip)
     optimizer.step()
@@ -143,3 +153,26 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
         if progress:
             progress(step, loss)
     return curve
+
+
+def train_reference(spec, cfg, stream, micro_batches: int, *, kfac: bool = True, kl_groups_of=None,
+                    dtype: torch.dtype | None = None, steps: int | None = None, precision=None):
+    """The single-process run of a training config (runtime.train_config.TrainConfig with
+    the plan-fixed keys filled): the same model seed, optimizer, schedule, K-FAC settings and
+    clipping as `torchrun -m runtime` with that config. `kl_groups_of(layers)` groups the
+    layers for the KL clip (the pipeline clips per stage). Returns (model, step losses)."""
+    from runtime.kfac import make_layers
+    from runtime.models import build_model, kfac_linears
+    from runtime.optim import build_optimizer
+
+    model = build_model(spec, seed=cfg["train.seed"], dtype=dtype)
+    kcfg = cfg.kfac_config()
+    layers = make_layers(kfac_linears(model), kcfg, micro_batches) if kfac else []
+    groups = kl_groups_of(layers) if kl_groups_of and layers else None
+    opt = build_optimizer(model, layers, cfg.optim_config())
+    losses = []
+    for step in range(cfg["train.steps"] if steps is None else steps):
+        losses.append(train_step(model, layers, opt, stream.batch(step), step, micro_batches,
+                                 kcfg if kfac else None, kl_groups=groups, seed=cfg["train.seed"],
+                                 max_grad_norm=cfg["optimizer.max_grad_norm"], precision=precision))
+    return model, losses

@@ -158,9 +158,12 @@ import torch  # noqa: E402
 
 from runtime.comm import free_port  # noqa: E402
 from runtime.data import make_stream  # noqa: E402
-from runtime.kfac import KfacConfig, make_layers  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from runtime import train_config  # noqa: E402
+from runtime.kfac import make_layers  # noqa: E402
 from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
-from runtime.optim import OptimConfig, build_optimizer  # noqa: E402
+from runtime.optim import build_optimizer  # noqa: E402
 from runtime.train import train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,11 +238,13 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True, dtype: str 
     n, k = plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     model = build_model(spec, seed=0, dtype=prec.param_dtype)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
-    kcfg = KfacConfig(refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
+    # The runtime's defaults (runtime.train_config) with the plan's refresh interval and inversion.
+    defaults = train_config.load(None)
+    kcfg = replace(defaults.kfac_config(), refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
     layers = make_layers(kfac_linears(model), kcfg, n) if kfac else []
     stage_of = dict(zip(plan["layers"], plan["layer_stage"]))
     groups = [[l for l in layers if stage_of[l.name] == s] for s in range(len(plan["partition"]))]
-    opt = build_optimizer(model, layers, OptimConfig())
+    opt = build_optimizer(model, layers, defaults.optim_config())
     stream = make_stream(cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
     for step in range(steps):
         train_step(model, layers, opt, stream.batch(step), step, n, kcfg if kfac else None,
@@ -384,7 +389,10 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     assert_same_params(distributed_params(ckpt, 5, plan), want, initial)
     # Older checkpoints are pruned once a newer one is complete (a rank that saved first may
     # keep its previous file until then).
-    assert sorted(d.name for d in ckpt.iterdir())[-1] == "step-00000005" and len(list(ckpt.iterdir())) <= 2
+    step_dirs = sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step-"))
+    assert step_dirs[-1] == "step-00000005" and len(step_dirs) <= 2
+    # Beside them: the effective config and the metrics log (its default place).
+    assert {"train.toml", "metrics.jsonl"} <= {d.name for d in ckpt.iterdir()}
 
 
 def test_planner_output_matches_single_process(tmp_path):
