@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.ops import stage_served
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,15 +194,11 @@ def _check_rank_ops(plan, rank: int, where: str) -> None:
     held = {s for s, _ in plan.stages_of(rank)}
     if not held:
         raise InputError(where, "placement", f"rank {rank} holds no stage")
-    # The stage an op runs on, relative to op.stage: a receive runs on the neighbouring
-    # stage (recv_act of stage s feeds s + 1; recv_grad of stage s feeds s - 1).
-    needs = {"fwd": 0, "bwd": 0, "bwd_input": 0, "bwd_weight": 0, "send_act": 0, "send_grad": 0, "recv_act": 1, "recv_grad": -1,
-             "sync_grad": 0, "step": 0}
     for t in range(plan.refresh_steps):
         for i, op in enumerate(plan.ops(rank, t)):
             field = f"ranks[{rank}].steps[{t}][{i}]"
-            if op.kind in needs and op.stage + needs[op.kind] not in held:
-                raise InputError(where, field, f"{op} needs stage {op.stage + needs[op.kind]}, which rank {rank} does not hold")
+            if op.stage is not None and stage_served(op) not in held:  # a receive serves its neighbour
+                raise InputError(where, field, f"{op} needs stage {stage_served(op)}, which rank {rank} does not hold")
             if op.layer is not None and plan.layer_stage[op.layer] not in held:
                 raise InputError(where, field, f"{op} is a layer of stage {plan.layer_stage[op.layer]}, not held by rank {rank}")
             if op.is_p2p and op.peer == rank:

@@ -118,7 +118,8 @@ class Interpreter:
         for sr in self.stages.values():
             sr.inputs.clear()
             sr.outputs.clear()
-        return self.loss_sum
+        self.memory.acts.clear()  # no backward will release what these forwards registered
+        return float(self.loss_sum)
 
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
