@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import torch
@@ -45,9 +46,11 @@ def run(job, args) -> measure.Summary | None:
         if first >= steps:
             raise InputError("--steps", None, f"{steps}, but the checkpoint is already at step {first}")
         log_dir = args.log_dir or args.checkpoint_dir
-        metrics = None
+        metrics = say = None
         if world.rank == 0:
-            _announce(train, [d for d in {log_dir, args.checkpoint_dir} if d])
+            # With --json, stdout is for the summary object: what a person reads goes to stderr.
+            say = sys.stderr if args.json else sys.stdout
+            _announce(train, [d for d in {log_dir, args.checkpoint_dir} if d], say)
             metrics = Metrics(log_dir, steps, first, mb_size * N * seq_len)
         before_step = faults.crash_hook(world.rank)
         losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
@@ -70,7 +73,7 @@ def run(job, args) -> measure.Summary | None:
             if len(pending) >= log_every or done == steps or evaluate_now:
                 _flush(world, pending, losses, metrics)
             if evaluate_now:
-                _evaluate(interp, stages, world, val_batches, N, done, metrics)
+                _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if args.checkpoint_every and done % args.checkpoint_every == 0:
                 checkpoint.save_rank(args.checkpoint_dir, done, world, stages)
                 if args.save_model_every_checkpoint:
@@ -125,7 +128,7 @@ def _flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
     pending.clear()
 
 
-def _evaluate(interp, stages, world, batches, N: int, step: int, metrics) -> float:
+def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -> float:
     """Mean loss over the fixed held-out batches, forward only through the pipeline."""
     for sr in stages.values():
         sr.module.eval()
@@ -140,7 +143,7 @@ def _evaluate(interp, stages, world, batches, N: int, step: int, metrics) -> flo
     loss = float(t) / len(batches)
     if world.rank == 0:
         row = metrics.evaluation(step, loss, len(batches))
-        print(f"runtime: eval at step {step}: loss {loss:.4f}, perplexity {row['perplexity']:.2f}", flush=True)
+        print(f"runtime: eval at step {step}: loss {loss:.4f}, perplexity {row['perplexity']:.2f}", file=say, flush=True)
     return loss
 
 
@@ -150,10 +153,10 @@ def _save_model(job, args, train, world, stages, val_batches: int) -> None:
         export.save_model(args.save_model, tensors, export.model_spec(job, train, val_batches))
 
 
-def _announce(train, dirs: list[str]) -> None:
+def _announce(train, dirs: list[str], say) -> None:
     """Rank 0: print the effective config and save it (train.toml) where the run writes."""
     text = train.to_toml()
-    print("runtime: effective config (plan-fixed keys from the plan):\n" + text.rstrip(), flush=True)
+    print("runtime: effective config (plan-fixed keys from the plan):\n" + text.rstrip(), file=say, flush=True)
     for d in dirs:
         write_atomic(os.path.join(d, "train.toml"), text)
 
