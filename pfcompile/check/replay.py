@@ -31,7 +31,7 @@ from pfcompile.check.deps import PlanLayout, op_dependencies
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FACTORS, FLOATING_KINDS, Op, peer_stage
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.profile import Profile
+from pfcompile.formats.profile import Cluster, Profile
 from pfcompile.graph.costs import Costs
 
 
@@ -88,7 +88,10 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
             l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
     L = PlanLayout(plan)
-    costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac)
+    cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
+    costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
+                  cluster=Cluster.from_json(cluster) if cluster else None,
+                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)])
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     _check_static(plan, L, where)
@@ -218,7 +221,7 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
         for dk in remote:
             if dk not in end:
                 return None
-            at = max(at, end[dk] + costs.message_ms(dk[3]))
+            at = max(at, end[dk] + costs.message_ms(dk[3], dk[2]))
         return at
 
     def run(q: int, at: float) -> None:

@@ -67,6 +67,16 @@ def register(sub) -> None:
                        help="cpsat: keep the family's forward/backward order, place the rest (default)")
     order.add_argument("--free-order", dest="fixed_order", action="store_false",
                        help="cpsat: the solver may also reorder forward/backward passes within the dependencies")
+    p.add_argument("--nodes", type=int, default=None, metavar="N",
+                   help="machines the plan runs on (ranks numbered as torchrun --nnodes N --nproc-per-node G)")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="ranks per machine")
+    p.add_argument("--intra-link", default=None, metavar="MS,GBPS",
+                   help="latency (ms) and bandwidth (GB/s) inside a node (default: the profile's measured link)")
+    p.add_argument("--inter-link", default=None, metavar="MS,GBPS",
+                   help="latency (ms) and bandwidth (GB/s) between nodes (required with --nodes > 1)")
+    p.add_argument("--placement", default="auto", choices=("auto", "family"),
+                   help="with --nodes: auto puts the ranks on the nodes so the heaviest traffic stays inside "
+                        "them; family keeps the family's rank numbering")
     p.add_argument("-o", "--output", default=None, metavar="PLAN", help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     p.set_defaults(func=run)
@@ -81,11 +91,47 @@ def config_from_args(args, profile) -> PipelineConfig:
         virtual_stages=args.virtual_stages, kfac=not args.no_kfac, inverse=args.inverse,
         memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit else None,
         inversion=args.inversion)
+    cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
+    cfg.validate()
     if args.partition is not None:
         cfg.partition = parse_partition(args.partition, profile, cfg.num_stages)
     elif cfg.num_stages > len(profile.parts):
         raise InputError("--stages", None, f"{cfg.num_stages} model stages but the profile has only {len(profile.parts)} parts")
     return cfg
+
+
+def parse_link(text: str, flag: str):
+    """"0.01,10" -> LinkModel(latency 0.01 ms, 10 GB/s)."""
+    from pfcompile.formats.profile import LinkModel
+
+    try:
+        lat, gbps = (float(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(flag, None, f"expected LATENCY_MS,GBPS like 0.01,10, got {text!r}") from None
+    if lat < 0 or gbps <= 0:
+        raise InputError(flag, None, f"latency must be >= 0 and bandwidth positive, got {text!r}")
+    return LinkModel(latency_ms=lat, bytes_per_ms=gbps * 1e6)
+
+
+def cluster_from_args(args, profile, world: int):
+    if args.nodes is None and args.gpus_per_node is None:
+        if args.intra_link or args.inter_link:
+            raise InputError("--intra-link/--inter-link", None, "need --nodes and --gpus-per-node")
+        return None
+    from pfcompile.formats.profile import Cluster
+
+    nodes = args.nodes if args.nodes is not None else 1
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else world // max(1, nodes)
+    if nodes < 1 or gpus < 1:
+        raise InputError("--nodes" if nodes < 1 else "--gpus-per-node", None, "must be a positive integer")
+    intra = parse_link(args.intra_link, "--intra-link") if args.intra_link else profile.comm.p2p
+    if args.inter_link:
+        inter = parse_link(args.inter_link, "--inter-link")
+    elif nodes > 1:
+        raise InputError("--inter-link", None, "give the link between nodes (e.g. 0.05,10 for 50 us, 10 GB/s)")
+    else:
+        inter = intra
+    return Cluster(nodes, gpus, intra, inter)
 
 
 def run(args) -> int:
@@ -117,7 +163,8 @@ def run(args) -> int:
         plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
                                             progress=progress, describe=describe, time_limit=args.time_limit,
                                             workers=args.workers, fixed_order=args.fixed_order,
-                                            refresh_steps=args.refresh_steps, budget=budget)
+                                            refresh_steps=args.refresh_steps, budget=budget,
+                                            placement=args.placement)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
     if args.output:
@@ -126,7 +173,7 @@ def run(args) -> int:
             "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
-            "peak_memory_bytes", "refresh_steps_note")
+            "peak_memory_bytes", "refresh_steps_note", "placement")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
            **{k: plan.stats.get(k) for k in keys}}
     if args.json:

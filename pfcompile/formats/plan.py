@@ -209,6 +209,16 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
     world = cfg.obj["world_size"]
     k = cfg.obj["refresh_steps"]
+    if cfg.obj.get("cluster") is not None:  # messages costed by the link they cross (Cluster)
+        clu = cfg.sub("cluster")
+        n = clu.req("nodes", int, **positive)
+        g = clu.req("gpus_per_node", int, **positive)
+        if n * g != world:
+            raise clu.fail(None, f"{n} nodes x {g} GPUs per node is not config.world_size {world}")
+        for name in ("intra", "inter"):
+            link = clu.sub(name)
+            link.req("latency_ms", float, check=lambda v: v >= 0, why="must be >= 0")
+            link.req("bytes_per_ms", float, check=lambda v: v > 0, why="must be positive")
 
     model = top.req("model", dict)
     top.sub("model").req("name", str)

@@ -124,6 +124,34 @@ class Comm:
         return self.p2p.time_ms(nbytes)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a plan runs on: `nodes` x `gpus_per_node` ranks, numbered as torchrun
+    numbers them with --nnodes N --nproc-per-node G (node n holds ranks n·G .. n·G+G-1).
+    A message or collective between ranks of one node crosses the `intra` link, one that
+    spans nodes the `inter` link (a ring collective moves at the pace of its slowest link)."""
+
+    nodes: int
+    gpus_per_node: int
+    intra: LinkModel
+    inter: LinkModel
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def link(self, ranks) -> LinkModel:
+        return self.intra if len({self.node_of(q) for q in ranks}) <= 1 else self.inter
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+                "intra": {"latency_ms": self.intra.latency_ms, "bytes_per_ms": self.intra.bytes_per_ms},
+                "inter": {"latency_ms": self.inter.latency_ms, "bytes_per_ms": self.inter.bytes_per_ms}}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "Cluster":
+        return Cluster(int(d["nodes"]), int(d["gpus_per_node"]), LinkModel(**d["intra"]), LinkModel(**d["inter"]))
+
+
 @dataclass
 class Profile:
     source: str

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
-from pfcompile.formats.profile import Profile
+from pfcompile.formats.profile import Cluster, Profile
 
 
 def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
@@ -103,6 +103,10 @@ class Costs:
     replicas: int
     inverse: str = "cholesky"
     kfac: bool = True
+    # with a cluster: every message and collective is costed by the link it crosses
+    # (pfcompile.formats.profile.Cluster); `stage_ranks[s]` are the ranks of stage s's replicas
+    cluster: Cluster | None = None
+    stage_ranks: list[list[int]] | None = None
 
     def __post_init__(self):
         part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
@@ -178,19 +182,34 @@ class Costs:
         if k == "precond":
             return layers[op.layer].precond_ms
         if k == "sync_curv":
-            return self.profile.comm.allreduce_ms(layers[op.layer].factor_bytes(op.factor), self.replicas)
+            return self._allreduce_ms(layers[op.layer].factor_bytes(op.factor), self.layer_stage[op.layer])
         if k == "bcast_inv":
+            if self.cluster is not None and self.replicas > 1:
+                return self._group_link(self.layer_stage[op.layer]).time_ms(layers[op.layer].inverse_bytes(op.factor))
             return self.profile.comm.bcast_ms(layers[op.layer].inverse_bytes(op.factor), self.replicas)
         if k == "sync_grad":
-            return self.profile.comm.allreduce_ms(self.grad_bytes(op.stage), self.replicas)
+            return self._allreduce_ms(self.grad_bytes(op.stage), op.stage)
         if k == "step":
             return 0.0  # the profile does not time the optimizer update
         raise ValueError(f"no cost for {op}")
 
-    def message_ms(self, op: Op) -> float:
-        """Transfer time of a point-to-point message (send -> its receive)."""
+    def message_ms(self, op: Op, src: int | None = None) -> float:
+        """Transfer time of a point-to-point message (send -> its receive); `src`: the
+        sending rank (with a cluster, the link between it and `op.peer` is the one crossed)."""
         nbytes = self.out_bytes(op.stage) if op.kind.endswith("act") else self.grad_message_bytes(op.stage)
+        if self.cluster is not None:
+            return self.cluster.link((src, op.peer)).time_ms(nbytes)
         return self.profile.comm.p2p.time_ms(nbytes)
+
+    def _group_link(self, stage: int):
+        return self.cluster.link(self.stage_ranks[stage])
+
+    def _allreduce_ms(self, nbytes: int, stage: int) -> float:
+        """Ring all-reduce among the stage's replicas (at the pace of the slowest link it crosses)."""
+        if self.cluster is None or self.replicas <= 1:
+            return self.profile.comm.allreduce_ms(nbytes, self.replicas)
+        link, r = self._group_link(stage), self.replicas
+        return link.latency_ms + 2 * (r - 1) / r * nbytes / link.bytes_per_ms
 
     # --- memory ---------------------------------------------------------------------------------
     def allocates(self, op: Op, refresh: bool) -> list[tuple[tuple, int]]:

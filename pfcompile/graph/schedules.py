@@ -24,7 +24,8 @@ from functools import lru_cache
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
-from pfcompile.formats.plan import SCHEDULES, Layout  # noqa: F401  (SCHEDULES: the plan format's list)
+from pfcompile.formats.plan import SCHEDULES, Layout
+from pfcompile.formats.profile import Cluster  # noqa: F401  (SCHEDULES: the plan format's list)
 
 INVERSION_POLICIES = ("balanced", "pipefisher", "all")
 
@@ -51,6 +52,11 @@ class PipelineConfig:
     memory_limit_bytes: int | None = None
     partition: list[list[str]] | None = None
     inversion: str = "balanced"
+    # the machines (pfcompile.formats.profile.Cluster; None: one node, the profile's links)
+    # and where the family's ranks go on them: rank_map[family rank] = torchrun rank
+    # (None: the family's numbering; pfcompile.place.topology chooses one for a cluster)
+    cluster: Cluster | None = None
+    rank_map: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.schedule == "chimera" and self.replicas == 1:
@@ -89,6 +95,11 @@ class PipelineConfig:
                 raise InputError("--micro-batches", None, f"chimera needs an even multiple of D/2 = {D // 2} micro-batches, got {N}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise InputError("--memory-limit", None, "must be positive")
+        if self.cluster is not None and self.cluster.nodes * self.cluster.gpus_per_node != self.world_size:
+            raise InputError("--nodes", None, f"{self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs "
+                             f"per node is not the plan's {self.world_size} ranks")
+        if self.rank_map is not None and sorted(self.rank_map) != list(range(self.world_size)):
+            raise InputError("rank_map", None, f"must number the {self.world_size} ranks once each")
 
     # --- layout ---------------------------------------------------------------------------------
     @property
@@ -105,6 +116,11 @@ class PipelineConfig:
         return self.stages if self.schedule == "chimera" else self.stages * self.replicas
 
     def rank_of(self, stage: int, replica: int) -> int:
+        q = self.family_rank(stage, replica)
+        return q if self.rank_map is None else self.rank_map[q]
+
+    def family_rank(self, stage: int, replica: int) -> int:
+        """The rank the family's own numbering gives (stage, replica)."""
         D = self.stages
         if self.schedule == "chimera":
             return stage if replica == 0 else D - 1 - stage
@@ -124,7 +140,8 @@ class PipelineConfig:
     def layout(self) -> Layout:
         """The placement as queries (pfcompile.formats.plan.Layout, the plan's and the
         replay's too); `rank_of` above is the rule it is made from."""
-        return _layout(self.schedule, self.stages, self.virtual_stages, self.replicas, self.micro_batches)
+        return _layout(self.schedule, self.stages, self.virtual_stages, self.replicas, self.micro_batches,
+                       self.rank_map)
 
     def replica_mbs(self, replica: int) -> list[int]:
         return self.layout.mbs_of(replica)
@@ -142,12 +159,15 @@ class PipelineConfig:
             "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
             "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
             "inversion": self.inversion, "memory_limit_bytes": self.memory_limit_bytes,
+            **({"cluster": self.cluster.to_json()} if self.cluster is not None else {}),
         }
 
 
 @lru_cache(maxsize=64)
-def _layout(schedule: str, stages: int, virtual_stages: int, replicas: int, micro_batches: int) -> Layout:
-    cfg = PipelineConfig(schedule, stages, micro_batches, replicas=replicas, virtual_stages=virtual_stages)
+def _layout(schedule: str, stages: int, virtual_stages: int, replicas: int, micro_batches: int,
+            rank_map: tuple[int, ...] | None = None) -> Layout:
+    cfg = PipelineConfig(schedule, stages, micro_batches, replicas=replicas, virtual_stages=virtual_stages,
+                         rank_map=rank_map)
     return Layout(cfg.placement(), cfg.micro_batch_replica())
 
 

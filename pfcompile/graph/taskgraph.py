@@ -160,7 +160,8 @@ def build_task_graph(profile: Profile, cfg: PipelineConfig,
 def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None) -> TaskGraph:
     partition = (check_partition(cfg.partition, profile, cfg.num_stages)
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac)
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac, cluster=cfg.cluster,
+                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)])
     tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
     orders = canonical_orders(cfg, costs.stage_layers)
     for k in range(cfg.refresh_steps):
@@ -209,7 +210,7 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
                         send = Task(k, src.rank, Op(f"send_{kind}", stage=stage, mb=m, peer=dst.rank))
                         recv = Task(k, dst.rank, Op(f"recv_{kind}", stage=stage, mb=m, peer=src.rank))
                         tg.add_edge(before, send)
-                        tg.add_edge(send, recv, lag=costs.message_ms(send.op))
+                        tg.add_edge(send, recv, lag=costs.message_ms(send.op, send.rank))
                         tg.add_edge(recv, after)
             if k > 0:
                 tg.add_edge(Task(k - 1, fwd.rank, Op("step", stage=s)), fwd)

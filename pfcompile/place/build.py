@@ -27,7 +27,8 @@ METHODS = ("none", "greedy", "cpsat")
 def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, where: str = "<plan>",
                progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
                fixed_order: bool = True, refresh_steps: int | None = None,
-               steady_state: bool = True, budget: Budget | None = None) -> tuple[Plan, ReplayResult, ReplayResult]:
+               steady_state: bool = True, budget: Budget | None = None,
+               placement: str = "auto") -> tuple[Plan, ReplayResult, ReplayResult]:
     """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
@@ -35,11 +36,23 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     `fixed_order`, `refresh_steps` (a fixed k) and `steady_state` (minimise the repeating
     cycle, not the cycle from idle) are CP-SAT's (per k tried). `budget`: the command's
     wall-clock limit (pfcompile.place.budget), which caps every CP-SAT call. Each task
-    graph is built once."""
+    graph is built once. With `cfg.cluster`, `placement` "auto" puts the family's ranks on
+    the nodes so the heaviest traffic stays inside them (pfcompile.place.topology; the
+    plan's stats["placement"] says what and why), "family" keeps the family's numbering."""
+    placed = None
+    if cfg.cluster is not None and cfg.rank_map is None:  # where the family's ranks go on the nodes
+        from pfcompile.place.topology import choose_rank_map
+
+        rank_map, placed = choose_rank_map(profile, cfg, search=placement == "auto")
+        cfg = replace(cfg, rank_map=rank_map)
     with one_build_per_graph():
-        return _build_plan(profile, cfg, method, where=where, progress=progress, describe=describe,
-                           time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                           refresh_steps=refresh_steps, steady_state=steady_state, budget=budget)
+        plan, result, baseline = _build_plan(
+            profile, cfg, method, where=where, progress=progress, describe=describe, time_limit=time_limit,
+            workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state,
+            budget=budget)
+    if placed is not None:
+        plan.stats["placement"] = placed
+    return plan, result, baseline
 
 
 def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,

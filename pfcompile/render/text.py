@@ -25,8 +25,29 @@ def format_stats(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def format_cluster(plan: Plan) -> list[str]:
+    """Which node holds which stages and replicas, and why (plans made with --nodes)."""
+    clu = plan.config.get("cluster")
+    if not clu:
+        return []
+    g = clu["gpus_per_node"]
+    lines = [f"cluster: {clu['nodes']} nodes x {g} GPUs (torchrun --nnodes {clu['nodes']} --nproc-per-node {g}); "
+             f"intra {clu['intra']['latency_ms']} ms + {clu['intra']['bytes_per_ms'] / 1e6:g} GB/s, "
+             f"inter {clu['inter']['latency_ms']} ms + {clu['inter']['bytes_per_ms'] / 1e6:g} GB/s"]
+    for n in range(clu["nodes"]):
+        held = [f"rank {q}: " + ", ".join(f"s{s}/r{r}" for s, r in plan.stages_of(q)) for q in range(n * g, (n + 1) * g)]
+        lines.append(f"  node {n}: " + "; ".join(held))
+    placed = plan.stats.get("placement")
+    if placed:
+        lines.append(f"  placement: {placed['chosen_by']}; traffic crossing nodes {placed['crossing_ms_per_step']} "
+                     f"ms/step estimated (family numbering: {placed['crossing_ms_per_step_family_numbering']}); "
+                     f"{placed['traffic_inside_nodes']:.1%} of the bytes stay inside nodes")
+        lines.append(f"  why: {placed['why']}")
+    return lines
+
+
 def format_plan(plan: Plan, max_ops: int | None = None) -> str:
-    lines = [format_stats(plan), "", "partition: " + " | ".join(",".join(p) for p in plan.partition)]
+    lines = [format_stats(plan), "", *format_cluster(plan), "partition: " + " | ".join(",".join(p) for p in plan.partition)]
     for q, steps in enumerate(plan.ranks):
         held = ", ".join(f"s{s}/r{r}" for s, r in plan.stages_of(q))
         for t, ops in enumerate(steps):
