@@ -132,7 +132,7 @@ def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
     blocks = D * (2 if schedule == "zb-v" else 1)
     prof = uniform_profile(blocks=blocks, curv=0.2, inv=0.5)
     cfg = PipelineConfig(schedule, D, N)
-    plan, result, base = build_plan(prof, cfg, method, time_limit=10)
+    plan, result, base = build_plan(prof, cfg, method, time_limit=5)
     again = replay(plan, prof)
     assert again.step_time_ms == pytest.approx(result.step_time_ms)
     for q, steps in enumerate(plan.ranks):  # curv_b never before the W of its micro-batch
@@ -144,3 +144,28 @@ def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
                 if p.op.kind == "curv_b":
                     assert (plan.layer_stage[p.op.layer], p.op.mb) in seen
     assert result.step_time_ms >= base.step_time_ms - TOL
+
+
+def test_cpsat_moves_weight_passes_to_fit_the_memory_limit():
+    """Under a limit the canonical ZB-H1 order exceeds (its deferred W's keep output
+    gradients), CP-SAT moves W passes earlier and fits; below the least any order needs,
+    the refusal names the rank."""
+    from pfcompile.formats.errors import InputError
+
+    D, N = 4, 8
+    prof = uniform_profile(blocks=D, act_bytes=10**6)
+    cfg = PipelineConfig("zb-h1", D, N)
+    _, canonical = baseline_plan(prof, cfg, check_memory=False)
+    limit = max(canonical.peak_memory_bytes) - 30
+    plan, result, _ = build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=limit), "cpsat", time_limit=5)
+    assert max(result.peak_memory_bytes) <= limit
+    moved = [q for q in range(D) if [p.op for p in plan.ranks[q][0] if p.op.kind in ("bwd_input", "bwd_weight")]
+             != [p.op for p in canonical_ops(prof, cfg, q) if p.op.kind in ("bwd_input", "bwd_weight")]]
+    assert moved
+    with pytest.raises(InputError, match="rank 0 needs"):
+        build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=4 * 10**6), "cpsat", time_limit=5)
+
+
+def canonical_ops(prof, cfg, q):
+    plan, _ = baseline_plan(prof, cfg, check_memory=False)
+    return plan.ranks[q][0]

@@ -198,21 +198,25 @@ def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
 
 def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
     """The family's order with each curvature op straight after the op that made its kept
-    tensor (the least memory, as in smallest_feasible_limit); the rest of the refresh after
-    the cycle's per-step work."""
+    tensor and each W pass straight after its B (the least memory, as in
+    smallest_feasible_limit); the rest of the refresh after the cycle's per-step work."""
     k = cm.tg.refresh_steps
+    lean = dict(canon)
+    for a, b, _ in cm.problem.edges:  # a split backward's W right after its B
+        if cm.tasks[b].op.kind == "bwd_weight" and cm.tasks[a].op.kind == "bwd_input" and a in canon:
+            t, pos, _ = canon[a]
+            lean[b] = (t, pos, 0, 1)
     pred = {}
     for a, b, _ in cm.problem.edges:
         # the producer latest in the order (split backward: curv_b follows both B and W)
-        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in canon and (b not in pred or canon[a] > canon[pred[b]]):
+        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in lean and (b not in pred or lean[a] > lean[pred[b]]):
             pred[b] = a
 
     def key(i: int) -> tuple:
-        if i in canon:
-            return canon[i]
+        if i in lean:
+            return lean[i]
         if i in pred:
-            t, pos, _ = canon[pred[i]]
-            return (t, pos, 1, i)
+            return lean[pred[i]][:2] + (2, i)
         return (k, head[i], 0, i)
     return key
 
