@@ -78,23 +78,24 @@ def main() -> None:
         stage_backward_weight(iter(params), groups)
         return (t1 - t0, time.perf_counter() - t1), x
 
-    ref_x = None
-    ref = None
+    variants = {"whole backward": full, "ours: B + W": ours, "torch: stage_backward_input + _weight": torchs}
+    times: dict[str, list] = {name: [] for name in variants}
     results = {}
-    for name, fn in (("whole backward", full), ("ours: B + W", ours), ("torch: stage_backward_input + _weight", torchs)):
-        times = []
-        for i in range(a.warmup + a.repeats):
+    ref = ref_x = None
+    # round-robin, so a shared machine's load drifts over all variants alike
+    for i in range(a.warmup + a.repeats):
+        for name, fn in variants.items():
             (b, w), x = fn()
             if i >= a.warmup:
-                times.append((b, w))
-        grads = [p.grad.clone() for p in params]
-        if ref is None:
-            ref, ref_x = grads, x.grad.clone()
-        else:
-            err = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(grads, ref))
-            err = max(err, float((x.grad - ref_x).abs().max() / ref_x.abs().max()))
-            results[name + " max rel. diff"] = err
-        results[name] = (statistics.median(t[0] for t in times) * 1e3, statistics.median(t[1] for t in times) * 1e3)
+                times[name].append((b, w))
+            grads = [p.grad.clone() for p in params]
+            if ref is None:
+                ref, ref_x = grads, x.grad.clone()
+            elif i == 0:
+                err = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(grads, ref))
+                results[name + " max rel. diff"] = max(err, float((x.grad - ref_x).abs().max() / ref_x.abs().max()))
+    for name, ts in times.items():
+        results[name] = (statistics.median(t[0] for t in ts) * 1e3, statistics.median(t[1] for t in ts) * 1e3)
     print(f"{a.model} parts {a.parts}, micro-batch {a.micro_batch} x {a.seq_len}, 1 thread, median of {a.repeats}; "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| backward | B ms | W ms | B + W ms | max rel. diff to the whole backward |")
