@@ -72,29 +72,64 @@ HEAD = ["method", "k", "k lower bound", "step ms", "step overhead", "utilization
         "peak GiB"]
 
 
-def paper(time_limit: float) -> None:
+PAPER_HEAD = ["method", "inversion", "precond", "k (lower bound)", "step ms (steady)", "overhead vs canonical",
+              "overhead vs tight", "util. PipeFisher per step", "util. PipeFisher mean", "util. strict", "status",
+              "gap", "seconds"]
+
+
+def paper_row(name: str, plan, t: float) -> list:
+    st = plan.stats
+    per_step = "/".join(f"{100 * u:.1f}" for u in st["utilization_pipefisher"])
+    return [name, plan.config["inversion"], plan.config.get("precond_division", plan.config["precond"]),
+            f"{st['refresh_steps']} ({st.get('refresh_steps_lower_bound', '-')})", f"{st['step_time_ms']:.1f}",
+            pct(st["step_overhead"]), pct(st.get("step_overhead_tight")), per_step,
+            pct(st["utilization_pipefisher_mean"]), pct(st["utilization_strict"]), st.get("solver_status", "-"),
+            pct(st.get("gap")), round(t, 1)]
+
+
+def paper(time_limit: float, pareto_division: tuple[str, str] = ("pipefisher", "split")):
+    """Every division of work (--inversion x --precond) by the greedy (PipeFisher's method)
+    and CP-SAT (fixed and free order); then the Pareto table (k against step time) of
+    CP-SAT, fixed order, on `pareto_division`. Rows print as they finish."""
+    from pfcompile.place.build import pareto
+
     prof = load_profile(str(PAPER))
     cfg = PipelineConfig(schedule="chimera", stages=8, micro_batches=8)
     print("## PipeFisher's setting: BERT-Large (P100 reference), Chimera, D = 8, N = 8, micro-batch 32\n")
-    t0 = time.perf_counter()
+    print(f"CP-SAT: {time_limit:.0f} s per k tried, 2 workers; step times are the steady state (the cycle as it "
+          f"repeats); overhead against the canonical first-order plan and against the tight one (the same order "
+          f"with its syncs placed by CP-SAT); utilization by PipeFisher's definition (one step window, "
+          f"collectives busy; per step of the cycle and their mean) and the strict one (compute only, cycle "
+          f"mean).\n", flush=True)
     base, _, _ = build_plan(prof, replace(cfg, kfac=False), "none")
-    b = base.stats["step_time_ms"]
-    rows = [row("baseline (no K-FAC)", base, b, time.perf_counter() - t0)]
-    t0 = time.perf_counter()
-    greedy, _, _ = build_plan(prof, cfg, "greedy")
-    rows.append(row("greedy (PipeFisher)", greedy, b, time.perf_counter() - t0))
-    for fixed in (True, False):
-        t0 = time.perf_counter()
-        plan = solve_plan(prof, cfg, time_limit=time_limit, fixed_order=fixed)
-        rows.append(row(f"cpsat {'fixed' if fixed else 'free'} order", plan, b, time.perf_counter() - t0))
-        if fixed:
-            ks = ", ".join(f"k={s['k']}: {s['step_time_ms']:.1f} ms ({s['status']}, gap {pct(s['gap'])}, "
-                           f"no-refresh {s['no_refresh_step_time_ms']:.1f})" for s in plan.stats["k_search"])
-            lb = plan.stats["lower_bounds_ms"]
-    print(table(HEAD, rows))
-    print(f"\nCP-SAT k search (fixed order): {ks}\n")
-    print(f"Lower bounds of the chosen cycle (ms/step): {', '.join(f'{k} {v:.1f}' for k, v in lb.items())}\n")
-    print(f"CP-SAT vs greedy step time: {rows[2][3] / rows[1][3]:.4f} (fixed), {rows[3][3] / rows[1][3]:.4f} (free)\n")
+    print(f"Baseline (no K-FAC): {base.stats['step_time_ms']:.1f} ms/step, utilization (strict) "
+          f"{pct(base.stats['utilization_strict'])}, PipeFisher's {pct(base.stats['utilization_pipefisher_mean'])}\n",
+          flush=True)
+    print("| " + " | ".join(PAPER_HEAD) + " |\n|" + "|".join("---" for _ in PAPER_HEAD) + "|", flush=True)
+    greedy = None
+    for inversion in ("balanced", "pipefisher", "all"):
+        for precond in ("all", "split", "layers"):
+            c = replace(cfg, inversion=inversion, precond=precond)
+            for name, method, fixed in (("greedy (PipeFisher)", "greedy", True), ("cpsat fixed order", "cpsat", True),
+                                        ("cpsat free order", "cpsat", False)):
+                t0 = time.perf_counter()
+                plan, _, _ = build_plan(prof, c, method, time_limit=time_limit, fixed_order=fixed)
+                print("| " + " | ".join(str(v) for v in paper_row(name, plan, time.perf_counter() - t0)) + " |",
+                      flush=True)
+                if greedy is None and method == "greedy":
+                    greedy = plan
+    inversion, precond = pareto_division
+    print(f"\n### Pareto: CP-SAT fixed order, --inversion {inversion} --precond {precond}, k from its lower bound "
+          f"until the step time stops falling\n", flush=True)
+    head = ["k", "step ms (steady)", "overhead vs canonical", "overhead vs tight", "status", "gap",
+            "util. PipeFisher mean", "util. strict"]
+    print("| " + " | ".join(head) + " |\n|" + "|".join("---" for _ in head) + "|", flush=True)
+    for plan in pareto(prof, replace(cfg, inversion=inversion, precond=precond), time_limit=time_limit):
+        st = plan.stats
+        print(f"| {st['refresh_steps']} | {st['step_time_ms']:.1f} | {pct(st['step_overhead'])} | "
+              f"{pct(st.get('step_overhead_tight'))} | {st['solver_status']} | {pct(st.get('gap'))} | "
+              f"{pct(st['utilization_pipefisher_mean'])} | {pct(st['utilization_strict'])} |", flush=True)
+    print()
     return greedy
 
 
@@ -193,7 +228,7 @@ def main() -> None:
             assert all(len(t) == 2 for t in sizes)
         except (ValueError, AssertionError):
             ap.error(f"--sizes: expected DxN like 32x128, got {' '.join(args.sizes)}")
-    tl = args.time_limit or (10.0 if args.quick else 30.0)
+    tl = args.time_limit or (10.0 if args.quick else 60.0)
     il = args.instance_limit or (15.0 if args.quick else 30.0)
     if args.cprofile:
         import cProfile

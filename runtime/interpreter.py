@@ -78,7 +78,11 @@ class Interpreter:
             "curv_a": self._curv, "curv_b": self._curv,
             "sync_curv": self._sync_curv, "inv": self._inv, "bcast_inv": self._bcast_inv,
             "sync_grad": self._sync_grad, "precond": self._precond, "step": self._step,
+            "rs_grad": self._sync_grad, "ag_grad": self._ag_grad,
         }
+        # split preconditioning: the replica that preconditions each K-FAC layer (None: all)
+        self.precond_owner = plan.config.get("precond_owner") if plan.config.get("precond") == "split" else None
+        self.rank_of = {(p["stage"], p["replica"]): p["rank"] for p in plan.placement}
 
 
     # --- the loop ---------------------------------------------------------------------------
@@ -233,6 +237,30 @@ class Interpreter:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in sr.module.parameters()]
         comm.all_reduce_sum(grads, sr.group, self.world.timeout, str(op))
+
+    def _ag_grad(self, op: Op) -> None:
+        """All-gather of split preconditioning: each owned layer's preconditioned gradient
+        (and its KL-clip term) from the replica that preconditioned it, to the others.
+        (rs_grad runs as the all-reduce of sync_grad: gloo has no reduce-scatter, and every
+        replica then holds the summed gradient, a superset of its share.)"""
+        sr = self.stages[op.stage]
+        for l in sorted(sr.kfac):
+            owner = self.precond_owner[l]
+            if owner is None:
+                continue
+            layer, src = sr.kfac[l], self.rank_of[(op.stage, owner)]
+            G = layer.grad_matrix()
+            if self.world.rank == src:
+                kl = layer.kl_term
+                tail = torch.tensor([0.0 if kl is None else 1.0, 0.0 if kl is None else float(kl)], dtype=G.dtype,
+                                    device=G.device)
+                buf = torch.cat([G.reshape(-1), tail])
+            else:
+                buf = torch.empty(G.numel() + 2, dtype=G.dtype, device=G.device)
+            comm.broadcast(buf, src, sr.group, self.world.timeout, str(op))
+            if self.world.rank != src:
+                layer.set_grad_matrix(buf[:-2].reshape(G.shape))
+                layer.kl_term = buf[-1].clone() if float(buf[-2]) else None
 
     def _step(self, op: Op) -> None:
         sr = self.stages[op.stage]

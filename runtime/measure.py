@@ -21,7 +21,8 @@ from pfcompile.formats.trace import stream_of, write_trace
 
 # Ops during which a rank computes; the rest (receives, collectives) is waiting or
 # communicating, i.e. bubble from the point of view of the compute stream.
-_NOT_COMPUTE = {"send_act", "recv_act", "send_grad", "recv_grad", "sync_curv", "bcast_inv", "sync_grad"}
+_NOT_COMPUTE = {"send_act", "recv_act", "send_grad", "recv_grad", "sync_curv", "bcast_inv", "sync_grad", "rs_grad",
+                "ag_grad"}
 
 
 @dataclass

@@ -100,7 +100,8 @@ class MemoryMeter:
         """Count after an op; `bwd` before releasing the activations of (stage, mb)."""
         if self.cuda:
             return
-        if kind in ("bwd", "bwd_input", "bwd_weight", "inv", "bcast_inv", "step", "sync_grad"):
+        if kind in ("bwd", "bwd_input", "bwd_weight", "inv", "bcast_inv", "step", "sync_grad",
+                    "rs_grad", "ag_grad"):
             self.resident = self._resident()  # gradients, factors, inverses or optimizer state changed
         self.peak = max(self.peak, self._current())
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends

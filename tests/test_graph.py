@@ -153,3 +153,40 @@ def test_pipefisher_inversion_split_counts_where_each_factor_is_inverted():
               if po.op.kind == "bcast_inv"}
     assert bcasts == {(l, f) for l, layer in enumerate(prof.kfac_layers) for f in ("A", "B")
                       if (int(layer.part[len("block"):]) - 3 * plan.layer_stage[l]) != 2}
+
+
+def test_split_preconditioning_divisions():
+    """--precond split (PipeFisher's blocks: floor(B/R) each, the rest on every replica) and
+    layers (each layer to the least loaded replica): a stage of 3 blocks x 2 layers on 2
+    replicas; the plan lists each layer's precond where its owner is, rs_grad/ag_grad once
+    per stage replica and step, and an owned layer is inverted by its owner only."""
+    from collections import Counter
+
+    from pfcompile.graph.costs import Costs, precond_share
+    from pfcompile.place.build import build_plan
+
+    prof = uniform_profile(blocks=12)
+    for mode, per_replica in (("split", 2), ("layers", 3)):
+        cfg = PipelineConfig("chimera", stages=4, micro_batches=4, precond=mode)
+        plan, _, _ = build_plan(prof, cfg, "greedy")
+        owner = plan.config["precond_owner"]
+        assert plan.config["precond"] == "split" and plan.config["precond_division"] == mode
+        for s in range(4):
+            ls = [l for l, st in enumerate(plan.layer_stage) if st == s]
+            counts = Counter(owner[l] for l in ls)
+            if mode == "split":  # block 0 to replica 0, block 1 to replica 1, block 2 to both
+                assert counts == {0: 2, 1: 2, None: 2}
+            else:
+                assert counts == {0: per_replica, 1: per_replica}
+        costs = Costs(prof, plan.partition, 2, "cholesky", True)
+        assert precond_share(costs, 2, mode) == owner
+        listed = Counter((q, po.op.kind, po.op.layer) for q, steps in enumerate(plan.ranks) for po in steps[0])
+        for l, o in enumerate(owner):
+            s = plan.layer_stage[l]
+            for r in (0, 1):
+                q = cfg.rank_of(s, r)
+                assert listed[(q, "precond", l)] == (1 if o in (None, r) else 0)
+                invs = sum(1 for st in plan.ranks[q] for po in st if po.op.kind == "inv" and po.op.layer == l)
+                assert invs == (2 if o == r else 0) or o is None
+        for kind in ("rs_grad", "ag_grad"):  # 4 stages x 2 replicas, once per step
+            assert sum(n for (q, kk, _), n in listed.items() if kk == kind) == 8

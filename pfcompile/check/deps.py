@@ -48,6 +48,22 @@ class PlanLayout(Layout):
         self.mbr = self.micro_batch_replica
         self.layer_stage = plan.layer_stage
         self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
+        # split preconditioning: the replica that preconditions each layer (None: every one)
+        owner = c.get("precond_owner") if c.get("precond") == "split" and self.kfac else None
+        self.precond_owner: list[int | None] | None = list(owner) if owner is not None else None
+
+    def split_stage(self, stage: int) -> bool:
+        """Whether the stage's gradients go rs_grad -> own preconditioning -> ag_grad."""
+        return self.precond_owner is not None and any(self.precond_owner[l] is not None
+                                                       for l in self.stage_layers[stage])
+
+    def preconditions(self, rank: int, stage: int) -> list[int]:
+        """The K-FAC layers of `stage` that `rank` preconditions each step."""
+        if not self.kfac:
+            return []
+        r = self.held[rank][stage]
+        return [l for l in self.stage_layers[stage]
+                if self.precond_owner is None or self.precond_owner[l] in (None, r)]
 
     def group(self, stage: int) -> list[int]:
         """The ranks of a stage's collectives, ascending."""
@@ -107,12 +123,21 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
     elif k == "bcast_inv":
         if op.peer == q:
             local.append((c, None, q, Op("inv", layer=op.layer, factor=op.factor)))
-    elif k == "sync_grad":
+    elif k in ("sync_grad", "rs_grad"):
         local += [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
+    elif k == "ag_grad":  # after this replica's own preconditioning
+        local.append(here(Op("rs_grad", stage=s)))
+        local += [here(Op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] == r]
     elif k == "precond":
-        local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
+        if L.split_stage(s):
+            local.append(here(Op("rs_grad", stage=s)))
+        else:
+            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
     elif k == "step":
-        if L.kfac and L.stage_layers[s]:
+        if L.split_stage(s):
+            local.append(here(Op("ag_grad", stage=s)))
+            local += [here(Op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] is None]
+        elif L.kfac and L.stage_layers[s]:
             local += [here(Op("precond", layer=l)) for l in L.stage_layers[s]]
         else:
             local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]

@@ -91,7 +91,7 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
     costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
                   cluster=Cluster.from_json(cluster) if cluster else None,
-                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)])
+                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner)
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     _check_static(plan, L, where)
@@ -146,10 +146,11 @@ def _check_step_complete(plan: Plan, L: PlanLayout, q: int, t: int, ops: set[Op]
     for s, r in sorted(L.held[q].items()):
         need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
         need.append(Op("step", stage=s))
-        if L.R > 1:
+        if L.split_stage(s):
+            need += [Op("rs_grad", stage=s), Op("ag_grad", stage=s)]
+        elif L.R > 1:
             need.append(Op("sync_grad", stage=s))
-        if L.kfac:
-            need += [Op("precond", layer=l) for l in L.stage_layers[s]]
+        need += [Op("precond", layer=l) for l in L.preconditions(q, s)]
         for op in need:
             if op not in ops:
                 raise ReplayError(where, f"ranks[{q}].steps[{t}]", f"{op} (rank {q}, step {t}) is missing")
@@ -174,8 +175,14 @@ def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
                 for f in FACTORS:
                     if (q, Op("sync_curv", layer=l, factor=f)) not in floating:
                         raise missing(q, Op("sync_curv", layer=l, factor=f))
+        owner = L.precond_owner[l] if L.precond_owner is not None else None
         for f in FACTORS:
             inverters = [q for q in group if (q, Op("inv", layer=l, factor=f)) in floating]
+            if owner is not None:  # split preconditioning: the owner inverts, nobody else needs it
+                q = L.rank[(s, owner)]
+                if q not in inverters:
+                    raise missing(q, Op("inv", layer=l, factor=f))
+                continue
             if not inverters:
                 raise missing(group[0], Op("inv", layer=l, factor=f))
             if len(inverters) < len(group):

@@ -50,6 +50,12 @@ def register(sub) -> None:
                    help="which replicas invert a factor: balanced (one, chosen by the planner, then broadcast), "
                         "pipefisher (PipeFisher's split: floor(blocks/replicas) blocks of a stage to each replica, "
                         "the rest on every replica) or all")
+    p.add_argument("--precond", default="auto", choices=("auto", "all", "split", "layers"),
+                   help="with replicas: split (each replica preconditions its share of a stage's layers between "
+                        "a gradient reduce-scatter and an all-gather, PipeFisher's division: floor(blocks/replicas) "
+                        "blocks each, the rest on every replica), layers (the same, the layers divided one by one "
+                        "by their work), all (every replica preconditions every layer), auto (default: whichever "
+                        "plans faster)")
     p.add_argument("--partition", default=None, metavar="PARTS",
                    help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
@@ -90,7 +96,7 @@ def config_from_args(args, profile) -> PipelineConfig:
         schedule=args.schedule, stages=args.stages, micro_batches=args.micro_batches, replicas=replicas,
         virtual_stages=args.virtual_stages, kfac=not args.no_kfac, inverse=args.inverse,
         memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit else None,
-        inversion=args.inversion)
+        inversion=args.inversion, precond="all" if args.precond == "auto" else args.precond)
     cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
     cfg.validate()
     if args.partition is not None:
@@ -164,7 +170,7 @@ def run(args) -> int:
                                             progress=progress, describe=describe, time_limit=args.time_limit,
                                             workers=args.workers, fixed_order=args.fixed_order,
                                             refresh_steps=args.refresh_steps, budget=budget,
-                                            placement=args.placement)
+                                            placement=args.placement, precond=args.precond)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
     if args.output:

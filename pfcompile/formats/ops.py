@@ -19,6 +19,8 @@ text form in the spirit of torch.distributed.pipelining's actions:
 | inv         | I7.A             | invert factor A of layer 7 (on this rank) |
 | bcast_inv   | BI7.A<2          | broadcast inverse of A of layer 7 from rank 2 to the stage's replicas |
 | sync_grad   | YG3              | all-reduce stage 3's gradients between replicas |
+| rs_grad     | YR3              | split preconditioning: reduce-scatter stage 3's gradients (each replica gets the sum for the layers it preconditions; the rest all-reduced) |
+| ag_grad     | YA3              | split preconditioning: all-gather stage 3's preconditioned gradients (each layer's from the replica that preconditioned it) |
 | precond     | P7               | precondition layer 7's gradient          |
 | step        | U3               | optimizer update of stage 3              |
 
@@ -34,7 +36,11 @@ Conventions that every consumer relies on:
   gradients (sync_grad, precond, step, and curv_b, which shares the output gradients W
   keeps) wait for bwd_weight; the stage's activations live until bwd_weight ends.
 - `layer` is an index into the plan's list of K-FAC layers; `factor` is "A" or "B".
-- sync_curv, bcast_inv and sync_grad are collectives over the ranks that hold a replica
+- with split preconditioning (plan config `precond` "split", `precond_owner[layer]`: the
+  replica that preconditions the layer, or null: every replica) a stage with owned layers
+  lists rs_grad, the precond of its own and the unowned layers, ag_grad, step, instead of
+  sync_grad, precond of every layer, step.
+- sync_curv, bcast_inv, sync_grad, rs_grad and ag_grad are collectives over the ranks that hold a replica
   of the stage: every member lists the op, in the same order relative to its other
   collectives on that group. `peer` on bcast_inv is the source rank.
 """
@@ -61,6 +67,8 @@ OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "inv": ("I", ("layer", "factor")),
     "bcast_inv": ("BI", ("layer", "factor", "peer")),
     "sync_grad": ("YG", ("stage",)),
+    "rs_grad": ("YR", ("stage",)),
+    "ag_grad": ("YA", ("stage",)),
     "precond": ("P", ("layer",)),
     "step": ("U", ("stage",)),
 }
@@ -85,7 +93,7 @@ def weight_grad_kind(schedule: str) -> str:
     return "bwd_weight" if schedule in SPLIT_BACKWARD_SCHEDULES else "bwd"
 
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
-COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad"})
+COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad", "rs_grad", "ag_grad"})
 KFAC_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv", "precond"})
 # The refresh's work, which a plan may put in any step of the cycle (it is named without a
 # step: listed once per cycle on its rank); every other op is listed once per step.
@@ -188,7 +196,7 @@ class Op:
             return f"{prefix}{self.layer}.{self.factor}"
         if k == "bcast_inv":
             return f"{prefix}{self.layer}.{self.factor}<{self.peer}"
-        if k in ("sync_grad", "step"):
+        if k in ("sync_grad", "rs_grad", "ag_grad", "step"):
             return f"{prefix}{self.stage}"
         return f"{prefix}{self.layer}"  # precond
 
@@ -233,7 +241,7 @@ class Op:
         return ("act" if self.kind.endswith("act") else "grad", self.stage, self.mb)
 
 
-_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|IB|F|B|I|W|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
+_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|YR|YA|IB|F|B|I|W|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
 _BY_PREFIX = {prefix: kind for kind, (prefix, _) in OP_KINDS.items()}
 
 
@@ -260,7 +268,7 @@ def parse_op(text: str) -> Op:
         if b not in FACTORS:
             raise ValueError(f"not an op: {text!r}")
         return Op(kind, layer=a, factor=b, peer=peer_i)
-    if kind in ("sync_grad", "step"):
+    if kind in ("sync_grad", "rs_grad", "ag_grad", "step"):
         return Op(kind, stage=a)
     return Op(kind, layer=a)
 

@@ -16,7 +16,10 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
         "refresh_steps": k,          # the cycle: curvature of step 0, inverses in force from step k
         "inverse": "cholesky"|"eigen",
         "fixed_order": bool,
-        "memory_limit_bytes": int|null
+        "memory_limit_bytes": int|null,
+        "inversion": "balanced"|"pipefisher"|"all",
+        "precond": "all"|"split",    # split: each layer preconditioned by one replica (rs_grad/ag_grad)
+        "precond_owner": [replica|null per K-FAC layer]   # with "split": null = every replica
       },
       "model": {...},                # the profile's model spec (name, sizes, micro_batch, seq_len, dtype)
       "partition": [["embed","block0"], ["block1","head"]],   # parts of each model stage
@@ -207,6 +210,12 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     cfg.req("kfac", bool)
     cfg.opt("inverse", str, "cholesky", check=lambda s: s in ("cholesky", "eigen"), why="must be 'cholesky' or 'eigen'")
     cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
+    cfg.opt("precond", str, "all", check=lambda s: s in ("all", "split"), why="must be 'all' or 'split'")
+    if cfg.obj.get("precond") == "split":
+        owners = cfg.req("precond_owner", list)
+        replicas = cfg.obj["replicas"]
+        if not all(o is None or (isinstance(o, int) and not isinstance(o, bool) and 0 <= o < replicas) for o in owners):
+            raise cfg.fail("precond_owner", f"must list a replica (0..{replicas - 1}) or null per K-FAC layer")
     world = cfg.obj["world_size"]
     k = cfg.obj["refresh_steps"]
     if cfg.obj.get("cluster") is not None:  # messages costed by the link they cross (Cluster)
@@ -235,6 +244,8 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     layer_stage = top.req("layer_stage", list)
     if len(layer_stage) != len(layers) or not all(_nonneg_int(s) and s < n_stages for s in layer_stage):
         raise top.fail("layer_stage", f"must give a stage in 0..{n_stages - 1} for each of the {len(layers)} layers")
+    if cfg.obj.get("precond") == "split" and len(cfg.obj["precond_owner"]) != len(layers):
+        raise cfg.fail("precond_owner", f"must give an owner (or null) for each of the {len(layers)} layers")
 
     placement = top.req("placement", list)
     seen = set()

@@ -107,6 +107,7 @@ class Costs:
     # (pfcompile.formats.profile.Cluster); `stage_ranks[s]` are the ranks of stage s's replicas
     cluster: Cluster | None = None
     stage_ranks: list[list[int]] | None = None
+    precond_owner: list | None = None  # split preconditioning: replica per layer (None: replica_share)
 
     def __post_init__(self):
         part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
@@ -157,6 +158,16 @@ class Costs:
     def grad_bytes(self, stage: int) -> int:
         return sum(p.grad_bytes for p in self._parts[stage])
 
+    def owned_grad_bytes(self, stage: int) -> int:
+        """Gradient bytes of the stage's K-FAC layers that one replica owns under split
+        preconditioning (replica_share), all replicas' shares together."""
+        owner = self.precond_owner if self.precond_owner is not None else replica_share(self, self.replicas)
+        elem = {"float64": 8, "float16": 2, "bfloat16": 2}.get(str(self.profile.model.get("dtype", "float32")), 4)
+        layers = self.profile.kfac_layers
+        n = sum((layers[l].in_features + int(layers[l].bias)) * layers[l].out_features
+                for l in self.stage_layers[stage] if owner[l] is not None)
+        return min(n * elem, self.grad_bytes(stage))
+
     # --- durations ------------------------------------------------------------------------------
     def duration(self, op: Op) -> float:
         """Milliseconds the op occupies its rank. Sends are non-blocking (0); a receive's
@@ -189,6 +200,15 @@ class Costs:
             return self.profile.comm.bcast_ms(layers[op.layer].inverse_bytes(op.factor), self.replicas)
         if k == "sync_grad":
             return self._allreduce_ms(self.grad_bytes(op.stage), op.stage)
+        if k in ("rs_grad", "ag_grad"):
+            # a ring reduce-scatter or all-gather moves half an all-reduce's data; rs_grad
+            # also all-reduces what no replica owns (LayerNorm, embeddings, left-over blocks)
+            owned = self.owned_grad_bytes(op.stage)
+            half = self._allreduce_ms(owned, op.stage) / 2 if owned else 0.0
+            if k == "ag_grad":
+                return half
+            rest = self.grad_bytes(op.stage) - owned
+            return half + (self._allreduce_ms(rest, op.stage) if rest > 0 else 0.0)
         if k == "step":
             return 0.0  # the profile does not time the optimizer update
         raise ValueError(f"no cost for {op}")
@@ -263,3 +283,41 @@ class Costs:
                     # accumulator + factor, inverse in force + pending inverse, for A and B
                     total += 2 * (L.factor_a_bytes + L.factor_b_bytes) + 2 * (L.inverse_a_bytes + L.inverse_b_bytes)
         return total
+
+
+def replica_share(costs: Costs, replicas: int) -> list[int | None]:
+    """PipeFisher's division of a stage's K-FAC layers between its replicas (pipe-fisher
+    main_bert.py, `module_partitions`): the stage's B blocks (its parts that hold K-FAC
+    layers, in model order) give floor(B/R) consecutive blocks to each replica in turn;
+    the B mod R blocks left over belong to every replica (None). Per K-FAC layer: the
+    replica that owns it, or None."""
+    layers = costs.profile.kfac_layers
+    owner: list[int | None] = [None] * len(layers)
+    for s, ls in enumerate(costs.stage_layers):
+        blocks = list(dict.fromkeys(layers[l].part for l in ls))
+        size = len(blocks) // replicas
+        for l in ls:
+            j = blocks.index(layers[l].part)
+            owner[l] = j // size if size and j < size * replicas else None
+    return owner
+
+
+def precond_share(costs: Costs, replicas: int, mode: str) -> list[int | None]:
+    """Who preconditions (and inverts) each K-FAC layer under split preconditioning:
+    "split" is PipeFisher's block division (replica_share: left-over blocks on every
+    replica); "layers" divides each stage's layers one by one, longest preconditioning and
+    inversion first, to the replica with the least such work so far (LPT): every layer has
+    one owner and the replicas' shares differ by at most one layer's work."""
+    if mode == "split":
+        return replica_share(costs, replicas)
+    layers = costs.profile.kfac_layers
+    owner: list[int | None] = [None] * len(layers)
+    for ls in costs.stage_layers:
+        load = [0.0] * replicas
+        work = {l: layers[l].precond_ms + layers[l].inv_ms("A", costs.inverse) + layers[l].inv_ms("B", costs.inverse)
+                for l in ls}
+        for l in sorted(ls, key=lambda l: (-work[l], l)):
+            r = min(range(replicas), key=lambda r: (load[r], r))
+            owner[l] = r
+            load[r] += work[l]
+    return owner

@@ -28,6 +28,7 @@ from pfcompile.formats.plan import SCHEDULES, Layout
 from pfcompile.formats.profile import Cluster  # noqa: F401  (SCHEDULES: the plan format's list)
 
 INVERSION_POLICIES = ("balanced", "pipefisher", "all")
+PRECOND_POLICIES = ("all", "split", "layers")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class PipelineConfig:
     # (None: the family's numbering; pfcompile.place.topology chooses one for a cluster)
     cluster: Cluster | None = None
     rank_map: tuple[int, ...] | None = None
+    precond: str = "all"  # "split": PipeFisher's split preconditioning between a stage's replicas;
+    # "layers": the same, each stage's layers divided one by one (costs.precond_share)
 
     def __post_init__(self):
         if self.schedule == "chimera" and self.replicas == 1:
@@ -74,6 +77,8 @@ class PipelineConfig:
                 raise InputError(flag, None, f"must be a positive integer, got {val!r}")
         if self.refresh_steps < 1:
             raise InputError("refresh_steps", None, "must be >= 1")
+        if self.precond not in PRECOND_POLICIES:
+            raise InputError("--precond", None, f"must be one of {', '.join(PRECOND_POLICIES)} (auto is the planner's choice)")
         if self.inversion not in INVERSION_POLICIES:
             raise InputError("--inversion", None, f"must be one of {', '.join(INVERSION_POLICIES)}")
         if self.inverse not in ("cholesky", "eigen"):
@@ -158,7 +163,7 @@ class PipelineConfig:
             "schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual_stages,
             "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
             "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
-            "inversion": self.inversion, "memory_limit_bytes": self.memory_limit_bytes,
+            "inversion": self.inversion, "precond": self.precond, "memory_limit_bytes": self.memory_limit_bytes,
             **({"cluster": self.cluster.to_json()} if self.cluster is not None else {}),
         }
 
@@ -365,11 +370,15 @@ def compute_orders(cfg: PipelineConfig) -> dict[int, list[Pass]]:
     return orders
 
 
-def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]]) -> dict[int, list[Op]]:
+def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]],
+                     precond_owner: list[int | None] | None = None) -> dict[int, list[Op]]:
     """rank -> the ops of one step: passes with their receives before and sends after, then,
     for each stage held in ascending stage order (one global order, so the collectives of
     ranks sharing two groups never cross), sync_grad (R > 1), precond of each K-FAC layer
-    (K-FAC on), step. `stage_layers[s]`: the K-FAC layer indices of stage s."""
+    (K-FAC on), step. `stage_layers[s]`: the K-FAC layer indices of stage s.
+    `precond_owner` (split preconditioning): per layer the replica that preconditions it
+    (None: every replica); a stage with owned layers runs rs_grad, the preconds of its
+    replica's and the unowned layers, ag_grad, step."""
     S = cfg.num_stages
     replica_of = cfg.micro_batch_replica()
     out: dict[int, list[Op]] = {}
@@ -391,11 +400,17 @@ def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]]) -> dict
                 ops.append(Op(kind, stage=s, mb=m))
                 if s > 0 and cfg.rank_of(s - 1, r) != q:
                     ops.append(Op("send_grad", stage=s, mb=m, peer=cfg.rank_of(s - 1, r)))
-        for s, _r in cfg.stages_of(q):
-            if cfg.replicas > 1:
-                ops.append(Op("sync_grad", stage=s))
-            if cfg.kfac:
-                ops += [Op("precond", layer=l) for l in stage_layers[s]]
+        for s, r in cfg.stages_of(q):
+            split = precond_owner is not None and cfg.kfac and any(precond_owner[l] is not None for l in stage_layers[s])
+            if split:
+                ops.append(Op("rs_grad", stage=s))
+                ops += [Op("precond", layer=l) for l in stage_layers[s] if precond_owner[l] in (None, r)]
+                ops.append(Op("ag_grad", stage=s))
+            else:
+                if cfg.replicas > 1:
+                    ops.append(Op("sync_grad", stage=s))
+                if cfg.kfac:
+                    ops += [Op("precond", layer=l) for l in stage_layers[s]]
             ops.append(Op("step", stage=s))
         out[q] = ops
     return dict(sorted(out.items()))

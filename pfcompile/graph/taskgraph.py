@@ -50,7 +50,7 @@ import networkx as nx
 from pfcompile.formats.ops import FACTORS, Op, input_grad_kind, stream_of, weight_grad_kind
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
-from pfcompile.graph.costs import Costs, balanced_partition, check_partition
+from pfcompile.graph.costs import Costs, balanced_partition, check_partition, precond_share, replica_share
 from pfcompile.graph.schedules import PipelineConfig, canonical_orders
 
 
@@ -75,6 +75,7 @@ class TaskGraph:
     canonical: dict[int, list[list[Task]]] = field(default_factory=dict)
     inv_candidates: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     inverters: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    precond_owner: list[int | None] | None = None  # split preconditioning: replica per layer
 
     # --- views ---------------------------------------------------------------------------------
     @property
@@ -163,7 +164,9 @@ def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac, cluster=cfg.cluster,
                   stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)])
     tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
-    orders = canonical_orders(cfg, costs.stage_layers)
+    if cfg.kfac and cfg.replicas > 1 and cfg.precond != "all":
+        tg.precond_owner = costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
+    orders = canonical_orders(cfg, costs.stage_layers, tg.precond_owner)
     for k in range(cfg.refresh_steps):
         _add_step(tg, k, orders)
     if cfg.kfac:
@@ -221,19 +224,45 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
         for r in range(R):
             q = cfg.rank_of(s, r)
             before_precond = [b for b in bwds if b.rank == q]
+            step = Task(k, q, Op("step", stage=s))
+            owner = tg.precond_owner
+            if owner is not None and any(owner[l] is not None for l in costs.stage_layers[s]):
+                _add_split_precond(tg, k, s, r, q, bwds, step)
+                continue
             if R > 1:
                 sync = Task(k, q, Op("sync_grad", stage=s))
                 for b in bwds:
                     tg.add_edge(b, sync)
                 tg.collectives.setdefault((k, Op("sync_grad", stage=s)), []).append(sync)
                 before_precond = [sync]
-            step = Task(k, q, Op("step", stage=s))
             preconds = [Task(k, q, Op("precond", layer=l)) for l in costs.stage_layers[s]] if cfg.kfac else []
             for p in preconds:
                 for b in before_precond:
                     tg.add_edge(b, p)
             for b in preconds or before_precond:
                 tg.add_edge(b, step)
+
+
+def _add_split_precond(tg: TaskGraph, k: int, s: int, r: int, q: int, bwds: list[Task], step: Task) -> None:
+    """Split preconditioning (PipeFisher's pipeline.py): the stage's gradients are
+    reduce-scattered (rs_grad), each replica preconditions the layers it owns (and every
+    replica the unowned ones), the preconditioned gradients are all-gathered (ag_grad),
+    then the update. Each replica does 1/R of the owned layers' preconditioning."""
+    owner = tg.precond_owner
+    rs = Task(k, q, Op("rs_grad", stage=s))
+    ag = Task(k, q, Op("ag_grad", stage=s))
+    for b in bwds:
+        tg.add_edge(b, rs)
+    tg.collectives.setdefault((k, rs.op), []).append(rs)
+    tg.collectives.setdefault((k, ag.op), []).append(ag)
+    for l in tg.costs.stage_layers[s]:
+        if owner[l] not in (None, r):
+            continue
+        p = Task(k, q, Op("precond", layer=l))
+        tg.add_edge(rs, p)
+        tg.add_edge(p, ag if owner[l] == r else step)
+    tg.add_edge(rs, ag)
+    tg.add_edge(ag, step)
 
 
 def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
@@ -245,7 +274,9 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
     layers = costs.profile.kfac_layers
     for l, s in enumerate(costs.layer_stage):
         for f in FACTORS:
-            tg.inv_candidates[(l, f)] = cfg.replica_ranks(s)
+            # split preconditioning: only the owner uses the layer's inverses
+            own = tg.precond_owner[l] if tg.precond_owner is not None else None
+            tg.inv_candidates[(l, f)] = cfg.replica_ranks(s) if own is None else [cfg.rank_of(s, own)]
     tg.inverters = dict(inverters) if inverters is not None else _inversion_policy(tg)
 
     for l, s in enumerate(costs.layer_stage):
@@ -285,29 +316,12 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
                 inv = tg.add_task(Task(None, q, Op("inv", layer=l, factor=f)))
                 for y in ready_for_inv[q]:
                     tg.add_edge(y, inv)
-            if R > 1 and len(who) < R:
+            if R > 1 and len(who) < len(tg.inv_candidates[(l, f)]):
                 src = who[0]
                 for q in cfg.replica_ranks(s):
                     b = tg.add_task(Task(None, q, Op("bcast_inv", layer=l, factor=f, peer=src)))
                     tg.add_edge(Task(None, src, Op("inv", layer=l, factor=f)), b)
                     tg.collectives.setdefault((None, b.op), []).append(b)
-
-
-def replica_share(costs: Costs, replicas: int) -> list[int | None]:
-    """PipeFisher's division of a stage's K-FAC layers between its replicas (pipe-fisher
-    main_bert.py, `module_partitions`): the stage's B blocks (its parts that hold K-FAC
-    layers, in model order) give floor(B/R) consecutive blocks to each replica in turn;
-    the B mod R blocks left over belong to every replica (None). Per K-FAC layer: the
-    replica that owns it, or None."""
-    layers = costs.profile.kfac_layers
-    owner: list[int | None] = [None] * len(layers)
-    for s, ls in enumerate(costs.stage_layers):
-        blocks = list(dict.fromkeys(layers[l].part for l in ls))
-        size = len(blocks) // replicas
-        for l in ls:
-            j = blocks.index(layers[l].part)
-            owner[l] = j // size if size and j < size * replicas else None
-    return owner
 
 
 def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
@@ -320,7 +334,7 @@ def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
     if tg.cfg.inversion == "pipefisher":
         owner = replica_share(tg.costs, tg.cfg.replicas)
         # candidates are in replica order (cfg.replica_ranks)
-        return {key: list(c) if owner[key[0]] is None else [c[owner[key[0]]]]
+        return {key: list(c) if owner[key[0]] is None or len(c) == 1 else [c[owner[key[0]]]]
                 for key, c in sorted(tg.inv_candidates.items())}
     load = {q: 0.0 for q in tg.ranks}
     out = {}

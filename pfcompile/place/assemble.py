@@ -23,6 +23,11 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
     cfg = tg.cfg
     k = len(next(iter(steps.values())))
     config = {**cfg.to_json(), "refresh_steps": k, "method": method, "fixed_order": fixed_order}
+    # the plan says who preconditions what ("split" whatever the division: the owners list it)
+    config["precond"] = "split" if tg.precond_owner is not None else "all"
+    config["precond_division"] = cfg.precond
+    if tg.precond_owner is not None:
+        config["precond_owner"] = list(tg.precond_owner)
     ranks = [[[PlannedOp(op, 0.0, 0.0) for op in steps[q][t]] for t in range(k)] for q in range(cfg.world_size)]
     return Plan(
         config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],

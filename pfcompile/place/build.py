@@ -28,7 +28,7 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
                progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
                fixed_order: bool = True, refresh_steps: int | None = None,
                steady_state: bool = True, budget: Budget | None = None,
-               placement: str = "auto") -> tuple[Plan, ReplayResult, ReplayResult]:
+               placement: str = "auto", precond: str | None = None) -> tuple[Plan, ReplayResult, ReplayResult]:
     """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
@@ -38,7 +38,23 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     wall-clock limit (pfcompile.place.budget), which caps every CP-SAT call. Each task
     graph is built once. With `cfg.cluster`, `placement` "auto" puts the family's ranks on
     the nodes so the heaviest traffic stays inside them (pfcompile.place.topology; the
-    plan's stats["placement"] says what and why), "family" keeps the family's numbering."""
+    plan's stats["placement"] says what and why), "family" keeps the family's numbering.
+    `precond` "auto" plans with split (PipeFisher's blocks), layers and every-replica
+    preconditioning and keeps the fastest (then the smaller k); "all"/"split"/"layers" set
+    cfg.precond; None keeps it."""
+    if precond == "auto":
+        kw = dict(where=where, progress=progress, describe=describe, time_limit=time_limit, workers=workers,
+                  fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state, budget=budget,
+                  placement=placement)
+        if not (cfg.kfac and cfg.replicas > 1) or method == "none":
+            return build_plan(profile, cfg, method, precond="all", **kw)
+        tried = [build_plan(profile, cfg, method, precond=pc, **kw) for pc in ("all", "split", "layers")]
+        best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
+        best[0].stats["precond_auto"] = {t[0].config["precond_division"]: round(t[0].stats["step_time_ms"], 3)
+                                         for t in tried}
+        return best
+    if precond is not None:
+        cfg = replace(cfg, precond=precond)
     placed = None
     if cfg.cluster is not None and cfg.rank_map is None:  # where the family's ranks go on the nodes
         from pfcompile.place.topology import choose_rank_map

@@ -89,6 +89,8 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
         index[t] = p.add(t, us, (t.rank,), option_of.get(t))
     if choose and refresh:  # the broadcasts from each candidate inverter
         for (layer, f), cands in tg.inv_candidates.items():
+            if len(cands) < 2:  # no choice (split preconditioning: only the owner needs it)
+                continue
             for c in cands:
                 inv = Task(None, c, Op("inv", layer=layer, factor=f))
                 group = []
@@ -182,6 +184,8 @@ def _inversion_options(tg: TaskGraph, p: Problem) -> dict[Task, int]:
     inversion="all", has one on every candidate) and its broadcasts."""
     option_of = {}
     for key, cands in tg.inv_candidates.items():
+        if len(cands) < 2:  # nothing to choose: the inv is mandatory
+            continue
         ids = []
         for c in cands:
             o = len(option_of)

@@ -11,6 +11,18 @@
 3. Merge the placed tasks into each rank's step lists by start time -> Plan (then the
    replay checks it and gives the predicted times).
 No memory model (PipeFisher has none): the replay reports a plan over the memory limit.
+
+As pipe-fisher's auto_schedule.py: the cycle's first step is filled first (earliest gap
+wins), and a task goes into a gap only if the gap left holds its duration plus a 5% margin
+(`MARGIN_RATIO`, PipeFisher's `margin_ratio`: measured times vary). Where it still differs,
+and why: (a) an inversion waits for BOTH factors of its layer (PipeFisher: only its own),
+because the runtime splits the damping between A and B by the pi-correction, which needs
+both; (b) a collective (factor sync, broadcast) is placed in a window idle on every member
+at once (PipeFisher schedules each GPU on its own and lets collectives wait), so the
+replayed timeline is exactly the planned one; (c) tasks are visited task by task in
+dependency order, earliest-ready first, each into its earliest fitting gap (PipeFisher:
+bubble by bubble, trying the workloads in priority order curvature, sync, inversion);
+for a dependency-ordered list both fill the earliest bubbles first.
 A task no bubble can hold (longer than every gap of its rank, or with no common idle
 window on a collective's ranks; with one stage there are no bubbles at all) runs, with
 everything that depends on it, after the last step of the cycle.
@@ -31,6 +43,7 @@ from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 
 EPS = 1e-9
+MARGIN_RATIO = 0.05  # pipe-fisher auto_schedule.py: a bubble takes a task only with 5% to spare
 
 
 def time_fixed_order(tg: TaskGraph, orders: dict[int, list[Task]]) -> dict[Task, tuple[float, float]]:
@@ -167,12 +180,14 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
 
 
 def _first_fit(group: tuple[Task, ...], ready: float, d: float, gaps: dict[int, _Gaps], max_steps: int) -> float | None:
-    """Earliest start >= ready at which every member's rank is idle for d, within max_steps."""
+    """Earliest start >= ready at which every member's rank is idle for d plus the margin,
+    within max_steps."""
     ranks = [t.rank for t in group]
     for q in ranks:
         gaps[q].grow(max_steps)
-    cands = sorted({s for q in ranks for s in gaps[q].candidates(ready, d)})
+    need = d * (1 + MARGIN_RATIO)
+    cands = sorted({s for q in ranks for s in gaps[q].candidates(ready, need)})
     for s in cands:
-        if all(gaps[q].fits(s, d) for q in ranks):
+        if all(gaps[q].fits(s, need) for q in ranks):
             return s
     return None

@@ -25,7 +25,8 @@ _GROUP_OF_KIND = {
     "send_act": "p2p", "recv_act": "p2p", "send_grad": "p2p", "recv_grad": "p2p",
     "curv_a": "curv", "curv_b": "curv",
     "sync_curv": "sync_curv", "bcast_inv": "sync_curv",
-    "inv": "inv", "sync_grad": "sync_grad", "precond": "precond", "step": "step",
+    "inv": "inv", "sync_grad": "sync_grad", "rs_grad": "sync_grad", "ag_grad": "sync_grad",
+    "precond": "precond", "step": "step",
 }
 
 
