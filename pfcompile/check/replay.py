@@ -214,10 +214,24 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     def name(q, c, t, op):
         return f"{op} (rank {q}, step {t}{f', cycle {c}' if c else ''})"
 
+    rules: dict[tuple, tuple[list, list]] = {}  # (rank, step, op, cycle > 0) -> its dependencies
+
+    def dependencies(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
+        """op_dependencies, derived once per listed op and shifted to later cycles (the
+        rules of cycle c are those of cycle 1 with every cycle index moved by c - 1)."""
+        c0 = 1 if c > 0 else 0
+        got = rules.get((q, t, op, c0))
+        if got is None:
+            got = rules[(q, t, op, c0)] = op_dependencies(L, q, c0, t, op)
+        if c == c0:
+            return got
+        shift = c - c0
+        return ([(k[0] + shift,) + k[1:] for k in got[0]], [(k[0] + shift,) + k[1:] for k in got[1]])
+
     def ready_time(q: int) -> float | None:
         """When rank q's next op may start as far as its own dependencies go; None if it must wait."""
         c, t, i, op = seq[q][pos[q]]
-        local, remote = op_dependencies(L, q, c, t, op)
+        local, remote = dependencies(q, c, t, op)
         at = clock[q]
         for dk in local:
             if dk not in end:
@@ -316,9 +330,9 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, chec
         live: dict[tuple, int] = {}
         for st, en, c, t, i, op in timeline[q]:
             for bkey, nbytes in costs.allocates(op, refresh=(t == 0)):
-                events.append((st, 1, nbytes, (c,) + bkey, f"{op} (rank {q}, step {t})"))
+                events.append((st, 1, nbytes, (c,) + bkey, (op, t)))
             for bkey in costs.frees(op):
-                events.append((en, 0, None, (c,) + bkey, f"{op} (rank {q}, step {t})"))
+                events.append((en, 0, None, (c,) + bkey, (op, t)))
         events.sort(key=lambda e: (e[0], e[1]))
         cur, peak, peak_at, trace = resident[q], resident[q], "start", [(0.0, resident[q])]
         for at, order, nbytes, bkey, who in events:
@@ -334,8 +348,9 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, chec
         peaks.append(peak)
         traces.append(trace)
         if check_memory and limit is not None and peak > limit:
+            at_op = peak_at if peak_at == "start" else f"{peak_at[0]} (rank {q}, step {peak_at[1]})"
             raise ReplayError(where, "config.memory_limit_bytes",
-                              f"rank {q} needs {peak} bytes (at {peak_at}), over the limit of {limit}")
+                              f"rank {q} needs {peak} bytes (at {at_op}), over the limit of {limit}")
     util = sum(busy) / (L.W * T) if T > 0 else 0.0
     return ReplayResult(times=times, cycle_time_ms=T, step_time_from_idle_ms=T / L.k, refresh_steps=L.k, steady_cycle_time_ms=steady,
                         busy_ms=busy, idle_ms=[T - b for b in busy], utilization=util,

@@ -138,6 +138,8 @@ def peer_stage(op: "Op") -> int:
 
 
 _FIELDS = ("stage", "mb", "layer", "factor", "peer")
+# kind -> for each of _FIELDS, whether the kind needs it (checked on every Op made: hot)
+_NEED = {kind: tuple(f in need for f in _FIELDS) for kind, (_, need) in OP_KINDS.items()}
 
 
 @dataclass(frozen=True, order=True)
@@ -165,19 +167,22 @@ class Op:
                 and self.peer == other.peer)
 
     def __post_init__(self):
-        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.mb, self.layer, self.factor, self.peer)))
-        if self.kind not in OP_KINDS:
-            raise ValueError(f"unknown op {self.kind!r} (known: {', '.join(OP_KINDS)})")
-        need = OP_KINDS[self.kind][1]
-        for f in _FIELDS:
-            v = getattr(self, f)
-            if f in need and v is None:
-                raise ValueError(f"op {self.kind} needs field {f!r}")
-            if f not in need and v is not None:
-                raise ValueError(f"op {self.kind} takes no field {f!r}")
-            if f == "factor" and v is not None and v not in FACTORS:
-                raise ValueError(f"factor must be 'A' or 'B', got {v!r}")
-            if f != "factor" and v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        kind = self.kind
+        values = (self.stage, self.mb, self.layer, self.factor, self.peer)
+        object.__setattr__(self, "_hash", hash((kind,) + values))
+        need = _NEED.get(kind)
+        if need is None:
+            raise ValueError(f"unknown op {kind!r} (known: {', '.join(OP_KINDS)})")
+        for f, v, needed in zip(_FIELDS, values, need):
+            if v is None:
+                if needed:
+                    raise ValueError(f"op {kind} needs field {f!r}")
+            elif not needed:
+                raise ValueError(f"op {kind} takes no field {f!r}")
+            elif f == "factor":
+                if v not in FACTORS:
+                    raise ValueError(f"factor must be 'A' or 'B', got {v!r}")
+            elif type(v) is not int or v < 0:  # not a bool either (type(True) is bool)
                 raise ValueError(f"field {f!r} must be a non-negative int, got {v!r}")
 
     # --- text form -------------------------------------------------------------------
