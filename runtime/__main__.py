@@ -7,7 +7,8 @@ runtime.checkpoint (save / resume), runtime.metrics (metrics log, progress), run
 (the trained model file), runtime.measure (timeline, summary), runtime.faults (fault
 injection for tests).
 
-Exit codes: 0 done, 2 bad input (plan, flags, model), 3 a peer was lost / timed out.
+Exit codes: 0 done, 2 bad input (plan, flags, model), 3 a peer was lost / timed out,
+4 the run diverged (a non-finite activation or loss; the step and stage are named).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from pfcompile.formats.errors import InputError
 from runtime.config import build_parser, prepare
 
-EXIT_INPUT, EXIT_COMM = 2, 3
+EXIT_INPUT, EXIT_COMM, EXIT_DIVERGED = 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         return _fail(rank, e, EXIT_INPUT)
     from runtime.comm import CommTimeout
+    from runtime.interpreter import NonFiniteError
     from runtime.loop import run
     try:
         summary = run(job, args)
     except CommTimeout as e:
         return _fail(rank, e, EXIT_COMM)
+    except NonFiniteError as e:
+        return _fail(rank, e, EXIT_DIVERGED)
     except InputError as e:
         return _fail(rank, e, EXIT_INPUT)
     if summary is not None:

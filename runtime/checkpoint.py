@@ -12,6 +12,7 @@ checkpoint holds tensors, numbers and strings, never pickled code.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -43,21 +44,27 @@ def complete_steps(root: str | os.PathLike, world_size: int) -> list[int]:
     return sorted(steps)
 
 
-def save(root: str | os.PathLike, step: int, rank: int, world_size: int, state: dict) -> None:
+def save(root: str | os.PathLike, step: int, rank: int, world_size: int, state: dict, keep: int = 1) -> None:
     root = Path(root)
     target = _rank_file(root, step, rank)
     with atomic_file(target) as f:
         torch.save(state, f)
-    _prune(root, rank, world_size)
+    prune(root, rank, world_size, keep)
 
 
-def _prune(root: Path, rank: int, world_size: int) -> None:
+def prune(root: str | os.PathLike, rank: int, world_size: int, keep: int = 1) -> None:
+    """Delete this rank's files of steps older than the `keep`-th newest complete checkpoint
+    (newer, still incomplete ones stay: they may become the next complete one). Called after
+    each save and once more at the end of the run, when every rank has saved: the faster
+    rank's previous file is pruned then, not left behind."""
+    root = Path(root)
     done = complete_steps(root, world_size)
     if not done:
         return
+    oldest_kept = done[-keep] if len(done) >= keep else done[0]
     for d in root.iterdir():
         m = _STEP_DIR.match(d.name)
-        if m and int(m.group(1)) < done[-1]:
+        if m and int(m.group(1)) < oldest_kept:
             try:
                 (d / f"rank-{rank}.pt").unlink()
             except FileNotFoundError:
@@ -66,6 +73,24 @@ def _prune(root: Path, rank: int, world_size: int) -> None:
                 d.rmdir()  # the last rank to prune removes the directory
             except OSError:
                 pass
+
+
+def clean_temporary(root: str | os.PathLike, rank: int) -> int:
+    """Remove this rank's orphaned temporary files (a rank killed while writing leaves one:
+    atomic_file's `.rank-Q.pt.XXXX.tmp`); called on start, before any rank writes. -> count."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    n = 0
+    for d in root.iterdir():
+        if _STEP_DIR.match(d.name) and d.is_dir():
+            for f in d.glob(f".rank-{rank}.pt.*.tmp"):
+                try:
+                    f.unlink()
+                    n += 1
+                except FileNotFoundError:
+                    pass
+    return n
 
 
 def load(root: str | os.PathLike, step: int, rank: int, map_location=None) -> dict:
@@ -102,11 +127,11 @@ def load_stage_state(sr, state: dict) -> None:
         layer.load_kept_captures(state["kept"][layer.name])
 
 
-def save_rank(root: str | os.PathLike, step: int, world, stages: dict) -> None:
+def save_rank(root: str | os.PathLike, step: int, world, stages: dict, keep: int = 1) -> None:
     """This rank's checkpoint of the state after `step` steps: its stages and the RNG."""
     save(root, step, world.rank, world.world_size, {
         "step": step, "rng": capture_rng(),
-        "stages": {s: stage_state(sr) for s, sr in stages.items()}})
+        "stages": {s: stage_state(sr) for s, sr in stages.items()}}, keep)
 
 
 def resume(root: str, world, stages: dict) -> int:
@@ -128,7 +153,8 @@ def resume(root: str, world, stages: dict) -> int:
         for s, sr in stages.items():
             load_stage_state(sr, state["stages"][s])
         restore_rng(state["rng"])
-    except (KeyError, RuntimeError, ValueError, OSError) as e:
+    except (KeyError, RuntimeError, ValueError, OSError, TypeError, AttributeError, IndexError, EOFError,
+            pickle.UnpicklingError) as e:  # a foreign, damaged or pickled-code file: one line, no traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(str(_rank_file(Path(root), step, world.rank)), None,
                          f"cannot resume this plan from it ({type(e).__name__}: {first})") from None

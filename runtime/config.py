@@ -9,10 +9,16 @@ InputError; runtime.__main__ turns it into exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import stage_served
+from pfcompile.formats.jsonio import check_output_dir, check_output_path
+
+MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
+MAX_THREADS = 1024
+MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at the end, gather the trained model into this file (spec beside it, OUT.json)")
     p.add_argument("--save-model-every-checkpoint", action="store_true",
                    help="also write --save-model at every checkpoint")
+    p.add_argument("--keep", type=int, default=1, metavar="K",
+                   help="complete checkpoints kept in --checkpoint-dir, the newest (default 1)")
     p.add_argument("--trace", "-o", default=None, metavar="OUT.json",
                    help="write the measured timeline (Perfetto/Chrome trace) here")
     p.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION",
@@ -98,6 +106,10 @@ def prepare(args, rank: int, world_size: int) -> Job:
                          f"the plan is for {plan.world_size} ranks but this job has {world_size} "
                          f"(launch with torchrun --nproc-per-node/--nnodes giving {plan.world_size})")
     _check_rank_ops(plan, rank, where)
+    # The whole plan, every rank's lists: the same verdict on every rank, before any
+    # collective (a plan that would deadlock or train different mathematics ends here).
+    from pfcompile.formats.verify import verify_plan
+    verify_plan(plan, where)
     spec = _resolve_model(plan, args, where)
     _check_plan_fits_model(plan, spec, where)
     train_config.apply_plan(train, plan, where)
@@ -154,6 +166,26 @@ def _check_flags(args) -> None:
         raise InputError("--checkpoint-dir", None, "is needed by --checkpoint-every and --resume")
     if args.checkpoint_every < 0:
         raise InputError("--checkpoint-every", None, f"must be >= 0, got {args.checkpoint_every}")
+    # every number and path before any work: a bad one found after training started would
+    # waste the run (or, for --trace, all of it)
+    if args.steps is not None and args.steps > MAX_STEPS:
+        raise InputError("--steps", None, f"{args.steps} is over the limit of {MAX_STEPS}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise InputError("--threads", None, f"must be in 1..{MAX_THREADS}, got {args.threads}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise InputError("--timeout", None, f"must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {args.timeout}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise InputError("--lr", None, f"must be a positive finite number, got {args.lr}")
+    if args.warmup is not None and args.warmup < 0:
+        raise InputError("--warmup", None, f"must be >= 0, got {args.warmup}")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise InputError("--seed", None, f"must be in 0..2**63-1, got {args.seed}")
+    if args.keep < 1:
+        raise InputError("--keep", None, f"must be >= 1 (the checkpoint to resume from), got {args.keep}")
+    if args.checkpoint_dir is not None:
+        check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.trace is not None:
+        check_output_path(args.trace, "--trace")
 
 
 def _resolve_model(plan, args, where: str):
@@ -184,6 +216,11 @@ def _check_plan_fits_model(plan, spec, where: str) -> None:
         v = plan.model.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise InputError(where, f"model.{key}", f"must be a positive integer, got {v!r}")
+    # the spec the plan was made for must be the model built here (the runtime builds by name)
+    for key in ("kind", "layers", "hidden", "heads", "ffn", "vocab"):
+        if key in plan.model and plan.model[key] != getattr(spec.cfg, key):
+            raise InputError(where, f"model.{key}", f"{plan.model[key]!r:.40} but the model {plan.model['name']!r} "
+                             f"built here has {getattr(spec.cfg, key)!r} (rule: model)")
     if len(plan.micro_batch_replica) != plan.config["micro_batches"]:
         raise InputError(where, "micro_batch_replica",
                          f"has {len(plan.micro_batch_replica)} entries for {plan.config['micro_batches']} micro-batches")

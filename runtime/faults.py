@@ -3,6 +3,9 @@
 PFC_RUNTIME_CRASH="RANK:STEP" makes that rank exit abruptly (os._exit, no cleanup) at the
 start of that step, on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a
 torchrun restart can be shown to resume from the last complete checkpoint.
+PFC_RUNTIME_NAN="RANK:STEP" fills that rank's first stage's parameters with NaN at the
+start of that step (a diverged update on demand), so the stop on a non-finite loss can be
+shown naming the step and the stage.
 """
 
 from __future__ import annotations
@@ -29,3 +32,19 @@ def _crash_step(rank: int) -> int | None:
         return None
     r, _, s = spec.partition(":")
     return int(s) if int(r) == rank else None
+
+
+def poison_hook(rank: int, stages: dict):
+    """A callable `hook(step)`: at the configured step, NaN into this rank's first stage."""
+    spec = os.environ.get("PFC_RUNTIME_NAN")
+    r, _, s = (spec or "").partition(":")
+    step = int(s) if spec and int(r) == rank else None
+
+    def hook(current: int) -> None:
+        if current == step and stages:
+            import torch
+
+            with torch.no_grad():
+                for p in stages[min(stages)].module.parameters():
+                    p.fill_(float("nan"))
+    return hook

@@ -31,6 +31,10 @@ from runtime.precision import Precision, precision
 from runtime.split_backward import WeightPasses
 
 
+class NonFiniteError(RuntimeError):
+    """The run diverged: a stage's forward produced inf or NaN (checked once per step)."""
+
+
 @dataclass
 class StageReplica:
     """What one rank holds of one model stage."""
@@ -65,6 +69,7 @@ class Interpreter:
         self.tokens: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
+        self.finite: dict[int, torch.Tensor] = {}  # stage -> all its forwards' outputs finite this step
         # plan layer index -> KfacLayer, over all stages of this rank
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
         # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
@@ -99,13 +104,18 @@ class Interpreter:
         # Marks are host instants on CPU, CUDA events on the current stream on CUDA (read by
         # end_step, never a synchronise per op: see runtime.measure).
         step_start = tl.mark()
-        for op in self.plan.ops(self.world.rank, step):
-            start = tl.mark()
-            self.handlers[op.kind](op)
-            tl.record(step, str(op), op.kind, start, tl.mark())
-            mem.after(op.kind, op.stage, op.mb)
+        try:
+            for op in self.plan.ops(self.world.rank, step):
+                start = tl.mark()
+                self.handlers[op.kind](op)
+                tl.record(step, str(op), op.kind, start, tl.mark())
+                mem.after(op.kind, op.stage, op.mb)
+        except kfac.NonFiniteFactorError as e:  # the divergence reached a factor first
+            self._check_finite(step)  # names the first stage whose forward went non-finite
+            raise NonFiniteError(f"step {step}: rank {self.world.rank}: {e}") from None
         self.mailbox.drain()
         tl.end_step(step, step_start, tl.mark(), mem.end_step())
+        self._check_finite(step)
         return float(self.loss_sum)
 
     def run_forward(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -125,6 +135,15 @@ class Interpreter:
         self.memory.acts.clear()  # no backward will release what these forwards registered
         return float(self.loss_sum)
 
+    def _check_finite(self, step: int) -> None:
+        """One host read per step of flags the forwards set without waiting (see _fwd)."""
+        flags, self.finite = self.finite, {}
+        if not flags or bool(torch.stack([ok for _, ok in sorted(flags.items())]).all()):
+            return
+        stage = min(s for s, ok in flags.items() if not bool(ok))
+        raise NonFiniteError(f"step {step}: stage {stage} (rank {self.world.rank}) produced a non-finite "
+                             f"activation or loss; the run diverged (a smaller --lr?)")
+
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
         sr = self.stages[op.stage]
@@ -137,6 +156,9 @@ class Interpreter:
             out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m))
         if sr.is_last:  # a tensor sum, read after the step: no host wait on CUDA here
             self.loss_sum = self.loss_sum + out.detach()
+        # a flag tensor per stage, read once after the step (no host wait per op)
+        ok = torch.isfinite(out.detach()).all()
+        self.finite[op.stage] = ok if op.stage not in self.finite else self.finite[op.stage] & ok
         sr.inputs[m], sr.outputs[m] = x, out
 
     def _stage_forward(self, sr: StageReplica, x: torch.Tensor, m: int) -> torch.Tensor:

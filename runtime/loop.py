@@ -42,6 +42,8 @@ def run(job, args) -> measure.Summary | None:
         interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision, update, timeline,
                              tags=job.p2p_tags)
 
+        if args.checkpoint_dir:
+            checkpoint.clean_temporary(args.checkpoint_dir, world.rank)  # a killed write's leftovers
         first = checkpoint.resume(args.checkpoint_dir, world, stages) if args.resume else 0
         if first >= steps:
             raise InputError("--steps", None, f"{steps}, but the checkpoint is already at step {first}")
@@ -53,6 +55,7 @@ def run(job, args) -> measure.Summary | None:
             _announce(train, [d for d in {log_dir, args.checkpoint_dir} if d], say)
             metrics = Metrics(log_dir, steps, first, mb_size * N * seq_len)
         before_step = faults.crash_hook(world.rank)
+        poison = faults.poison_hook(world.rank, stages)
         losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
         pending: list[tuple] = []  # (step, loss share, norm² share, ms, lr, refresh) until the next reduction
         every, log_every = train["eval.every"], train["log.every"]
@@ -60,6 +63,7 @@ def run(job, args) -> measure.Summary | None:
         timeline.start()  # all ranks measure from (about) the same instant
         for step in range(first, steps):
             before_step(step)
+            poison(step)
             started = time.perf_counter()
             lr = _lr(optim_cfg, step, bool(plan.config["kfac"]))
             mbs = split_micro_batches(stream.batch(step), N)
@@ -75,13 +79,15 @@ def run(job, args) -> measure.Summary | None:
             if evaluate_now:
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if args.checkpoint_every and done % args.checkpoint_every == 0:
-                checkpoint.save_rank(args.checkpoint_dir, done, world, stages)
+                checkpoint.save_rank(args.checkpoint_dir, done, world, stages, keep=args.keep)
                 if args.save_model_every_checkpoint:
                     _save_model(job, args, train, world, stages, len(val_batches or []))
 
         if args.save_model:
             _save_model(job, args, train, world, stages, len(val_batches or []))
         gathered = comm.gather_json(world, timeline.to_json())
+        if args.checkpoint_every:  # every rank has saved (the gather met them all): prune for real
+            checkpoint.prune(args.checkpoint_dir, world.rank, world.world_size, args.keep)
         clean = True
         if world.rank != 0:
             return None

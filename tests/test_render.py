@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.plan import load_plan, plan_from_json
 from pfcompile.render import plan_events, render_files
 from pfcompile.render.graph import TaskFilter
@@ -112,6 +113,7 @@ def build_plan(schedule="1f1b", D=2, M=4, v=1, kfac=True, layers_per_stage=2) ->
         "micro_batch_replica": [0] * M,
         "ranks": [{"rank": q, "steps": [programs[q]]} for q in range(D)],
         "stats": {"step_time_ms": max(clock)},
+        "profile": {"model_hash": canonical_hash({"name": "toy"})},  # the spec the plan was made for
     }
 
 
@@ -423,5 +425,7 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
 def test_a_filter_that_selects_nothing_fails_before_any_output(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
     r = cli(plan_path, "--trace", tmp_path / "t.json", "--graph", tmp_path / "g.svg", "--ranks", "5")
-    assert r.returncode == 2 and "select no task" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # rank 5 of a 2-rank plan: refused by name before anything is drawn
+    assert r.returncode == 2 and "--ranks: 5 is not in the plan, which has 2 ranks" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "t.json").exists()

@@ -6,6 +6,8 @@ planner — so that the runtime is tested on its own; the demo runs `pfcompile p
 
 from __future__ import annotations
 
+from pfcompile.formats.jsonio import canonical_hash
+
 
 # --- hand-made plans --------------------------------------------------------------------
 def _placement(schedule: str, D: int, R: int) -> dict[tuple[int, int], int]:
@@ -140,7 +142,8 @@ def hand_plan(schedule: str, D: int, N: int, R: int, k: int, model: dict, partit
         "micro_batch_replica": mbr,
         "ranks": [{"rank": q, "steps": steps[q]} for q in range(W)],
         "stats": {"step_time_ms": max(t.values()) / k},
-        "profile": {"name": "hand-made", "hash": "", "source": "test"},
+        "profile": {"name": "hand-made", "hash": "", "source": "test",
+                    "model_hash": canonical_hash(model)},  # the spec the plan was made for
     }
 
 
@@ -360,6 +363,7 @@ def test_bad_plans_fail_with_one_line(tmp_path):
     # A user model is imported only when the command line names the same code.
     obj = json.loads(text)
     obj["model"]["name"] = "os:getcwd"
+    obj["profile"]["model_hash"] = canonical_hash(obj["model"])  # a plan made for that model
     user = tmp_path / "user-model.json"
     user.write_text(json.dumps(obj))
     r = run_single(str(user), "--steps", "1", world_size=2)

@@ -1,4 +1,6 @@
-"""The dependency rules of the plan semantics, read from a plan alone (DESIGN.md).
+"""The dependency rules of the plan semantics, read from a plan alone (DESIGN.md), as the
+task graph of a plan. The rules are defined in pfcompile.formats.rules (the contract
+package: the runtime's verifier applies them too) and re-exported here.
 
 `PlanLayout(plan)`: the plan's placement and sizes as queries (pfcompile.formats.plan.Layout
 plus the plan's stage count, cycle length, K-FAC layers). `op_dependencies(layout, rank,
@@ -21,127 +23,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator
 
-from pfcompile.formats.ops import (FACTORS, FLOATING_KINDS, Op, backward_kinds, input_grad_kind, stage_served,
-                                   weight_grad_kind)
-from pfcompile.formats.plan import Layout, Plan, Task
-
-# An instance of a task in a run of several cycles: (cycle, step | None for floating work, rank, op)
-Key = tuple
-
-
-class PlanLayout(Layout):
-    """The plan's placement, sizes and K-FAC layers, as queries."""
-
-    def __init__(self, plan: Plan):
-        super().__init__(plan.placement, plan.micro_batch_replica)
-        c = plan.config
-        self.S = plan.num_stages
-        self.R = int(c["replicas"])
-        self.N = int(c["micro_batches"])
-        self.k = plan.refresh_steps
-        self.W = plan.world_size
-        self.kfac = bool(c["kfac"])
-        schedule = str(c.get("schedule", ""))
-        self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
-        self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
-        self.Wk = weight_grad_kind(schedule)  # completes the weight gradients of a micro-batch
-        self.mbr = self.micro_batch_replica
-        self.layer_stage = plan.layer_stage
-        self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
-        # split preconditioning: the replica that preconditions each layer (None: every one)
-        owner = c.get("precond_owner") if c.get("precond") == "split" and self.kfac else None
-        self.precond_owner: list[int | None] | None = list(owner) if owner is not None else None
-
-    def split_stage(self, stage: int) -> bool:
-        """Whether the stage's gradients go rs_grad -> own preconditioning -> ag_grad."""
-        return self.precond_owner is not None and any(self.precond_owner[l] is not None
-                                                       for l in self.stage_layers[stage])
-
-    def preconditions(self, rank: int, stage: int) -> list[int]:
-        """The K-FAC layers of `stage` that `rank` preconditions each step."""
-        if not self.kfac:
-            return []
-        r = self.held[rank][stage]
-        return [l for l in self.stage_layers[stage]
-                if self.precond_owner is None or self.precond_owner[l] in (None, r)]
-
-    def group(self, stage: int) -> list[int]:
-        """The ranks of a stage's collectives, ascending."""
-        return sorted(self.replica_ranks(stage))
-
-    def stage_of(self, op: Op) -> int:
-        """The stage whose rank runs the op (a receive runs on the consumer's rank)."""
-        s = stage_served(op)
-        return s if s is not None else self.layer_stage[op.layer]
-
-
-def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list[Key], list[Key]]:
-    """(local, remote) dependencies of `op` listed at cycle c, step t on rank q, as instance
-    keys (cycle, step | None, rank, op); a remote one is a message's send, whose transfer
-    time the receive waits for on top."""
-    k, S = op.kind, L.S
-    s = L.stage_of(op)
-    r = L.held[q][s]
-    mine = L.mbs_of(r)
-    here = lambda o, step=t: (c, step, q, o)  # noqa: E731
-    local: list[Key] = []
-    remote: list[Key] = []
-    if k == "fwd":
-        if s > 0:
-            local.append(here(Op("fwd", stage=s - 1, mb=op.mb)) if L.rank[(s - 1, r)] == q
-                         else here(Op("recv_act", stage=s - 1, mb=op.mb, peer=L.rank[(s - 1, r)])))
-        if t > 0:
-            local.append(here(Op("step", stage=s), t - 1))
-        elif c > 0:
-            local.append((c - 1, L.k - 1, q, Op("step", stage=s)))
-    elif k in ("bwd", "bwd_input"):
-        local.append(here(Op("fwd", stage=s, mb=op.mb)))
-        if s + 1 < S:
-            local.append(here(Op(k, stage=s + 1, mb=op.mb)) if L.rank[(s + 1, r)] == q
-                         else here(Op("recv_grad", stage=s + 1, mb=op.mb, peer=L.rank[(s + 1, r)])))
-    elif k == "bwd_weight":
-        local.append(here(Op("bwd_input", stage=s, mb=op.mb)))
-    elif k == "send_act":
-        local.append(here(Op("fwd", stage=s, mb=op.mb)))
-    elif k == "send_grad":
-        local.append(here(Op(L.B, stage=s, mb=op.mb)))
-    elif k in ("recv_act", "recv_grad"):
-        send = Op("send_" + k[5:], stage=op.stage, mb=op.mb, peer=q)
-        remote.append((c, t, op.peer, send))
-    elif k == "curv_a":
-        local.append((c, 0, q, Op("fwd", stage=s, mb=op.mb)))
-    elif k == "curv_b":  # split backward: with or after W, which shares its output gradient
-        local.append((c, 0, q, Op(L.Wk, stage=s, mb=op.mb)))
-    elif k == "sync_curv":
-        kind = "curv_a" if op.factor == "A" else "curv_b"
-        local += [(c, None, q, Op(kind, layer=op.layer, mb=m)) for m in mine]
-    elif k == "inv":
-        if L.R > 1:
-            local += [(c, None, q, Op("sync_curv", layer=op.layer, factor=f)) for f in FACTORS]
-        else:
-            local += [(c, None, q, Op(kind, layer=op.layer, mb=m)) for m in mine for kind in ("curv_a", "curv_b")]
-    elif k == "bcast_inv":
-        if op.peer == q:
-            local.append((c, None, q, Op("inv", layer=op.layer, factor=op.factor)))
-    elif k in ("sync_grad", "rs_grad"):
-        local += [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    elif k == "ag_grad":  # after this replica's own preconditioning
-        local.append(here(Op("rs_grad", stage=s)))
-        local += [here(Op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] == r]
-    elif k == "precond":
-        if L.split_stage(s):
-            local.append(here(Op("rs_grad", stage=s)))
-        else:
-            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    elif k == "step":
-        if L.split_stage(s):
-            local.append(here(Op("ag_grad", stage=s)))
-            local += [here(Op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] is None]
-        elif L.kfac and L.stage_layers[s]:
-            local += [here(Op("precond", layer=l)) for l in L.stage_layers[s]]
-        else:
-            local += [here(Op("sync_grad", stage=s))] if L.R > 1 else [here(Op(L.Wk, stage=s, mb=m)) for m in mine]
-    return local, remote
+from pfcompile.formats.ops import FLOATING_KINDS, Op
+from pfcompile.formats.plan import Plan, Task
+# The rules themselves live in the contract package (the runtime's verifier applies them too).
+from pfcompile.formats.rules import Key, PlanLayout, op_dependencies  # noqa: F401  (re-exported)
 
 
 # --- the plan's tasks and their edges (one cycle) ----------------------------------------------

@@ -6,10 +6,9 @@ from pfcompile.graph.costs (the profile's numbers), and executes the lists in or
 runtime would, for `cycles` back-to-back refresh cycles (2 by default, so the cycle
 boundary is exercised). It
 
-- checks every op is on a rank that holds its stage, that no op is listed twice, and that
-  every required op is there (fwd/bwd of every (stage, mb) once per step; with K-FAC,
-  curv_a/curv_b of every (layer, mb) once per cycle, sync_curv per replica (R > 1), an
-  inv of each factor, bcast_inv when one replica inverts, precond each step);
+- checks the ops of the cycle and the per-pair message order with the contract's rules
+  (pfcompile.formats.rules.check_ops, pfcompile.formats.verify.check_pair_order: the same
+  rules the runtime's verifier applies);
 - runs the lists: an op starts when its rank is free and its dependencies are done; a
   dependency on the same rank that has not run yet is an error (in-order execution never
   satisfies it); a receive waits for its send plus the message's transfer time;
@@ -27,16 +26,18 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pfcompile.check.deps import PlanLayout, op_dependencies
-from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FACTORS, FLOATING_KINDS, Op, peer_stage
+from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Cluster, Profile
+from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, op_dependencies
+from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
 
 
-class ReplayError(InputError):
-    pass
+# The rules (what a cycle holds, where each op runs, what it waits for) are the contract's
+# (pfcompile.formats.rules), shared with the verifier the runtime runs; this module adds
+# durations, messages' transfer times and memory.
+ReplayError = PlanError
 
 
 @dataclass
@@ -94,105 +95,10 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
                   stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner)
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
-    _check_static(plan, L, where)
-    return _simulate(plan, L, costs, cycles, check_memory, where)
-
-
-# --- static checks ------------------------------------------------------------------------------
-
-def _check_static(plan: Plan, L: PlanLayout, where: str) -> None:
-    floating_seen: dict[tuple[int, Op], str] = {}
-    for q in range(L.W):
-        for t in range(L.k):
-            seen: dict[Op, int] = {}
-            for i, po in enumerate(plan.ranks[q][t]):
-                op = po.op
-                name = f"{op} (rank {q}, step {t})"
-                if op.kind in ("bwd", "bwd_input", "bwd_weight") and op.kind not in L.backward:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name}: the {plan.config.get('schedule')} family's backward ops are {', '.join(L.backward)}")
-                if op.is_kfac and not L.kfac:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name} is a K-FAC op in a plan without K-FAC")
-                s = L.stage_of(op)
-                if not 0 <= s < L.S or s not in L.held[q]:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name}: rank {q} holds no replica of stage {s}")
-                r = L.held[q][s]
-                if op.mb is not None and L.mbr[op.mb] != r:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name}: micro-batch {op.mb} runs on replica {L.mbr[op.mb]}, rank {q} holds replica {r}")
-                _check_peer(L, q, t, i, op, name, where)
-                if op.kind in FLOATING_KINDS:
-                    if (q, op) in floating_seen:
-                        raise ReplayError(where, _where(q, t, i, op), f"{name} is listed twice in the cycle (also at {floating_seen[(q, op)]})")
-                    floating_seen[(q, op)] = f"step {t}"
-                elif op in seen:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name} is listed twice in step {t} (also at [{seen[op]}])")
-                seen[op] = i
-            _check_step_complete(plan, L, q, t, set(seen), where)
-    if L.kfac:
-        _check_kfac_complete(L, floating_seen, where)
-
-
-def _check_peer(L: PlanLayout, q: int, t: int, i: int, op: Op, name: str, where: str) -> None:
-    if not op.is_p2p:
-        return
-    other = peer_stage(op)
-    if not 0 <= other < L.S:
-        raise ReplayError(where, _where(q, t, i, op), f"{name}: there is no stage {other} to exchange with")
-    expected = L.rank[(other, L.mbr[op.mb])]
-    if op.peer != expected:
-        raise ReplayError(where, _where(q, t, i, op), f"{name}: the peer of this message is rank {expected}, not {op.peer}")
-
-
-def _check_step_complete(plan: Plan, L: PlanLayout, q: int, t: int, ops: set[Op], where: str) -> None:
-    for s, r in sorted(L.held[q].items()):
-        need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
-        need.append(Op("step", stage=s))
-        if L.split_stage(s):
-            need += [Op("rs_grad", stage=s), Op("ag_grad", stage=s)]
-        elif L.R > 1:
-            need.append(Op("sync_grad", stage=s))
-        need += [Op("precond", layer=l) for l in L.preconditions(q, s)]
-        for op in need:
-            if op not in ops:
-                raise ReplayError(where, f"ranks[{q}].steps[{t}]", f"{op} (rank {q}, step {t}) is missing")
-
-
-def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
-    def missing(q, op):
-        return ReplayError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing")
-
-    bcasts: dict[tuple[int, str], list[tuple[int, Op]]] = defaultdict(list)  # (layer, factor) -> (rank, op)
-    for (r, o) in floating:
-        if o.kind == "bcast_inv":
-            bcasts[(o.layer, o.factor)].append((r, o))
-    for l, s in enumerate(L.layer_stage):
-        group = L.group(s)
-        for q in group:
-            for m in L.mbs_of(L.held[q][s]):
-                for kind in ("curv_a", "curv_b"):
-                    if (q, Op(kind, layer=l, mb=m)) not in floating:
-                        raise missing(q, Op(kind, layer=l, mb=m))
-            if L.R > 1:
-                for f in FACTORS:
-                    if (q, Op("sync_curv", layer=l, factor=f)) not in floating:
-                        raise missing(q, Op("sync_curv", layer=l, factor=f))
-        owner = L.precond_owner[l] if L.precond_owner is not None else None
-        for f in FACTORS:
-            inverters = [q for q in group if (q, Op("inv", layer=l, factor=f)) in floating]
-            if owner is not None:  # split preconditioning: the owner inverts, nobody else needs it
-                q = L.rank[(s, owner)]
-                if q not in inverters:
-                    raise missing(q, Op("inv", layer=l, factor=f))
-                continue
-            if not inverters:
-                raise missing(group[0], Op("inv", layer=l, factor=f))
-            if len(inverters) < len(group):
-                receivers = {r for r, _ in bcasts[(l, f)]}
-                for q in group:
-                    if q not in receivers:
-                        raise missing(q, Op("bcast_inv", layer=l, factor=f, peer=inverters[0]))
-                for (r, o) in bcasts[(l, f)]:
-                    if o.peer not in inverters:
-                        raise ReplayError(where, f"ranks[{r}]", f"{o} (rank {r}): rank {o.peer} does not invert factor {f} of layer {l}")
+    check_ops(plan, L, where)
+    result = _simulate(plan, L, costs, cycles, check_memory, where)
+    check_pair_order(plan, L, where)  # after: a missing message is named by its consumer first
+    return result
 
 
 # --- the simulation --------------------------------------------------------------------------

@@ -39,7 +39,10 @@ def run(args) -> int:
         from pfcompile.formats.plan import plan_from_json
         from pfcompile.render.text import format_plan
 
+        from pfcompile.formats.verify import verify_plan
+
         plan = plan_from_json(obj, args.file)
+        verify_plan(plan, args.file)
         if args.json:
             print(json.dumps(plan.stats))
         else:

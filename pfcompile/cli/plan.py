@@ -6,10 +6,13 @@ import json
 import re
 import sys
 
-from pfcompile.graph.costs import parse_partition
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import check_output_path
+from pfcompile.formats.limits import (MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TASKS,
+                                      MAX_VIRTUAL_STAGES, MAX_WORLD_SIZE)
+from pfcompile.formats.plan import METHODS, plan_from_json
 from pfcompile.formats.profile import load_profile
-from pfcompile.place.build import METHODS, build_plan
+from pfcompile.formats.verify import verify_plan
 from pfcompile.graph.schedules import INVERSION_POLICIES, SCHEDULES, PipelineConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -100,6 +103,8 @@ def config_from_args(args, profile) -> PipelineConfig:
     cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
     cfg.validate()
     if args.partition is not None:
+        from pfcompile.graph.costs import parse_partition
+
         cfg.partition = parse_partition(args.partition, profile, cfg.num_stages)
     elif cfg.num_stages > len(profile.parts):
         raise InputError("--stages", None, f"{cfg.num_stages} model stages but the profile has only {len(profile.parts)} parts")
@@ -140,7 +145,51 @@ def cluster_from_args(args, profile, world: int):
     return Cluster(nodes, gpus, intra, inter)
 
 
+def check_plan_bounds(args) -> None:
+    """The configuration's sizes, each against its bound (pfcompile.formats.limits)."""
+    for flag, value, limit in (("--stages", args.stages, MAX_STAGES),
+                               ("--micro-batches", args.micro_batches, MAX_MICRO_BATCHES),
+                               ("--virtual-stages", args.virtual_stages, MAX_VIRTUAL_STAGES),
+                               ("--replicas", args.replicas, MAX_REPLICAS)):
+        if value is None:
+            continue
+        if value < 1:
+            raise InputError(flag, None, f"must be a positive integer, got {value}")
+        if value > limit:
+            raise InputError(flag, None, f"{value} is over the limit of {limit} (the planner holds every op of "
+                             f"the cycle in memory; see pfcompile/formats/limits.py)")
+    world = args.stages * (args.replicas or 1)
+    if world > MAX_WORLD_SIZE:
+        raise InputError("--stages", None, f"{args.stages} stages x {args.replicas} replicas = {world} ranks, "
+                         f"over the limit of {MAX_WORLD_SIZE}")
+    if args.time_limit is not None and not (0 < args.time_limit <= 86400):
+        raise InputError("--time-limit", None, f"must be a number of seconds in (0, 86400], got {args.time_limit}")
+    if args.workers < 1:
+        raise InputError("--workers", None, f"must be a positive integer, got {args.workers}")
+
+
+def estimated_tasks(cfg: PipelineConfig, kfac_layers: int) -> int:
+    """Ops of one step: per (stage, micro-batch) a forward, a backward and up to four
+    messages; with K-FAC two curvature ops per (layer, micro-batch) and per layer and
+    replica the syncs, inversions, broadcasts and preconditioning."""
+    n = 6 * cfg.num_stages * cfg.micro_batches
+    if cfg.kfac:
+        n += 2 * kfac_layers * cfg.micro_batches + 7 * kfac_layers * cfg.replicas
+    return n
+
+
+def check_task_bound(cfg: PipelineConfig, kfac_layers: int) -> None:
+    n = estimated_tasks(cfg, kfac_layers)
+    if n > MAX_TASKS:
+        raise InputError("--micro-batches", None, f"{cfg.num_stages} stages x {cfg.micro_batches} micro-batches "
+                         f"make about {n} tasks per step, over the limit of {MAX_TASKS} (the planner's task "
+                         "graph would not fit in memory; see pfcompile/formats/limits.py)")
+
+
 def run(args) -> int:
+    check_plan_bounds(args)  # before reading anything: a typo must not start a runaway
+    if args.output:
+        check_output_path(args.output, "--output")
     from pfcompile.place.budget import Budget
 
     if not args.time_limit > 0:
@@ -150,6 +199,8 @@ def run(args) -> int:
     budget = Budget(args.time_limit, started=STARTED)  # from the command's start: imports, loading, writing count
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
+    check_task_bound(cfg, len(profile.kfac_layers))
+    from pfcompile.place.build import build_plan  # the planner's stack (networkx, ortools) only now
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -173,6 +224,9 @@ def run(args) -> int:
                                             placement=args.placement, precond=args.precond)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
+    # what is written is what every reader will verify: check the file's form, not the object
+    verify_plan(plan_from_json(plan.to_json(), args.output or "<plan>"), args.output or "<plan>",
+                profile_model=profile.model)
     if args.output:
         plan.save(args.output)
     keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",

@@ -6,7 +6,9 @@ import json
 import sys
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import check_output_path
 from pfcompile.formats.plan import load_plan
+from pfcompile.formats.verify import verify_plan
 from pfcompile.render import render_files
 
 def _int_set(flag: str, text: str | None) -> set[int] | None:
@@ -20,6 +22,8 @@ def _int_set(flag: str, text: str | None) -> set[int] | None:
             a, b = int(lo), int(hi) if hi else int(lo)
             if a < 0 or b < a:
                 raise ValueError
+            if b > 1_000_000:  # no plan has that many ranks, steps or layers; do not build the set
+                raise InputError(flag, None, f"{b} is larger than any plan's index (at most 1000000)")
             out.update(range(a, b + 1))
     except ValueError:
         raise InputError(flag, None, f"expected numbers and ranges like 0,2,5-7, got {text!r}") from None
@@ -57,9 +61,19 @@ def run(args) -> int:
 
     if not any((args.graph, args.timeline, args.trace, args.torch_csv)):
         raise InputError(None, None, "nothing to render: give --graph, --timeline, --trace and/or --torch-csv")
+    for flag, path in (("--graph", args.graph), ("--timeline", args.timeline), ("--trace", args.trace),
+                       ("--torch-csv", args.torch_csv)):
+        if path:
+            check_output_path(path, flag)
     flt = TaskFilter(_int_set("--ranks", args.ranks), _int_set("--steps", args.steps),
                      _int_set("--layers", args.layers))
     plan = load_plan(args.plan)
+    verify_plan(plan, args.plan)  # times finite and sane, ops where they belong: then drawable
+    for flag, chosen, n, what in (("--ranks", flt.ranks, plan.world_size, "ranks"),
+                                  ("--steps", flt.steps, plan.refresh_steps, "steps in its refresh cycle"),
+                                  ("--layers", flt.layers, len(plan.layers), "K-FAC layers")):
+        if chosen and max(chosen) >= n:
+            raise InputError(flag, None, f"{max(chosen)} is not in the plan, which has {n} {what} (0..{n - 1})")
     from rich.console import Console  # noqa: PLC0415
 
     console = Console(stderr=True)

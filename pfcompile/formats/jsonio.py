@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_JSON_INT_DIGITS
 
 
 @contextlib.contextmanager
@@ -56,23 +58,110 @@ def canonical_hash(obj: Any) -> str:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; a missing or corrupt file is an InputError naming the file."""
+    """Read a JSON file; a missing, corrupt or unbounded file is an InputError naming the file.
+
+    Bounded (pfcompile.formats.limits): the file's size, its nesting depth, the digits of an
+    integer; NaN and Infinity (which Python's reader accepts) are not JSON and refused."""
     p = str(path)
     try:
         with open(p, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise InputError(p, None, "no such file") from None
     except IsADirectoryError:
         raise InputError(p, None, "is a directory, expected a JSON file") from None
     except OSError as e:
         raise InputError(p, None, f"cannot read: {e.strerror}") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise InputError(p, None, f"larger than {MAX_JSON_BYTES} bytes, the most pfcompile reads")
+    return parse_json(raw, p)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise _Refused(f"an integer of {len(text.lstrip('-'))} digits ({text[:12]}...), more than the "
+                       f"{MAX_JSON_INT_DIGITS} any field of pfcompile holds")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise _Refused(f"{text[:24]} overflows a float")
+    return v
+
+
+def _no_constant(text: str):
+    raise _Refused(f"{text} is not a JSON number")
+
+
+class _Refused(ValueError):
+    pass
+
+
+def parse_json(raw: bytes | str, where: str) -> Any:
+    """json.loads with pfcompile's bounds; every failure is one InputError line."""
     try:
-        return json.loads(raw)
+        obj = json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except _Refused as e:
+        raise InputError(where, None, f"not accepted: {e}") from None
+    except RecursionError:
+        raise InputError(where, None, f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         line = getattr(e, "lineno", None)
         at = f" (line {line})" if line else ""
-        raise InputError(p, None, f"not valid JSON{at}: {getattr(e, 'msg', str(e))}") from None
+        raise InputError(where, None, f"not valid JSON{at}: {getattr(e, 'msg', str(e))}") from None
+    except ValueError as e:  # e.g. a float or int the reader itself cannot convert
+        raise InputError(where, None, f"not valid JSON: {str(e).splitlines()[0] if str(e) else 'bad value'}") from None
+    _check_depth(obj, where)
+    return obj
+
+
+def _check_depth(obj: Any, where: str) -> None:
+    """Iteratively (a recursive walk would itself overflow on what it is meant to refuse)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            items = o.values()
+        elif isinstance(o, list):
+            items = o
+        else:
+            continue
+        if d > MAX_JSON_DEPTH:
+            raise InputError(where, None, f"nested deeper than {MAX_JSON_DEPTH} levels")
+        stack.extend((v, d + 1) for v in items if isinstance(v, (dict, list)))
+
+
+def check_output_path(path: str | os.PathLike, flag: str) -> None:
+    """An output file named on the command line: refused before any work if it is a
+    directory, or if its folder is not writable (the nearest existing one decides)."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(flag, None, f"{str(p)!r} is a directory; give a file name")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise InputError(flag, None, f"{str(p)!r} is not writable")
+    parent = p.parent if str(p.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(flag, None, f"{str(parent)!r} is not a directory, {str(p)!r} cannot be made")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(flag, None, f"cannot write into {str(parent)!r} (permission denied)")
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> None:
+    """An output folder named on the command line: must be a folder (or creatable) and writable."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(flag, None, f"{str(p)!r} is a file, expected a directory")
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise InputError(flag, None, f"{str(probe)!r} is not a directory, {str(p)!r} cannot be made")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise InputError(flag, None, f"cannot write into {str(probe)!r} (permission denied)")
 
 
 class Fields:

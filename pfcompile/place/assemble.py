@@ -13,6 +13,8 @@ from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan, PlannedOp
 from pfcompile.formats.profile import Profile
+from pfcompile.formats.verify import model_hash
+from pfcompile.place.message_order import order_messages
 from pfcompile.check.replay import ReplayResult, replay
 from pfcompile.graph.schedules import PipelineConfig
 
@@ -21,6 +23,7 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
              *, fixed_order: bool = True) -> Plan:
     """A Plan with zero times from `steps[rank][step]` (op lists in execution order)."""
     cfg = tg.cfg
+    steps = order_messages(steps)  # the NCCL rule: each pair's receives in send order
     k = len(next(iter(steps.values())))
     config = {**cfg.to_json(), "refresh_steps": k, "method": method, "fixed_order": fixed_order}
     # the plan says who preconditions what ("split" whatever the division: the owners list it)
@@ -35,7 +38,8 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
         placement=cfg.placement(), micro_batch_replica=cfg.micro_batch_replica(), ranks=ranks,
         profile={"name": profile.name, "hash": profile.hash, "source": profile.source,
                  # the runtime's default device (and so its backend) is the profiled one
-                 "device_type": profile.provenance.get("device_type", "cpu")},
+                 "device_type": profile.provenance.get("device_type", "cpu"),
+                 "model_hash": model_hash(profile.model)},
     )
 
 

@@ -31,11 +31,13 @@ everything that depends on it, after the last step of the cycle.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import replace
 
 import networkx as nx
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.limits import MAX_REFRESH_STEPS, MAX_TASKS
 from pfcompile.formats.ops import FLOATING_KINDS
 from pfcompile.formats.plan import Task
 from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
@@ -119,6 +121,23 @@ class _Gaps:
         raise AssertionError("take() of a window that is not free")
 
 
+def _check_cycle_size(tg: TaskGraph, floating: list[Task], bubble: dict[int, float], per_step: int) -> None:
+    """Refuse up front a cycle too long to plan: the bubbles must absorb each rank's K-FAC
+    work, so k >= work / bubble per step, and the plan lists every step's ops k times."""
+    work: dict[int, float] = {}
+    for t in floating:
+        work[t.rank] = work.get(t.rank, 0.0) + tg.duration(t)
+    k = max([math.ceil(w / bubble[q] - 1e-9) for q, w in work.items() if bubble.get(q, 0.0) > 1e-9] + [1])
+    if k > MAX_REFRESH_STEPS:
+        raise InputError("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to fit "
+                         f"the bubbles, over the limit of {MAX_REFRESH_STEPS} (fewer micro-batches or more stages "
+                         "give more bubble per unit of work)")
+    if k * per_step > MAX_TASKS:
+        raise InputError("--micro-batches", None, f"a refresh cycle of at least {k} steps of {per_step} ops is over "
+                         f"the limit of {MAX_TASKS} tasks (the greedy's state would not fit in memory; see "
+                         "pfcompile/formats/limits.py)")
+
+
 def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
     """-> (graph of one step, steps[rank][step] op lists, info dict)."""
     tg = build_task_graph(profile, replace(cfg, refresh_steps=1))
@@ -132,6 +151,7 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
         gaps_of[q] = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
     gaps = {q: _Gaps(g, T) for q, g in gaps_of.items()}
     bubble = {q: sum(b - a for a, b in g) for q, g in gaps_of.items()}
+    _check_cycle_size(tg, floating, bubble, sum(len(ts) for ts in orders.values()))
 
     # a collective is placed as one unit: all members start together
     units = tg.unit_graph(floating)

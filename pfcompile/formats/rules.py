@@ -1,0 +1,306 @@
+"""The rules of a plan, defined once: which ops a refresh cycle must hold, where each runs,
+and what each waits for.
+
+`PlanLayout(plan)`: the plan's placement and sizes as queries; `op_dependencies(layout,
+rank, cycle, step, op)`: what one listed op waits for; `check_ops`: what a cycle must hold.
+The verifier (pfcompile.formats.verify, run by the runtime, inspect, render and before
+`pfcompile plan` writes), the replay (pfcompile.check.replay, the timing simulator) and
+the drawn task graph (pfcompile.check.deps) all take their rules from here (they live in
+the contract package because the runtime verifies plans and imports nothing else);
+tests/test_deps_agree.py checks they agree with the planners' task graph on every family, so a plan the
+runtime accepts is one the compiler's checker accepts and the picture shows what runs.
+Part of the contract package: standard library and pfcompile.formats only.
+
+Every refusal is a PlanError (an InputError: one line naming the file, the op's place
+`ranks[q].steps[t][i]`, the op as text with its rank and step, and the rule broken).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.ops import (FACTORS, FLOATING_KINDS, Op, backward_kinds, input_grad_kind, peer_stage,
+                                   stage_served, weight_grad_kind)
+from pfcompile.formats.plan import Layout, Plan
+
+FLOATING = FLOATING_KINDS  # K-FAC work that may run in any step of the refresh cycle (no step in its key)
+# An instance of a task in a run of several cycles: (cycle, step | None for floating work, rank, op)
+Key = tuple
+
+
+class PlanError(InputError):
+    """A plan that breaks one of the rules: names the rank, step, op and rule."""
+
+
+def op_name(q: int, t: int, op: Op, cycle: int = 0) -> str:
+    return f"{op} (rank {q}, step {t}{f', cycle {cycle}' if cycle else ''})"
+
+
+def op_field(q: int, t: int, i: int) -> str:
+    return f"ranks[{q}].steps[{t}][{i}]"
+
+
+class PlanLayout(Layout):
+    """The plan's placement, sizes and K-FAC layers, as queries."""
+
+    def __init__(self, plan: Plan):
+        super().__init__(plan.placement, plan.micro_batch_replica)
+        c = plan.config
+        self.S = plan.num_stages
+        self.R = int(c["replicas"])
+        self.N = int(c["micro_batches"])
+        self.k = plan.refresh_steps
+        self.W = plan.world_size
+        self.kfac = bool(c["kfac"])
+        schedule = str(c.get("schedule", ""))
+        self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
+        self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
+        self.Wk = weight_grad_kind(schedule)  # completes the weight gradients of a micro-batch
+        self.mbr = self.micro_batch_replica
+        self.layer_stage = plan.layer_stage
+        self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
+        # split preconditioning: the replica that preconditions each layer (None: every one)
+        owner = c.get("precond_owner") if c.get("precond") == "split" and self.kfac else None
+        self.precond_owner: list[int | None] | None = list(owner) if owner is not None else None
+
+    def split_stage(self, stage: int) -> bool:
+        """Whether the stage's gradients go rs_grad -> own preconditioning -> ag_grad."""
+        return self.precond_owner is not None and any(self.precond_owner[l] is not None
+                                                       for l in self.stage_layers[stage])
+
+    def preconditions(self, rank: int, stage: int) -> list[int]:
+        """The K-FAC layers of `stage` that `rank` preconditions each step."""
+        if not self.kfac:
+            return []
+        r = self.held[rank][stage]
+        return [l for l in self.stage_layers[stage]
+                if self.precond_owner is None or self.precond_owner[l] in (None, r)]
+
+    def group(self, stage: int) -> list[int]:
+        """The ranks of a stage's collectives, ascending."""
+        return sorted(self.replica_ranks(stage))
+
+    def stage_of(self, op: Op) -> int:
+        """The stage whose rank runs the op (a receive runs on the consumer's rank)."""
+        s = stage_served(op)
+        return s if s is not None else self.layer_stage[op.layer]
+
+    def instance(self, c: int, t: int, q: int, op: Op) -> tuple:
+        """The key of one executed op: floating K-FAC work is one instance per cycle."""
+        return (c, None if op.kind in FLOATING_KINDS else t, q, op)
+
+
+# --- what each op waits for ----------------------------------------------------------------------
+
+def _op(kind: str, stage=None, mb=None, layer=None, factor=None, peer=None) -> Op:
+    """An Op from fields already validated (those of a listed op and the plan's layout),
+    without Op's checks: the rules build one per dependency, for every op of a plan."""
+    o = object.__new__(Op)
+    for name, v in (("kind", kind), ("stage", stage), ("mb", mb), ("layer", layer), ("factor", factor), ("peer", peer)):
+        object.__setattr__(o, name, v)
+    object.__setattr__(o, "_hash", hash((kind, stage, mb, layer, factor, peer)))  # as Op.__post_init__
+    return o
+
+
+def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list[Key], list[Key]]:
+    """(local, remote) dependencies of `op` listed at cycle c, step t on rank q, as instance
+    keys (cycle, step | None, rank, op); a remote one is a message's send, whose transfer
+    time the receive waits for on top."""
+    k, S = op.kind, L.S
+    s = L.stage_of(op)
+    r = L.held[q][s]
+    mine = L.mbs_of(r)
+    here = lambda o, step=t: (c, step, q, o)  # noqa: E731
+    local: list[Key] = []
+    remote: list[Key] = []
+    if k == "fwd":
+        if s > 0:
+            local.append(here(_op("fwd", stage=s - 1, mb=op.mb)) if L.rank[(s - 1, r)] == q
+                         else here(_op("recv_act", stage=s - 1, mb=op.mb, peer=L.rank[(s - 1, r)])))
+        if t > 0:
+            local.append(here(_op("step", stage=s), t - 1))
+        elif c > 0:
+            local.append((c - 1, L.k - 1, q, _op("step", stage=s)))
+    elif k in ("bwd", "bwd_input"):
+        local.append(here(_op("fwd", stage=s, mb=op.mb)))
+        if s + 1 < S:
+            local.append(here(_op(k, stage=s + 1, mb=op.mb)) if L.rank[(s + 1, r)] == q
+                         else here(_op("recv_grad", stage=s + 1, mb=op.mb, peer=L.rank[(s + 1, r)])))
+    elif k == "bwd_weight":
+        local.append(here(_op("bwd_input", stage=s, mb=op.mb)))
+    elif k == "send_act":
+        local.append(here(_op("fwd", stage=s, mb=op.mb)))
+    elif k == "send_grad":
+        local.append(here(_op(L.B, stage=s, mb=op.mb)))
+    elif k in ("recv_act", "recv_grad"):
+        send = _op("send_" + k[5:], stage=op.stage, mb=op.mb, peer=q)
+        remote.append((c, t, op.peer, send))
+    elif k == "curv_a":
+        local.append((c, 0, q, _op("fwd", stage=s, mb=op.mb)))
+    elif k == "curv_b":  # split backward: with or after W, which shares its output gradient
+        local.append((c, 0, q, _op(L.Wk, stage=s, mb=op.mb)))
+    elif k == "sync_curv":
+        kind = "curv_a" if op.factor == "A" else "curv_b"
+        local += [(c, None, q, _op(kind, layer=op.layer, mb=m)) for m in mine]
+    elif k == "inv":
+        if L.R > 1:
+            local += [(c, None, q, _op("sync_curv", layer=op.layer, factor=f)) for f in FACTORS]
+        else:
+            local += [(c, None, q, _op(kind, layer=op.layer, mb=m)) for m in mine for kind in ("curv_a", "curv_b")]
+    elif k == "bcast_inv":
+        if op.peer == q:
+            local.append((c, None, q, _op("inv", layer=op.layer, factor=op.factor)))
+    elif k in ("sync_grad", "rs_grad"):
+        local += [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+    elif k == "ag_grad":  # after this replica's own preconditioning
+        local.append(here(_op("rs_grad", stage=s)))
+        local += [here(_op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] == r]
+    elif k == "precond":
+        if L.split_stage(s):
+            local.append(here(_op("rs_grad", stage=s)))
+        else:
+            local += [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+    elif k == "step":
+        if L.split_stage(s):
+            local.append(here(_op("ag_grad", stage=s)))
+            local += [here(_op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] is None]
+        elif L.kfac and L.stage_layers[s]:
+            local += [here(_op("precond", layer=l)) for l in L.stage_layers[s]]
+        else:
+            local += [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+    return local, remote
+
+
+deps = op_dependencies  # the short name the verifier uses
+
+
+# --- what the cycle must hold, each op once where it belongs --------------------------------------
+
+def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int]:
+    """Every op on a rank that holds its stage, for a micro-batch of that replica, with the
+    right peer; nothing twice; every op the configuration implies present and nothing else.
+    -> {(rank, floating op): step it is listed in}."""
+    floating_seen: dict[tuple[int, Op], int] = {}
+    for q in range(L.W):
+        for t in range(L.k):
+            seen: dict[Op, int] = {}
+            for i, po in enumerate(plan.ranks[q][t]):
+                op = po.op
+                at, name = op_field(q, t, i), op_name(q, t, op)
+                if op.kind in ("bwd", "bwd_input", "bwd_weight") and op.kind not in L.backward:
+                    raise PlanError(where, at, f"{name}: the {plan.config.get('schedule')} family's backward ops "
+                                    f"are {', '.join(L.backward)} (rule: ops)")
+                if op.is_kfac and not L.kfac:
+                    raise PlanError(where, at, f"{name} is a K-FAC op in a plan without K-FAC (rule: ops)")
+                s = L.stage_of(op)
+                if not 0 <= s < L.S or s not in L.held[q]:
+                    raise PlanError(where, at, f"{name}: rank {q} holds no replica of stage {s} (rule: placement)")
+                r = L.held[q][s]
+                if op.mb is not None and L.mbr[op.mb] != r:
+                    raise PlanError(where, at, f"{name}: micro-batch {op.mb} runs on replica {L.mbr[op.mb]}, "
+                                    f"rank {q} holds replica {r} (rule: placement)")
+                _check_peer(L, q, op, at, name, where)
+                if op.is_collective and L.R == 1:
+                    raise PlanError(where, at, f"{name}: a collective between replicas in a plan with one "
+                                    f"replica (rule: ops)")
+                if op.kind in ("rs_grad", "ag_grad") and not L.split_stage(s) or \
+                        op.kind == "sync_grad" and L.split_stage(s) or \
+                        op.kind == "precond" and op.layer not in L.preconditions(q, s):
+                    raise PlanError(where, at, f"{name}: not an op of this rank under the plan's "
+                                    f"preconditioning (config.precond) (rule: ops)")
+                if op.kind in FLOATING:
+                    if (q, op) in floating_seen:
+                        raise PlanError(where, at, f"{name} is listed twice in the cycle (also in step "
+                                        f"{floating_seen[(q, op)]}) (rule: once)")
+                    floating_seen[(q, op)] = t
+                elif op in seen:
+                    raise PlanError(where, at, f"{name} is listed twice in step {t} (also at [{seen[op]}]) (rule: once)")
+                seen[op] = i
+            _check_step_complete(L, q, t, set(seen), where)
+    if L.kfac:
+        _check_kfac_complete(L, floating_seen, where)
+    return floating_seen
+
+
+def _check_peer(L: PlanLayout, q: int, op: Op, at: str, name: str, where: str) -> None:
+    if op.kind == "bcast_inv":
+        if op.peer not in L.group(L.stage_of(op)):
+            raise PlanError(where, at, f"{name}: rank {op.peer} holds no replica of stage {L.stage_of(op)} (rule: peer)")
+        return
+    if not op.is_p2p:
+        return
+    other = peer_stage(op)
+    if not 0 <= other < L.S:
+        raise PlanError(where, at, f"{name}: there is no stage {other} to exchange with (rule: peer)")
+    expected = L.rank[(other, L.mbr[op.mb])]
+    if expected == q:
+        raise PlanError(where, at, f"{name}: stage {other} is on rank {q} itself, no message is sent (rule: peer)")
+    if op.peer != expected:
+        raise PlanError(where, at, f"{name}: the peer of this message is rank {expected}, not {op.peer} (rule: peer)")
+
+
+def _check_step_complete(L: PlanLayout, q: int, t: int, ops: set[Op], where: str) -> None:
+    for s, r in sorted(L.held[q].items()):
+        need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
+        need.append(Op("step", stage=s))
+        if L.split_stage(s):
+            need += [Op("rs_grad", stage=s), Op("ag_grad", stage=s)]
+        elif L.R > 1:
+            need.append(Op("sync_grad", stage=s))
+        need += [Op("precond", layer=l) for l in L.preconditions(q, s)]
+        for op in need:
+            if op not in ops:
+                raise PlanError(where, f"ranks[{q}].steps[{t}]", f"{op_name(q, t, op)} is missing (rule: complete)")
+
+
+def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
+    def missing(q, op):
+        return PlanError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing (rule: complete)")
+
+    bcasts: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)  # (layer, factor) -> {rank: source}
+    for (q, o) in floating:
+        if o.kind == "bcast_inv":
+            if (o.layer, o.factor) in bcasts and q in bcasts[(o.layer, o.factor)]:
+                raise PlanError(where, f"ranks[{q}]", f"{o} (rank {q}): a second broadcast of factor {o.factor} "
+                                f"of layer {o.layer} (rule: once)")
+            bcasts[(o.layer, o.factor)][q] = o.peer
+    for l, s in enumerate(L.layer_stage):
+        group = L.group(s)
+        for q in group:
+            for m in L.mbs_of(L.held[q][s]):
+                for kind in ("curv_a", "curv_b"):
+                    if (q, Op(kind, layer=l, mb=m)) not in floating:
+                        raise missing(q, Op(kind, layer=l, mb=m))
+            if L.R > 1:
+                for f in FACTORS:
+                    if (q, Op("sync_curv", layer=l, factor=f)) not in floating:
+                        raise missing(q, Op("sync_curv", layer=l, factor=f))
+        owner = L.precond_owner[l] if L.precond_owner is not None else None
+        for f in FACTORS:
+            inverters = [q for q in group if (q, Op("inv", layer=l, factor=f)) in floating]
+            if owner is not None:  # split preconditioning: the owner inverts, nobody else needs it
+                q = L.rank[(s, owner)]
+                if q not in inverters:
+                    raise missing(q, Op("inv", layer=l, factor=f))
+                continue
+            if not inverters:
+                raise missing(group[0], Op("inv", layer=l, factor=f))
+            got = bcasts.get((l, f), {})
+            if len(inverters) == len(group):
+                if got:
+                    q = min(got)
+                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{got[q]} (rank {q}): every replica inverts "
+                                    f"factor {f} of layer {l}, nothing to broadcast (rule: ops)")
+                continue
+            for q in group:
+                if q not in got:
+                    raise missing(q, Op("bcast_inv", layer=l, factor=f, peer=inverters[0]))
+            sources = set(got.values())
+            for q, src in sorted(got.items()):
+                if src not in inverters:
+                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{src} (rank {q}): rank {src} does not invert "
+                                    f"factor {f} of layer {l} (rule: peer)")
+                if len(sources) > 1:
+                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{src} (rank {q}): the members of the broadcast "
+                                    f"name different sources {sorted(sources)} (rule: peer)")

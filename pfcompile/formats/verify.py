@@ -1,0 +1,291 @@
+"""The plan verifier: one check every reader of a plan runs before trusting it.
+
+Run by the runtime on load (before any collective), by `pfcompile inspect` and `render`,
+and by `pfcompile plan` before it writes. Torch-free and solver-free (the contract
+package): it needs no profile and no costs, only the plan and the rules of
+pfcompile.formats.rules. It refuses, with one line naming the rank, step, op and rule:
+
+- config: the configuration, placement and micro-batch split agree with each other;
+- model: the model spec is the one the plan was made for (`profile.model_hash`, written
+  by the planner: a changed micro-batch, width or depth would train something the plan's
+  times and memory were not computed for);
+- times: every predicted start/end finite and within a day of the cycle's start (checked
+  first), and in each rank's execution order (checked last: any reordering breaks it,
+  and the rules before it name what the reordering broke);
+- ops: each op of the cycle exactly once where it belongs, and nothing else
+  (rules.check_ops);
+- pair order: for every ordered pair of ranks, the sends of each step are received in the
+  order they are sent (NCCL matches a pair's messages in issue order and ignores tags;
+  two swapped messages of one shape would silently exchange activations);
+- order: the ranks' lists executed as the runtime executes them — receives and
+  collectives block, sends are posted and completed at the end of their step — over two
+  cycles: every op's dependencies have run before it on its rank, and no rank waits
+  forever (a deadlock names each rank's stuck op).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from pfcompile.formats.jsonio import canonical_hash
+from pfcompile.formats.limits import MAX_TIME_MS
+from pfcompile.formats.ops import Op
+from pfcompile.formats.plan import Plan
+from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, deps, op_field, op_name
+
+# The planner rounds times to 1e-6 ms; consecutive ops may touch within that.
+_TIME_TOLERANCE_MS = 1e-5
+MODEL_INTS = ("micro_batch", "seq_len", "hidden", "heads", "ffn", "layers", "vocab")
+
+
+def verify_plan(plan: Plan, where: str = "<plan>", *, profile_model: dict | None = None,
+                cycles: int = 2) -> PlanLayout:
+    """Raise PlanError on the first rule the plan breaks; returns the plan's PlanLayout."""
+    check_config(plan, where)
+    check_model(plan, where, profile_model)
+    check_time_values(plan, where)
+    L = PlanLayout(plan)
+    check_ops(plan, L, where)
+    check_order(plan, L, where, cycles=cycles)
+    check_pair_order(plan, L, where)  # after: a missing message is named by its consumer first
+    check_time_order(plan, where)  # last: any reordering breaks it, the rules above say why
+    return L
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+def check_config(plan: Plan, where: str) -> None:
+    c = plan.config
+    S, R, W, N = plan.num_stages, int(c["replicas"]), plan.world_size, int(c["micro_batches"])
+    v = int(c.get("virtual_stages", 1))
+    if S != int(c["stages"]) * v:
+        raise PlanError(where, "partition", f"{S} stages but config.stages x virtual_stages is "
+                        f"{c['stages']} x {v} (rule: config)")
+    replicas: dict[int, set[int]] = defaultdict(set)
+    on_rank: dict[tuple[int, int], int] = {}
+    for i, p in enumerate(plan.placement):
+        s, r, q = p["stage"], p["replica"], p["rank"]
+        replicas[s].add(r)
+        if (q, s) in on_rank:
+            raise PlanError(where, f"placement[{i}]", f"rank {q} holds two replicas of stage {s} (rule: config)")
+        on_rank[(q, s)] = r
+    for s in range(S):
+        if replicas[s] != set(range(R)):
+            raise PlanError(where, "placement", f"stage {s} has replicas {sorted(replicas[s])}, config.replicas "
+                            f"is {R} (rule: config)")
+    idle = sorted(set(range(W)) - {q for q, _ in on_rank})
+    if idle:
+        raise PlanError(where, "placement", f"rank {idle[0]} holds no stage (rule: config)")
+    mbr = plan.micro_batch_replica
+    if len(mbr) != N:
+        raise PlanError(where, "micro_batch_replica", f"has {len(mbr)} entries for config.micro_batches {N} "
+                        "(rule: config)")
+    bad = next((m for m, r in enumerate(mbr) if r >= R), None)
+    if bad is not None:
+        raise PlanError(where, f"micro_batch_replica[{bad}]", f"replica {mbr[bad]} of {R} (rule: config)")
+
+
+# --- model ----------------------------------------------------------------------------------------
+
+def model_hash(model: dict) -> str:
+    return canonical_hash(model)
+
+
+def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> None:
+    m = plan.model
+    if not isinstance(m.get("name"), str) or not m["name"]:
+        raise PlanError(where, "model.name", "must be a non-empty string (rule: model)")
+    for key in MODEL_INTS:
+        v = m.get(key)
+        if v is not None:  # the runtime requires micro_batch and seq_len; a planner's test model may not
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(where, f"model.{key}", f"must be a positive integer, got {v!r:.40} (rule: model)")
+    if "kind" in m and not isinstance(m["kind"], str):
+        raise PlanError(where, "model.kind", f"must be a string, got {m['kind']!r:.40} (rule: model)")
+    want = plan.profile.get("model_hash") if isinstance(plan.profile, dict) else None
+    if want is None:
+        raise PlanError(where, "profile.model_hash", "missing: the plan does not say which model spec it was "
+                        "made for (remake it with this pfcompile) (rule: model)")
+    if model_hash(m) != want:
+        raise PlanError(where, "model", "differs from the spec the plan's times and memory were computed for "
+                        "(profile.model_hash); remake the plan from a profile of this model (rule: model)")
+    if profile_model is not None and m != profile_model:
+        diff = sorted(k for k in set(m) | set(profile_model) if m.get(k) != profile_model.get(k))
+        raise PlanError(where, f"model.{diff[0]}", f"{m.get(diff[0])!r:.40} but the profile's is "
+                        f"{profile_model.get(diff[0])!r:.40} (rule: model)")
+
+
+# --- times ----------------------------------------------------------------------------------------
+
+def check_time_values(plan: Plan, where: str) -> None:
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for i, po in enumerate(ops):
+                at, name = op_field(q, t, i), op_name(q, t, po.op)
+                for key, v in (("start", po.start), ("end", po.end)):
+                    if not math.isfinite(v) or not 0.0 <= v <= MAX_TIME_MS:
+                        raise PlanError(where, f"{at}.{key}", f"{name}: {v!r} is not a time in 0..{MAX_TIME_MS:g} ms "
+                                        "(rule: times)")
+                if po.end < po.start:
+                    raise PlanError(where, f"{at}.end", f"{name} ends before it starts (rule: times)")
+    for key, v in plan.stats.items():
+        vals = v if isinstance(v, list) else [v]
+        if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
+            raise PlanError(where, f"stats.{key}", "is not finite (rule: times)")
+
+
+def check_time_order(plan: Plan, where: str) -> None:
+    """A rank runs its ops one after another: predicted times follow the list order."""
+    for q, steps in enumerate(plan.ranks):
+        prev_end, prev_at = 0.0, None
+        for t, ops in enumerate(steps):
+            for i, po in enumerate(ops):
+                if po.start < prev_end - _TIME_TOLERANCE_MS:
+                    raise PlanError(where, f"{op_field(q, t, i)}.start", f"{op_name(q, t, po.op)} starts at "
+                                    f"{po.start:g} ms, before the op before it ({prev_at}) ends at {prev_end:g} ms "
+                                    "(rule: times)")
+                prev_end, prev_at = po.end, f"[{t}][{i}]"
+
+
+# --- per-pair message order (the NCCL rule) ----------------------------------------------------------
+
+def check_pair_order(plan: Plan, L: PlanLayout, where: str) -> None:
+    """For every ordered pair (a, b) and step, a's sends to b are b's receives from a, in order."""
+    for t in range(L.k):
+        sends: dict[tuple[int, int], list[tuple[tuple, int]]] = defaultdict(list)
+        recvs: dict[tuple[int, int], list[tuple[tuple, int]]] = defaultdict(list)
+        for q in range(L.W):
+            for i, po in enumerate(plan.ranks[q][t]):
+                op = po.op
+                if op.kind.startswith("send_"):
+                    sends[(q, op.peer)].append((op.message_key(), i))
+                elif op.kind.startswith("recv_"):
+                    recvs[(op.peer, q)].append((op.message_key(), i))
+        for a, b in sorted(set(sends) | set(recvs)):
+            out, inn = sends.get((a, b), []), recvs.get((a, b), [])
+            for n in range(max(len(out), len(inn))):
+                s = out[n] if n < len(out) else None
+                r = inn[n] if n < len(inn) else None
+                if s is not None and r is not None and s[0] == r[0]:
+                    continue
+                send_text = (f"send #{n + 1} {_msg(s[0], 'S', b, '>')} at ranks[{a}].steps[{t}][{s[1]}]"
+                             if s else f"no send #{n + 1}")
+                recv_text = (f"receive #{n + 1} {_msg(r[0], 'R', a, '<')} at ranks[{b}].steps[{t}][{r[1]}]"
+                             if r else f"no receive #{n + 1}")
+                field = op_field(b, t, r[1]) if r else op_field(a, t, s[1])
+                raise PlanError(where, field, f"messages from rank {a} to rank {b} in step {t} do not match in "
+                                f"order: {send_text} meets {recv_text} (rule: pair order; NCCL matches a pair's "
+                                "messages in the order they are issued)")
+
+
+def _msg(key: tuple, prefix: str, peer: int, arrow: str) -> str:
+    kind, stage, mb = key
+    return f"{prefix}{'A' if kind == 'act' else 'G'}{stage}.{mb}{arrow}{peer}"
+
+
+# --- execution order: dependencies and deadlock ---------------------------------------------------------
+
+_DRAIN = None  # the end of a step on a rank: its posted sends must have been received
+
+
+def check_order(plan: Plan, L: PlanLayout, where: str, *, cycles: int = 2) -> None:
+    """Execute the lists as the runtime does, without times: a local dependency must have run
+    earlier on its rank; a receive waits for its send; a collective waits for every member of
+    the stage's group to reach it; a step ends once its sends are received."""
+    seq: list[list[tuple]] = []
+    for q in range(L.W):
+        s: list[tuple] = []
+        for c in range(cycles):
+            for t in range(L.k):
+                s += [(c, t, i, po.op) for i, po in enumerate(plan.ranks[q][t])]
+                s.append((c, t, -1, _DRAIN))
+        seq.append(s)
+    listed = [{L.instance(c, t, q, op) for c, t, _, op in seq[q] if op is not None} for q in range(L.W)]
+    done: set[tuple] = set()
+    unreceived: dict[tuple[int, int, int], int] = defaultdict(int)  # (rank, cycle, step) -> sends in flight
+    pos = [0] * L.W
+
+    memo: dict[tuple, tuple[list, list]] = {}
+
+    def deps_at(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
+        """deps() of cycle c, computed once per listed op (cycle 0 and 1 differ: a first
+        forward waits for the previous cycle's update; later cycles are cycle 1 shifted)."""
+        base = min(c, 1)
+        got = memo.get((base, q, t, op))
+        if got is None:
+            got = memo[(base, q, t, op)] = deps(L, q, base, t, op)
+        if c == base:
+            return got
+        shift = c - base
+        return ([(dc + shift, *rest) for dc, *rest in got[0]], [(dc + shift, *rest) for dc, *rest in got[1]])
+
+    def local_ok(q: int, c: int, t: int, i: int, op: Op) -> None:
+        local, _ = deps_at(q, c, t, op)
+        for dk in local:
+            if dk not in done:
+                dop = dk[3]
+                if dk in listed[q]:
+                    raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} runs before its dependency "
+                                    f"{dop} on the same rank (rule: dependency)")
+                raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} depends on {dop}, which rank {q} "
+                                "never runs (rule: dependency)")
+
+    def execute(q: int) -> None:
+        c, t, i, op = seq[q][pos[q]]
+        done.add(L.instance(c, t, q, op))
+        if op.kind.startswith("send_"):
+            unreceived[(q, c, t)] += 1
+        elif op.kind.startswith("recv_"):
+            unreceived[(op.peer, c, t)] -= 1
+        pos[q] += 1
+
+    remaining = sum(len(s) for s in seq)
+    while remaining:
+        moved = False
+        for q in range(L.W):
+            while pos[q] < len(seq[q]):
+                c, t, i, op = seq[q][pos[q]]
+                if op is _DRAIN:
+                    if unreceived[(q, c, t)] > 0:
+                        break
+                    pos[q] += 1
+                    remaining -= 1
+                    moved = True
+                    continue
+                if op.is_collective:
+                    key = L.instance(c, t, q, op)
+                    members = L.group(L.stage_of(op))
+                    if not all(_at(seq, pos, p, L) == (key[0], key[1], p, op) for p in members):
+                        break
+                    for p in members:
+                        pc, pt, pi, pop = seq[p][pos[p]]
+                        local_ok(p, pc, pt, pi, pop)
+                    for p in members:
+                        execute(p)
+                    remaining -= len(members)
+                    moved = True
+                    continue
+                local_ok(q, c, t, i, op)
+                if op.kind.startswith("recv_"):
+                    _, remote = deps_at(q, c, t, op)
+                    if remote[0] not in done:
+                        break
+                execute(q)
+                remaining -= 1
+                moved = True
+        if not moved:
+            stuck = []
+            for q in range(L.W):
+                if pos[q] < len(seq[q]):
+                    c, t, i, op = seq[q][pos[q]]
+                    stuck.append(f"rank {q} at " + (f"the end of step {t} (its sends not yet received)"
+                                                    if op is None else op_name(q, t, op, c)))
+            raise PlanError(where, "ranks", "deadlock: " + "; ".join(stuck) + " (rule: order)")
+
+
+def _at(seq, pos, p: int, L: PlanLayout):
+    if pos[p] >= len(seq[p]):
+        return None
+    c, t, _, op = seq[p][pos[p]]
+    return None if op is None else L.instance(c, t, p, op)

@@ -1,0 +1,302 @@
+"""Structural fuzzing of profiles and plans (deterministic seed, a few hundred cases).
+
+Every mutated input must end in one of two ways: a one-line refusal (an InputError naming
+the file and a field), or acceptance. An accepted plan must train exactly like the
+original: a sample of the accepted plans whose op order differs from the original is run
+with torchrun (2 ranks, float64, one refresh cycle and one step more) next to the original,
+and their losses must agree to 1e-10 (reordered curvature sums differ in the last bits).
+An accepted profile must give a plan the verifier accepts (what a profile can change is
+the schedule, not the mathematics; the runtime's exactness for any valid plan is
+tests/test_runtime.py's). A traceback (any other exception) or a hang (a case over 20 s)
+fails the test. The counts per target are printed (pytest -s).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.jsonio import parse_json
+from pfcompile.formats.plan import plan_from_json
+from pfcompile.formats.profile import load_profile, profile_from_json
+from pfcompile.formats.verify import verify_plan
+from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.place.build import build_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "profiles" / "bert-tiny-cpu.json"
+SEED = 14
+PLAN_CASES, PROFILE_CASES = 300, 60
+EDGES = [0, -1, 1, 2**31, 10**30, 1e308, -1e12, 0.5, True, None, "1", [], {}]
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(_signum, _frame):
+    raise Hang()
+
+
+def _classify(run, counts: dict, accepted: list, case) -> None:
+    """Run one case under a 20 s alarm; count its outcome."""
+    counts["tried"] += 1
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)
+    try:
+        result = run()
+    except InputError as e:
+        msg = str(e)
+        assert "\n" not in msg, msg
+        assert e.field or "JSON" in e.message or "not accepted" in e.message, msg
+        counts["refused"] += 1
+        return
+    except Hang:
+        counts["hang"] += 1
+        return
+    except Exception as e:  # noqa: BLE001  (a traceback the user would see)
+        counts["traceback"] += 1
+        counts.setdefault("tracebacks", []).append(f"{type(e).__name__}: {e}"[:200])
+        return
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    counts["accepted"] += 1
+    accepted.append((case, result))
+
+
+# --- plan mutations ----------------------------------------------------------------------
+
+def _lists(o):
+    return [(q, t) for q, r in enumerate(o["ranks"]) for t in range(len(r["steps"]))]
+
+
+def _pick(rng, o):
+    q, t = rng.choice(_lists(o))
+    ops = o["ranks"][q]["steps"][t]
+    return q, t, ops
+
+
+def m_swap(rng, o):
+    _, _, ops = _pick(rng, o)
+    i, j = rng.randrange(len(ops)), rng.randrange(len(ops))
+    ops[i], ops[j] = ops[j], ops[i]
+
+
+def m_swap_adjacent(rng, o):
+    _, _, ops = _pick(rng, o)
+    i = rng.randrange(len(ops) - 1)
+    ops[i], ops[i + 1] = ops[i + 1], ops[i]
+
+
+def m_delete(rng, o):
+    _, _, ops = _pick(rng, o)
+    del ops[rng.randrange(len(ops))]
+
+
+def m_duplicate(rng, o):
+    _, _, ops = _pick(rng, o)
+    ops.insert(rng.randrange(len(ops) + 1), dict(rng.choice(ops)))
+
+
+def m_move_step(rng, o):
+    q, t, ops = _pick(rng, o)
+    steps = o["ranks"][q]["steps"]
+    dest = steps[rng.randrange(len(steps))]
+    dest.insert(rng.randrange(len(dest) + 1), ops.pop(rng.randrange(len(ops))))
+
+
+def m_move_floating(rng, o):
+    """A K-FAC op moved to another step of its rank: often legal (the point of the cycle)."""
+    q, t, ops = _pick(rng, o)
+    idx = [i for i, d in enumerate(ops) if d["op"] in ("curv_a", "curv_b", "inv")]
+    if not idx:
+        return
+    steps = o["ranks"][q]["steps"]
+    dest = steps[rng.randrange(len(steps))]
+    dest.append(ops.pop(rng.choice(idx)))
+
+
+def m_move_rank(rng, o):
+    _, _, ops = _pick(rng, o)
+    q2 = rng.randrange(len(o["ranks"]))
+    dest = o["ranks"][q2]["steps"][rng.randrange(len(o["ranks"][q2]["steps"]))]
+    dest.insert(rng.randrange(len(dest) + 1), ops.pop(rng.randrange(len(ops))))
+
+
+def m_field(rng, o):
+    """peer, micro-batch, stage, layer or factor changed, to a near or an edge value."""
+    _, _, ops = _pick(rng, o)
+    d = ops[rng.randrange(len(ops))]
+    key = rng.choice([k for k in ("peer", "mb", "stage", "layer", "factor") if k in d] or ["op"])
+    d[key] = rng.choice([0, 1, 2, 3, -1, 10**30, "A", "B", None, True]) if key != "op" else "fwdd"
+
+
+def m_time(rng, o):
+    _, _, ops = _pick(rng, o)
+    d = ops[rng.randrange(len(ops))]
+    d[rng.choice(["start", "end"])] = rng.choice(EDGES)
+
+
+def m_config(rng, o):
+    key = rng.choice(["micro_batches", "refresh_steps", "world_size", "replicas", "stages", "virtual_stages",
+                      "kfac", "schedule", "inverse", "memory_limit_bytes"])
+    o["config"][key] = rng.choice(EDGES + ["chimera", "eigen", False])
+
+
+def m_model(rng, o):
+    key = rng.choice(["micro_batch", "hidden", "heads", "ffn", "kind", "seq_len", "name"])
+    o["model"][key] = rng.choice(EDGES + ["gpt", 16, 128])
+
+
+def m_structure(rng, o):
+    key = rng.choice(["placement", "micro_batch_replica", "layer_stage", "partition", "layers", "profile"])
+    v = o[key]
+    if isinstance(v, list) and v and rng.random() < 0.5:
+        v.pop(rng.randrange(len(v)))
+    elif isinstance(v, list) and v:
+        v[rng.randrange(len(v))] = rng.choice(EDGES)
+    else:
+        o[key] = rng.choice(EDGES)
+
+
+PLAN_MUTATIONS = [m_swap, m_swap_adjacent, m_delete, m_duplicate, m_move_step, m_move_floating, m_move_rank,
+                  m_field, m_time, m_config, m_model, m_structure]
+
+
+def _retime(o) -> None:
+    """Times in list order (what a tool that edits a plan and re-times it writes): the order
+    rules are then reached instead of the time-order rule."""
+    for r in o["ranks"]:
+        clock = 0.0
+        for ops in r["steps"]:
+            for d in ops:
+                if isinstance(d, dict):
+                    d["start"] = d["end"] = clock
+                    clock += 0.001
+
+
+def _order(obj) -> list:
+    return [[[json.dumps({k: v for k, v in d.items() if k not in ("start", "end")}, sort_keys=True)
+              for d in ops] for ops in r["steps"]] for r in obj["ranks"]]
+
+
+# --- profile mutations ----------------------------------------------------------------------
+
+def _paths(obj, prefix=()):
+    """Every (path, value) of a JSON object, leaves and containers."""
+    out = [(prefix, obj)]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def mutate_profile(rng, obj) -> None:
+    path, _ = rng.choice([p for p in _paths(obj) if p[0]])
+    parent = obj
+    for k in path[:-1]:
+        parent = parent[k]
+    key = path[-1]
+    if rng.random() < 0.25:
+        del parent[key]
+    else:
+        parent[key] = rng.choice(EDGES)
+
+
+# --- the test ---------------------------------------------------------------------------------
+
+def _torchrun_losses(plan: Path, steps: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
+           str(plan), "--dtype", "float64", "--data", "synthetic", "--steps", str(steps), "--json", "--timeout", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses(p: subprocess.Popen) -> list[float]:
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("{"))
+    return json.loads(line)["losses"]
+
+
+def test_fuzz_profiles_and_plans(tmp_path):
+    rng = random.Random(SEED)
+    profile = load_profile(str(TINY))
+    plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), "greedy")
+    original = plan.to_json()
+    report = {}
+
+    # plans: the path every plan reader takes (bounded JSON, the loader, the verifier)
+    counts = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+    accepted: list = []
+    for n in range(PLAN_CASES):
+        obj = copy.deepcopy(original)
+        for _ in range(1 + (rng.random() < 0.3)):  # one mutation, sometimes two
+            rng.choice(PLAN_MUTATIONS)(rng, obj)
+        if rng.random() < 0.5:
+            _retime(obj)
+        text = json.dumps(obj)  # NaN and Infinity come out as JSON's non-numbers; the reader refuses them
+
+        def run(text=text, n=n):
+            p = plan_from_json(parse_json(text, f"plan-{n}.json"), f"plan-{n}.json")
+            verify_plan(p, f"plan-{n}.json")
+            return p
+        _classify(run, counts, accepted, obj)
+    report["plans"] = counts
+    reordered = [obj for obj, _ in accepted if _order(obj) != _order(original)]
+    counts["accepted_reordered"] = len(reordered)
+
+    # profiles: the path of `pfcompile plan` (bounded JSON, the profile loader, the planner,
+    # and the verifier before writing)
+    pcounts = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+    base = json.loads(TINY.read_text())
+    for n in range(PROFILE_CASES):
+        obj = copy.deepcopy(base)
+        mutate_profile(rng, obj)
+        if rng.random() < 0.5:
+            obj.pop("hash", None)  # a hand-edited profile without its hash: the content is checked, not the hash
+        text = json.dumps(obj)
+
+        def run(text=text, n=n):
+            prof = profile_from_json(parse_json(text, f"profile-{n}.json"), f"profile-{n}.json")
+            made, _, _ = build_plan(prof, PipelineConfig("1f1b", 2, 4), "greedy", where=f"profile-{n}.json")
+            verify_plan(plan_from_json(made.to_json()), profile_model=prof.model)
+            return made
+        _classify(run, pcounts, [], obj)
+    report["profiles"] = pcounts
+
+    # accepted plans that reorder ops train exactly like the original (a sample, by torchrun)
+    sample = reordered[:1]
+    steps = plan.refresh_steps + 1
+    path0 = tmp_path / "original.json"
+    path0.write_text(json.dumps(original))
+    procs = [_torchrun_losses(path0, steps)]
+    for i, obj in enumerate(sample):
+        p = tmp_path / f"accepted-{i}.json"
+        p.write_text(json.dumps(obj))
+        procs.append(_torchrun_losses(p, steps))
+    want = _losses(procs[0])
+    equal = 0
+    for proc in procs[1:]:
+        got = _losses(proc)
+        assert got == pytest.approx(want, rel=1e-10, abs=0), (got, want)
+        equal += 1
+    counts["accepted_reordered_trained_equal"] = equal
+    print("\nfuzz:", json.dumps(report))
+    for c in (counts, pcounts):
+        assert c["traceback"] == 0 and c["hang"] == 0, c
+        assert c["tried"] == c["refused"] + c["accepted"]
+    assert counts["refused"] > 0 and counts["accepted"] > 0 and sample
