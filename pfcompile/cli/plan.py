@@ -254,7 +254,7 @@ PARETO_KEYS = ("refresh_steps", "step_time_ms", "step_overhead", "step_overhead_
 def _run_pareto(args, profile, cfg, describe) -> int:
     if args.method != "cpsat" or not cfg.kfac:
         raise InputError("--pareto", None, "needs --method cpsat with K-FAC")
-    from pfcompile.place.build import pareto
+    from pfcompile.place.build import build_plan, pareto
 
     plans = pareto(profile, cfg, time_limit=args.time_limit, workers=args.workers, fixed_order=args.fixed_order,
                    describe=describe)
@@ -265,6 +265,8 @@ def _run_pareto(args, profile, cfg, describe) -> int:
                                  fixed_order=args.fixed_order, refresh_steps=args.refresh_steps)[0]]
     else:
         picked = [min(plans, key=lambda p: (round(p.stats["step_time_ms"], 3), p.refresh_steps))]
+    verify_plan(plan_from_json(picked[0].to_json(), args.output or "<plan>"), args.output or "<plan>",
+                profile_model=profile.model)
     if args.output:
         picked[0].save(args.output)
     rows = [{k: p.stats.get(k) for k in PARETO_KEYS} for p in plans]
