@@ -30,7 +30,10 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
       "ranks": [{"rank": q, "steps": [[{"op": "fwd", "stage": 0, "mb": 0,
                                          "start": ms, "end": ms}, ...],   # step 0 of the cycle
                                         ...]}],                            # k lists
-      "stats": {"utilization", "step_time_ms", "baseline_step_time_ms", "refresh_steps",
+      "stats": {"utilization", "utilization_pipefisher": [per step], "utilization_pipefisher_mean",
+                "utilization_strict", "step_time_ms" (steady state), "step_time_from_idle_ms",
+                "baseline_step_time_ms", "tight_baseline_step_time_ms", "step_overhead",
+                "step_overhead_tight", "refresh_steps",
                 "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
                 "tasks", "peak_memory_bytes": [per rank], ...},
       "profile": {"name", "hash", "source"}
