@@ -183,5 +183,7 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
                                 memory_limit=plan.config.get("memory_limit_bytes"))
     if args.trace:
         measure.write_measured_trace(args.trace, timelines, {
-            "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line()})
+            "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line(),
+            **measure.plan_identity(args.plan, plan), "warmup_steps": first + warmup,
+            "dtype": job.precision.name, "device_type": job.device_type})
     return summary

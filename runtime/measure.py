@@ -214,6 +214,20 @@ def median_step_ms(timelines: list[Timeline], warmup_steps: int) -> float:
     return statistics.median(times[warmup_steps:] or times)
 
 
+def plan_identity(path: str, plan) -> dict:
+    """What a measured trace records of its plan, so `pfcompile inspect --against` and
+    `pfcompile calibrate` can refuse a trace of another plan or model: the plan file's sha256,
+    the profile it was planned from, and what maps an op to profile entries."""
+    import hashlib
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return {"plan_sha256": f"sha256:{digest}", "plan_profile": dict(plan.profile), "plan_model": dict(plan.model),
+            "plan_layout": {"partition": plan.partition, "layers": plan.layers, "layer_stage": plan.layer_stage,
+                            "schedule": plan.config.get("schedule"), "kfac": plan.config.get("kfac"),
+                            "inverse": plan.config.get("inverse", "cholesky"),
+                            "replicas": plan.config.get("replicas"), "refresh_steps": plan.refresh_steps}}
+
+
 def write_measured_trace(path: str, timelines: list[Timeline], metadata: dict) -> None:
     events = [ev for tl in timelines for ev in tl.to_events()]
     write_trace(path, events, metadata={"source": "measured", **metadata})

@@ -68,6 +68,8 @@ class MemoryMeter:
         self.act_bytes: dict[int, int] = {}        # stage -> bytes one forward saves
         self.acts: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes held until its bwd ends
         self.resident = 0
+        self.held_acts = 0   # sum of self.acts
+        self.kept = 0        # K-FAC captures (+ W's output gradients) held now
         self.peak = 0
         self.split: dict = {}  # stage -> runtime.split_backward.WeightPasses (zero-bubble families)
 
@@ -77,7 +79,9 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         self.resident = self._resident()
-        self.peak = self._current()
+        self.held_acts = sum(self.acts.values())
+        self.kept = self._kept()
+        self.peak = self.resident + self.held_acts + self.kept
 
     def end_step(self) -> int:
         if self.cuda:
@@ -94,18 +98,22 @@ class MemoryMeter:
         else:
             out = fn()
         self.acts[(stage, mb)] = self.act_bytes[stage]
+        self.held_acts += self.act_bytes[stage]
         return out
 
     def after(self, kind: str, stage: int | None = None, mb: int | None = None) -> None:
         """Count after an op; `bwd` before releasing the activations of (stage, mb)."""
         if self.cuda:
             return
+        # Recount only what the op can change (this runs after every op: keep it cheap).
         if kind in ("bwd", "bwd_input", "bwd_weight", "inv", "bcast_inv", "step", "sync_grad",
                     "rs_grad", "ag_grad"):
             self.resident = self._resident()  # gradients, factors, inverses or optimizer state changed
-        self.peak = max(self.peak, self._current())
+        if kind in ("fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b"):
+            self.kept = self._kept()
+        self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
-            self.acts.pop((stage, mb), None)
+            self.held_acts -= self.acts.pop((stage, mb), 0)
 
     # --- counting -------------------------------------------------------------------------------
     def _resident(self) -> int:
@@ -116,10 +124,10 @@ class MemoryMeter:
             total += optimizer_state_bytes(sr.optimizer)
         return total + sum(layer.state_bytes() for layer in self.layers)
 
-    def _current(self) -> int:
+    def _kept(self) -> int:
         kept = sum(layer.kept_bytes() for layer in self.layers)
         if self.split:
             shared = {t.untyped_storage().data_ptr() for layer in self.layers for t in layer.kept_tensors("B")}
             kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
                         for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
-        return self.resident + sum(self.acts.values()) + kept
+        return kept

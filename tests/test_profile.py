@@ -54,6 +54,8 @@ def test_measured_profile_has_every_entry_positive(measured):
         assert all(t > 0 for t in times), l
     # every timed entry has its spread, and the median lies inside it
     flat = {f"parts.{p.name}.{k}": getattr(p, k) for p in measured.parts for k in ("fwd_ms", "bwd_ms")}
+    flat.update({f"parts.{p.name}.step_ms.{k}": v for p in measured.parts for k, v in p.step_ms.items()})
+    assert all(set(p.step_ms) == {"kfac", "adamw"} and min(p.step_ms.values()) > 0 for p in measured.parts)
     for l in measured.kfac_layers:
         flat.update({f"kfac_layers.{l.name}.{k}": getattr(l, k) for k in ("curv_a_ms", "curv_b_ms", "precond_ms")})
         flat.update({f"kfac_layers.{l.name}.inv_{f}_ms.{m}": getattr(l, f"inv_{f}_ms")[m]

@@ -1,4 +1,4 @@
-"""The `pfcompile` command: profile, plan, render, inspect.
+"""The `pfcompile` command: profile, plan, render, inspect, calibrate.
 
 Each sub-command lives in the module of its stage of the data flow and registers itself
 through `register(subparsers)`; this file only dispatches and turns InputError into a
@@ -24,6 +24,7 @@ COMMANDS = {
     "plan": "pfcompile.cli.plan",
     "render": "pfcompile.cli.render",
     "inspect": "pfcompile.cli.inspect",
+    "calibrate": "pfcompile.cli.calibrate",
 }
 
 
@@ -33,7 +34,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Profiling-driven schedule compiler for pipeline-parallel training with K-FAC.",
     )
     parser.add_argument("--version", action="version", version=f"pfcompile {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{profile,plan,render,inspect}")
+    sub = parser.add_subparsers(dest="command", metavar="{profile,plan,render,inspect,calibrate}")
     for name, module in COMMANDS.items():
         if only is not None and name != only:
             # still list it in --help, with a placeholder parser

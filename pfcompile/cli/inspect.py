@@ -20,10 +20,15 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     p.add_argument("--ops", type=int, default=None, metavar="N",
                    help="plans: show at most N ops per rank and step (default: all)")
+    p.add_argument("--against", default=None, metavar="PLAN",
+                   help="FILE is a measured trace (torchrun -m runtime --trace): per op kind, predicted against "
+                        "measured (median, p90) and the step-time error each kind explains")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.against:
+        return _against(args)
     obj = read_json(args.file)
     schema = obj.get("schema") if isinstance(obj, dict) else None
     if schema == "pfcompile-profile":
@@ -49,3 +54,19 @@ def run(args) -> int:
             print(format_plan(plan, max_ops=args.ops))
         return 0
     raise InputError(args.file, "schema", f"expected 'pfcompile-profile' or 'pfcompile-plan', got {schema!r}")
+
+
+def _against(args) -> int:
+    from pfcompile.calibrate.compare import format_against, per_kind_rows
+    from pfcompile.calibrate.measured import check_against_plan, load_measured
+    from pfcompile.formats.plan import load_plan
+
+    trace = load_measured(args.file)
+    plan = load_plan(args.against)
+    if args.json:
+        check_against_plan(trace, args.against)
+        rows, total = per_kind_rows(trace, plan)
+        print(json.dumps({"kinds": rows, **total}))
+    else:
+        print(format_against(trace, args.against, plan))
+    return 0

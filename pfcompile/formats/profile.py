@@ -8,13 +8,14 @@ Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, 
 sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where measured.
 
     {
-      "schema": "pfcompile-profile", "schema_version": 1,
+      "schema": "pfcompile-profile", "schema_version": 2,
       "source": "measured" | "reference",
       "provenance": {...},                   # device, torch, dtype, host, date, repeats, ...
       "model": {"name", "kind", "layers", "hidden", "heads", "ffn", "vocab", "seq_len",
                 "micro_batch", "dtype"},
       "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
-                 "param_bytes", "grad_bytes", "out_bytes"}],
+                 "param_bytes", "grad_bytes", "out_bytes",
+                 "step_ms": {"kfac", "adamw"}}],        # version 2
       "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
                  "out_features", "bias", "curv_a_ms", "curv_b_ms",
                  "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
@@ -27,6 +28,15 @@ sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where
       "hash": "sha256:..."                   # of everything above, canonical JSON
     }
 
+`step_ms` (version 2) is the optimizer update of the part's parameters, once per step:
+"kfac" the K-FAC optimizer (KL clip over its K-FAC layers, SGD-momentum on them, AdamW on
+the rest), "adamw" the first-order baseline (AdamW on everything). A version-1 profile has
+no such field: it still loads, with a one-line warning, and its step is ESTIMATED
+(`estimated_step_ms`): the optimizer streams parameters, gradients and state, 7 passes over
+the parameter bytes for AdamW and 5 for SGD-momentum, at 2 GB/s on a CPU (one core,
+single-threaded torch, measured 0.1-0.7 GB/s-of-parameters on bert-tiny/mini parts, where
+per-tensor overheads dominate) and 200 GB/s on a GPU.
+
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
 part's output for one micro-batch: the point-to-point message when a stage ends there.
@@ -38,14 +48,21 @@ its curvature op has run. `factor_*_bytes` is one factor; `inverse_*_bytes` one 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
 
 SCHEMA = "pfcompile-profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READS_VERSIONS = (1, 2)
 INVERSE_METHODS = ("cholesky", "eigen")
+STEP_KINDS = ("kfac", "adamw")
+# The estimate for version-1 profiles (see the module doc): passes over the parameter bytes
+# and the streaming rate in bytes per ms.
+STEP_PASSES = {"adamw": 7, "sgd": 5}
+STEP_BYTES_PER_MS = {"cpu": 2e6, "gpu": 2e8}
 
 
 @dataclass
@@ -57,6 +74,8 @@ class Part:
     param_bytes: int
     grad_bytes: int
     out_bytes: int
+    # "kfac" / "adamw" -> ms per step; parts made in code (test profiles) default to free steps
+    step_ms: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in STEP_KINDS})
 
 
 @dataclass
@@ -162,6 +181,7 @@ class Profile:
     comm: Comm
     spread: dict[str, list[float]] = field(default_factory=dict)
     hash: str = ""
+    schema_version: int = SCHEMA_VERSION  # a loaded version-1 profile keeps its hash as written
 
     # --- queries the planner uses ---------------------------------------------------------
     def part(self, name: str) -> Part:
@@ -182,15 +202,21 @@ class Profile:
     def body(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "source": self.source,
             "provenance": self.provenance,
             "model": self.model,
-            "parts": [asdict(p) for p in self.parts],
+            "parts": [self._part_json(p) for p in self.parts],
             "kfac_layers": [asdict(l) for l in self.kfac_layers],
             "comm": asdict(self.comm),
             "spread": self.spread,
         }
+
+    def _part_json(self, p: Part) -> dict[str, Any]:
+        d = asdict(p)
+        if self.schema_version < 2:  # as written: its step_ms is an estimate, not part of the file
+            d.pop("step_ms")
+        return d
 
     def to_json(self) -> dict[str, Any]:
         body = self.body()
@@ -199,6 +225,31 @@ class Profile:
 
     def save(self, path: str) -> None:
         write_json(path, self.to_json())
+
+
+def _schema_version(top: Fields) -> int:
+    """The file's schema must be ours and its version one this pfcompile reads."""
+    got = top.req("schema", str)
+    if got != SCHEMA:
+        raise top.fail("schema", f"expected {SCHEMA!r}, got {got!r} (is this a profile?)")
+    v = top.req("schema_version", int)
+    if v not in READS_VERSIONS:
+        raise top.fail("schema_version", f"unsupported version {v} (this pfcompile reads {', '.join(map(str, READS_VERSIONS))})")
+    return v
+
+
+def estimated_step_ms(profile: Profile, part: Part) -> dict[str, float]:
+    """The documented estimate of a part's optimizer step for profiles that did not measure it:
+    bytes streamed (passes over the parameter bytes) at the device's rate (module doc)."""
+    rate = STEP_BYTES_PER_MS["cpu" if profile.provenance.get("device_type") == "cpu" else "gpu"]
+    covered = 0  # parameter bytes of the part's K-FAC layers (SGD-momentum); the rest is AdamW
+    for l in profile.kfac_layers:
+        if l.part == part.name:
+            d_a = l.in_features + (1 if l.bias else 0)
+            covered += d_a * l.out_features * round(l.factor_a_bytes / (d_a * d_a))
+    covered = min(covered, part.param_bytes)
+    kfac = (STEP_PASSES["sgd"] * covered + STEP_PASSES["adamw"] * (part.param_bytes - covered)) / rate
+    return {"kfac": kfac, "adamw": STEP_PASSES["adamw"] * part.param_bytes / rate}
 
 
 def _pos(v) -> bool:
@@ -212,7 +263,7 @@ def load_profile(path: str, *, check_hash: bool = True) -> Profile:
 
 def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = True) -> Profile:
     top = Fields(obj, where)
-    top.schema(SCHEMA, SCHEMA_VERSION, "profile")
+    version = _schema_version(top)
     source = top.req("source", str, check=lambda s: s in ("measured", "reference"), why="must be 'measured' or 'reference'")
     provenance = top.req("provenance", dict)
     model = top.req("model", dict)
@@ -225,11 +276,16 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
     parts = []
     for i, p in enumerate(parts_raw):
         f = Fields(p, where, f"parts[{i}]")
+        step = {}
+        if version >= 2:
+            sf = f.sub("step_ms")
+            step = {k: sf.req(k, float, check=_pos, why="must be a finite number >= 0") for k in STEP_KINDS}
         parts.append(Part(
             name=f.req("name", str),
             **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},
             **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
                for k in ("act_bytes", "param_bytes", "grad_bytes", "out_bytes")},
+            step_ms=step,
         ))
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
@@ -270,7 +326,13 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
     spread = top.opt("spread", dict, {})
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
-                   kfac_layers=layers, comm=comm, spread=spread)
+                   kfac_layers=layers, comm=comm, spread=spread, schema_version=version)
+    if version < 2:
+        for p in parts:
+            p.step_ms = estimated_step_ms(prof, p)
+        print(f"warning: {where}: profile schema_version {version} has no optimizer-step costs; the step is "
+              f"estimated from parameter bytes (pfcompile.formats.profile.estimated_step_ms); re-profile to measure it",
+              file=sys.stderr)
     stored = top.opt("hash", str)
     actual = canonical_hash(prof.body())
     if check_hash and stored is not None and stored != actual:
@@ -313,10 +375,14 @@ def format_profile(profile: Profile) -> str:
         head.append(f"note: {pv['note']}")
 
     parts = _table(
-        ["part", "fwd ms", "bwd ms", "act MiB", "param MiB", "grad MiB", "out MiB", "K-FAC layers"],
-        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), _mib(p.act_bytes), _mib(p.param_bytes),
-          _mib(p.grad_bytes), _mib(p.out_bytes), str(len(profile.layers_of(p.name)))] for p in profile.parts]
+        ["part", "fwd ms", "bwd ms", "step ms K-FAC", "step ms AdamW", "act MiB", "param MiB", "grad MiB",
+         "out MiB", "K-FAC layers"],
+        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), _ms(p.step_ms.get("kfac", 0.0)), _ms(p.step_ms.get("adamw", 0.0)),
+          _mib(p.act_bytes), _mib(p.param_bytes), _mib(p.grad_bytes), _mib(p.out_bytes),
+          str(len(profile.layers_of(p.name)))] for p in profile.parts]
         + [["total", _ms(sum(p.fwd_ms for p in profile.parts)), _ms(sum(p.bwd_ms for p in profile.parts)),
+            _ms(sum(p.step_ms.get("kfac", 0.0) for p in profile.parts)),
+            _ms(sum(p.step_ms.get("adamw", 0.0) for p in profile.parts)),
             _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
             _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.kfac_layers))]],
     )

@@ -152,6 +152,11 @@ class Costs:
         """The input-gradient stage `stage` sends back: the size of its input."""
         return self.out_bytes(stage - 1) if stage > 0 else 0
 
+    def step_ms(self, stage: int) -> float:
+        """The stage's optimizer update: K-FAC's (KL clip, SGD-momentum + AdamW) or AdamW alone."""
+        kind = "kfac" if self.kfac else "adamw"
+        return sum(p.step_ms.get(kind, 0.0) for p in self._parts[stage])
+
     def param_bytes(self, stage: int) -> int:
         return sum(p.param_bytes for p in self._parts[stage])
 
@@ -210,7 +215,7 @@ class Costs:
             rest = self.grad_bytes(op.stage) - owned
             return half + (self._allreduce_ms(rest, op.stage) if rest > 0 else 0.0)
         if k == "step":
-            return 0.0  # the profile does not time the optimizer update
+            return self.step_ms(op.stage)
         raise ValueError(f"no cost for {op}")
 
     def message_ms(self, op: Op, src: int | None = None) -> float:

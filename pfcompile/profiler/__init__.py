@@ -150,11 +150,51 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     fwd = clock.time(bench.forward)
     bwd = clock.time(bench.backward, setup=bench.forward)
     params = list(bench.stage.parameters())
+    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    steps = measure_step(bench, clock)
     part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
-                param_bytes=sum(nbytes(p) for p in params),
-                grad_bytes=sum(nbytes(p.grad) for p in params if p.grad is not None),
-                out_bytes=out_bytes)
-    return part, {"fwd_ms": fwd, "bwd_ms": bwd}
+                param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
+                step_ms={k: t.median for k, t in steps.items()})
+    return part, {"fwd_ms": fwd, "bwd_ms": bwd, **{f"step_ms.{k}": t for k, t in steps.items()}}
+
+
+def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
+    """The `step` op over this part's parameters, as runtime.build.make_update runs it: KL clip
+    over its K-FAC layers then the K-FAC optimizer (SGD-momentum + AdamW), and the first-order
+    baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
+    clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
+    warm-up on, as in every step after the first. The parameters are restored afterwards."""
+    from runtime.kfac import KfacConfig, apply_kl_clip
+    from runtime.optim import build_optimizer
+
+    params = list(bench.stage.parameters())
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    def fresh():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        for l in bench.kfac:
+            l.kl_term = (l.module.weight.grad * l.module.weight.grad).sum()
+
+    out = {}
+    for kind, layers in (("kfac", bench.kfac), ("adamw", [])):
+        opt = build_optimizer(bench.stage, layers)
+        kl_clip = KfacConfig().kl_clip
+
+        def step(opt=opt, layers=layers):
+            if layers:
+                apply_kl_clip(layers, opt.lr, kl_clip)
+            opt.step()
+            opt.zero_grad()
+        out[kind] = clock.time(step, setup=fresh)
+    with torch.no_grad():
+        for p, v, g in zip(params, saved, grads):
+            p.copy_(v)
+            p.grad = g
+    for l in bench.kfac:
+        l.kl_term = None
+    return out
 
 
 def capture_layer_tensors(bench: PartBench) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,185 @@
+"""The optimizer step as a profiled cost, and closing the loop from measured runs:
+`pfcompile calibrate` and `pfcompile inspect MEASURED --against PLAN`.
+
+The measured trace here is written by the runtime's own writer (runtime.measure: Timeline,
+plan_identity, write_measured_trace) from op durations we choose, so calibration must give
+back exactly those durations; no part of the runtime is mocked, none is run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pfcompile.calibrate.fit import calibrate
+from pfcompile.calibrate.measured import load_measured
+from pfcompile.formats.ops import Op
+from pfcompile.formats.plan import load_plan
+from pfcompile.formats.profile import Profile, load_profile, profile_from_json
+from pfcompile.graph.costs import Costs
+from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.place.build import build_plan
+from runtime import measure
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pfcompile", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+# --- the optimizer step, costed -------------------------------------------------------------------
+def test_schema_1_profile_loads_with_one_line_warning_and_the_documented_estimate(tmp_path, capsys):
+    prof = load_profile(str(PROFILE))
+    old = copy.deepcopy(prof)
+    old.schema_version = 1
+    path = tmp_path / "v1.json"
+    old.save(str(path))
+    assert "step_ms" not in json.loads(path.read_text())["parts"][0]
+    capsys.readouterr()
+    loaded = load_profile(str(path))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "schema_version 1 has no optimizer-step costs" in err
+    assert loaded.hash == json.loads(path.read_text())["hash"]  # the file's own hash, not a re-versioned one
+    # the estimate, from the module doc: K-FAC = 5 passes over the K-FAC layers' parameter
+    # bytes + 7 over the rest, AdamW = 7 passes over all, at 2 GB/s on a CPU
+    block = loaded.part("block0")
+    covered = sum((l.in_features + 1) * l.out_features * 4 for l in loaded.kfac_layers if l.part == "block0")
+    assert block.step_ms["kfac"] == pytest.approx((5 * covered + 7 * (block.param_bytes - covered)) / 2e6)
+    assert block.step_ms["adamw"] == pytest.approx(7 * block.param_bytes / 2e6)
+
+
+def test_the_step_op_costs_its_parts_steps():
+    prof = load_profile(str(PROFILE))
+    partition = [["embed", "block0"], ["block1", "head"]]
+    for kfac, kind in ((True, "kfac"), (False, "adamw")):
+        costs = Costs(prof, partition, replicas=1, kfac=kfac)
+        want = prof.part("block1").step_ms[kind] + prof.part("head").step_ms[kind]
+        assert costs.duration(Op("step", stage=1)) == pytest.approx(want) and want > 0
+
+
+# --- a measured trace with known durations ------------------------------------------------------------
+def true_profile(prof: Profile) -> Profile:
+    """The 'machine' the synthetic run ran on: every entry scaled by a known factor, per part
+    and per layer different, and another message latency."""
+    t = copy.deepcopy(prof)
+    for i, p in enumerate(t.parts):
+        p.fwd_ms = (p.fwd_ms or 0.5) * (1.1 + 0.2 * i)
+        p.bwd_ms = (p.bwd_ms or 0.7) * (0.7 + 0.1 * i)
+        p.step_ms = {k: v * (1.5 + 0.3 * i) for k, v in p.step_ms.items()}
+    for j, l in enumerate(t.kfac_layers):
+        l.curv_a_ms *= 2.0 + 0.01 * j
+        l.curv_b_ms *= 0.5
+        l.inv_a_ms = {m: v * 1.2 for m, v in l.inv_a_ms.items()}
+        l.inv_b_ms = {m: v * 0.9 for m, v in l.inv_b_ms.items()}
+        l.precond_ms *= 3.0
+    t.comm.p2p.latency_ms = 0.25
+    return t
+
+
+def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int) -> Path:
+    """Each rank runs its ops back to back with the TRUE durations; each receive is posted
+    before its send and ends one true transfer time after the send starts."""
+    plan = load_plan(str(plan_path))
+    costs = Costs(truth, plan.partition, plan.config["replicas"], plan.config.get("inverse", "cholesky"),
+                  plan.config["kfac"])
+    timelines = [measure.Timeline(q) for q in range(plan.world_size)]
+    sends = {}
+    recvs = []
+    for step in range(steps):
+        for q, tl in enumerate(timelines):
+            t = 100.0 * step
+            for op in plan.ops(q, step):
+                d = costs.duration(op)
+                tl.record(step, str(op), op.kind, t, t + d)
+                if op.kind.startswith("send"):
+                    sends[(step, op.message_key())] = (t, costs.message_ms(op))
+                elif op.kind.startswith("recv"):
+                    recvs.append((q, step, op, len(tl.ops) - 1))
+                t += d + 0.01
+            tl.steps.append((step, 100.0 * step, t))
+    for q, step, op, i in recvs:
+        start, transfer = sends[(step, op.message_key())]
+        s, text, kind, _, _ = timelines[q].ops[i]
+        timelines[q].ops[i] = (s, text, kind, start - 0.005, start + transfer)
+    out = tmp_path / f"{plan_path.stem}.measured.json"
+    measure.write_measured_trace(str(out), timelines, {
+        "plan": str(plan_path), "steps": steps, **measure.plan_identity(str(plan_path), plan), "warmup_steps": 1})
+    return out
+
+
+def make_plan(tmp_path: Path, prof: Profile, name: str, schedule: str = "gpipe", stages: int = 4) -> Path:
+    plan, _, _ = build_plan(prof, PipelineConfig(schedule, stages=stages, micro_batches=4), "greedy")
+    path = tmp_path / f"{name}.json"
+    plan.save(str(path))
+    return path
+
+
+def test_calibration_recovers_known_costs(tmp_path):
+    prof = load_profile(str(PROFILE))
+    truth = true_profile(prof)
+    plan_path = make_plan(tmp_path, prof, "gpipe4")  # one part per stage: every part's entry is seen alone
+    k = load_plan(str(plan_path)).refresh_steps
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=k + 2)
+    fitted, counts = calibrate(prof, [load_measured(str(trace))])
+
+    close = lambda a, b: a == pytest.approx(b, rel=0.01)  # noqa: E731
+    for got, want in zip(fitted.parts, truth.parts):
+        assert close(got.fwd_ms, want.fwd_ms) and close(got.bwd_ms, want.bwd_ms), got.name
+        assert close(got.step_ms["kfac"], want.step_ms["kfac"]), got.name
+    for got, want in zip(fitted.kfac_layers, truth.kfac_layers):
+        for key in ("curv_a_ms", "curv_b_ms", "precond_ms"):
+            assert close(getattr(got, key), getattr(want, key)), (got.name, key)
+        assert close(got.inv_a_ms["cholesky"], want.inv_a_ms["cholesky"])
+        assert close(got.inv_b_ms["cholesky"], want.inv_b_ms["cholesky"])
+        assert got.inv_a_ms["eigen"] == prof.kfac_layers[fitted.kfac_layers.index(got)].inv_a_ms["eigen"]  # not run: kept
+    assert close(fitted.comm.p2p.latency_ms, truth.comm.p2p.latency_ms)
+    assert counts["p2p messages"] > 0 and counts["fwd"] == 4
+
+    # provenance and hash chain: a new hash, naming its parent and its trace; plans record it
+    path = tmp_path / "calibrated.json"
+    fitted.save(str(path))
+    again = load_profile(str(path))
+    assert again.hash == fitted.hash != prof.hash
+    cal = again.provenance["calibration"]
+    assert cal["parent_hash"] == prof.hash and cal["traces"][0]["plan_sha256"].startswith("sha256:")
+    replanned = make_plan(tmp_path, again, "replanned")
+    assert json.loads(replanned.read_text())["profile"]["hash"] == again.hash
+
+
+def test_cli_calibrate_inspect_and_refusals(tmp_path):
+    prof = load_profile(str(PROFILE))
+    truth = true_profile(prof)
+    plan_path = make_plan(tmp_path, prof, "f1b", schedule="1f1b", stages=2)
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=load_plan(str(plan_path)).refresh_steps + 2)
+
+    r = cli("inspect", str(trace), "--against", str(plan_path), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["kind"]: row for row in json.loads(r.stdout)["kinds"]}
+    assert rows["precond"]["ratio"] == pytest.approx(3.0, rel=1e-3)  # the known factor, per op kind
+    assert rows["curv_b"]["ratio"] == pytest.approx(0.5, rel=1e-3)
+    table = cli("inspect", str(trace), "--against", str(plan_path)).stdout
+    assert "op kind" in table and "between ops" in table and "measured/predicted" in table
+
+    out = tmp_path / "cal.json"
+    r = cli("calibrate", str(PROFILE), str(trace), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert load_profile(str(out)).provenance["calibration"]["parent_hash"] == prof.hash
+
+    # a trace of another plan, or of a plan made from another profile, is refused with one line
+    other_plan = make_plan(tmp_path, prof, "other", schedule="gpipe", stages=2)
+    r = cli("inspect", str(trace), "--against", str(other_plan))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.plan_sha256: the trace ran another plan" in r.stderr
+    r = cli("calibrate", str(out), str(trace), "-o", str(tmp_path / "cal2.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "otherData.plan_profile.hash: the trace ran a plan made from profile" in r.stderr
+    not_measured = tmp_path / "predicted.json"
+    assert cli("render", str(plan_path), "--trace", str(not_measured)).returncode == 0
+    r = cli("calibrate", str(PROFILE), str(not_measured), "-o", str(tmp_path / "cal3.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.source" in r.stderr
