@@ -6,6 +6,8 @@
 #   3. render the plan: task graph, timeline, Perfetto trace -> $OUT/plan.{svg,png,trace.json}
 #   4. run the plan with torchrun on 2 ranks               -> loss, predicted vs measured step time,
 #                                                             $OUT/measured.trace.json
+#   5. where the time went (per op kind), calibrate the profile from the run, re-plan from
+#      the calibrated profile, run again; both predictions against their measurements
 #
 # Each piece says so and carries on (or stops) if a command it needs is missing.
 # Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 40),
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 say() { printf '\n== %s\n' "$*"; }
 has_command() { "$PY" -m pfcompile "$1" --help >/dev/null 2>&1; }
 
-say "1/4 profile bert-tiny (micro-batch 8 x 64 tokens, one thread)"
+say "1/5 profile bert-tiny (micro-batch 8 x 64 tokens, one thread)"
 if [ "$PROFILE" = fresh ] && has_command profile; then
   # A short budget per entry keeps this under a minute; the committed profile used more.
   "$PY" -m pfcompile profile --model bert-tiny --repeats 10 --warmup 3 --entry-budget 0.5 \
@@ -33,14 +35,14 @@ else
 fi
 "$PY" -m pfcompile inspect "$OUT/bert-tiny.json" 2>/dev/null | head -n 20 || true
 
-say "2/4 plan: 2 stages, 1F1B, 4 micro-batches, K-FAC placed by CP-SAT"
+say "2/5 plan: 2 stages, 1F1B, 4 micro-batches, K-FAC placed by CP-SAT"
 if ! has_command plan; then
   echo "pfcompile plan is not available yet: stopping here (profile is in $OUT)"; exit 0
 fi
 "$PY" -m pfcompile plan "$OUT/bert-tiny.json" --schedule 1f1b --stages 2 --micro-batches 4 \
       --method cpsat --time-limit 10 --workers 2 -o "$OUT/plan.json"
 
-say "3/4 render: graph, timeline, trace"
+say "3/5 render: graph, timeline, trace"
 if has_command render; then
   if command -v dot >/dev/null 2>&1; then graph=(--graph "$OUT/plan.svg"); else
     graph=(); echo "graphviz's dot is missing: no graph picture"; fi
@@ -51,9 +53,20 @@ else
   echo "pfcompile render is not available yet: skipping pictures"
 fi
 
-say "4/4 run the plan: torchrun --nproc-per-node 2 -m runtime ($STEPS steps, pydoc MLM)"
+say "4/5 run the plan: torchrun --nproc-per-node 2 -m runtime ($STEPS steps, pydoc MLM)"
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime "$OUT/plan.json" \
-      --steps "$STEPS" --trace "$OUT/measured.trace.json" 2>&1 | grep -v '^W[0-9]' || exit 1
+      --steps "$STEPS" --trace "$OUT/measured.trace.json" 2>&1 | grep -v '^W[0-9]' | tee "$OUT/run1.txt" || exit 1
+
+say "5/5 where the time went, then calibrate the profile from this run, re-plan and run again"
+"$PY" -m pfcompile inspect "$OUT/measured.trace.json" --against "$OUT/plan.json"
+"$PY" -m pfcompile calibrate "$OUT/bert-tiny.json" "$OUT/measured.trace.json" -o "$OUT/bert-tiny.calibrated.json"
+"$PY" -m pfcompile plan "$OUT/bert-tiny.calibrated.json" --schedule 1f1b --stages 2 --micro-batches 4 \
+      --method cpsat --time-limit 10 --workers 2 -o "$OUT/plan.calibrated.json" > /dev/null
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
+      "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" 2>&1 \
+  | grep -v '^W[0-9]' | tee "$OUT/run2.txt" > /dev/null || exit 1
+echo "before calibration: $(grep '^runtime: ' "$OUT/run1.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')"
+echo "after calibration:  $(grep '^runtime: ' "$OUT/run2.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')  (a second run, seed 1)"
 
 say "outputs in $OUT"
 ls -1 "$OUT"

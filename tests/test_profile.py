@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import format_profile, load_profile, profile_from_json
 from pfcompile.profiler.reference import reference_profile
 
@@ -299,3 +300,14 @@ def test_profile_unavailable_device_and_unknown_model(tmp_path):
     one_line_error(cli("profile", "--micro-batch", "0", "-o", str(out)), "--micro-batch")
     one_line_error(cli("profile", "--reference", "bert-large", "--micro-batch", "3", "-o", str(out)), "bs", "3")
     assert not out.exists() and not list(tmp_path.glob(".*tmp"))  # nothing half-written
+
+
+def test_profile_under_the_runs_conditions_records_its_ranks():
+    """--ranks 2: one neighbour process runs the model meanwhile; the profile says so."""
+    from pfcompile.profiler import profile_model
+
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
+                         progress=False, ranks=2)
+    assert prof.provenance["ranks"] == 2 and all(p.fwd_ms > 0 for p in prof.parts)
+    with pytest.raises(InputError, match="--ranks: must be >= 1"):
+        profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, progress=False, ranks=0)

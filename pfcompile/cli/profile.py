@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--clock", choices=("wall", "thread"), default="wall",
                    help="wall: perf_counter (CUDA events on GPU); thread: this thread's CPU time, which "
                         "ignores time taken by other processes on a shared CPU (cpu, --threads 1)")
+    p.add_argument("--ranks", type=int, default=1, metavar="R",
+                   help="measure with R processes working at once, as a plan of R ranks runs on this machine "
+                        "(R - 1 others run the model's forward/backward meanwhile; CPU; default 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="skip the 2-rank communication measurement; state a latency/bandwidth model instead")
     p.add_argument("--reference", metavar="MODEL", default=None,
@@ -77,7 +80,8 @@ def run(args) -> int:
 
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
-                             entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json)
+                             entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json,
+                             ranks=args.ranks)
     if args.output:
         prof.save(args.output)
     else:

@@ -366,7 +366,7 @@ def format_profile(profile: Profile) -> str:
     shape = ", ".join(f"{k} {m[k]}" for k in ("layers", "hidden", "heads", "ffn", "vocab",
                                                "micro_batch", "seq_len", "dtype") if k in m)
     head = [f"profile {profile.name} ({profile.source}) {profile.hash}", f"model: {shape}"]
-    prov_keys = ("device", "torch", "cuda", "threads", "clock", "repeats", "warmup", "host", "date",
+    prov_keys = ("device", "torch", "cuda", "threads", "ranks", "clock", "repeats", "warmup", "host", "date",
                  "created", "wall_s", "load_avg", "pfcompile", "source", "file")
     prov = ", ".join(f"{k} {pv[k]}" for k in prov_keys if pv.get(k) not in (None, ""))
     if prov:

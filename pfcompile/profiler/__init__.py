@@ -373,6 +373,52 @@ def _runtime_op(dtype: str, device: torch.device, fn):
                                           f"implement there ({first})") from None
 
 
+# --- profiling under the run's conditions: other ranks working at once -----------------------------
+def _neighbour(model: str, micro_batch: int, seq_len: int, dtype: str, threads: int, stop) -> None:
+    """One other 'rank': the whole model's forward and backward, again and again, until stopped."""
+    torch.set_num_threads(threads)
+    spec = resolve_spec(model, seq_len)
+    benches = [PartBench(spec, name, micro_batch, seq_len, torch.device("cpu"), DTYPES[dtype])
+               for name in spec.part_names]
+    for b in benches:
+        out = b.forward()
+        if not b.is_last:
+            b.grad_out = torch.ones_like(out)
+        b.out = None
+    while not stop.is_set():
+        for b in benches:
+            b.forward()
+            b.backward()
+
+
+class _Neighbours:
+    """ranks - 1 neighbour processes for the duration of a `with` block (none for one rank)."""
+
+    def __init__(self, model, micro_batch, seq_len, dtype, threads, count):
+        self.args, self.count, self.procs = (model, micro_batch, seq_len, dtype, threads), count, []
+
+    def __enter__(self):
+        if self.count:
+            import torch.multiprocessing as mp
+            ctx = mp.get_context("spawn")
+            self.stop = ctx.Event()
+            self.procs = [ctx.Process(target=_neighbour, args=(*self.args, self.stop), daemon=True)
+                          for _ in range(self.count)]
+            for p in self.procs:
+                p.start()
+            time.sleep(1.0)  # let them build their model and start working
+        return self
+
+    def __exit__(self, *exc):
+        if self.procs:
+            self.stop.set()
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+        return False
+
+
 # --- the whole profile -------------------------------------------------------------------------------
 def check_device(name: str) -> torch.device:
     try:
@@ -428,8 +474,13 @@ def device_name(device: torch.device) -> str:
 
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
-                  entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True) -> Profile:
-    """Measure every part and K-FAC layer of `model`, and the links between two ranks."""
+                  entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True,
+                  ranks: int = 1) -> Profile:
+    """Measure every part and K-FAC layer of `model`, and the links between two ranks.
+
+    `ranks` > 1: measure under the run's conditions, with ranks - 1 other processes working
+    at once (each the model's forward and backward in a loop, `threads` threads, the same
+    device), so shared caches, memory bandwidth and core sharing are in the numbers."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -447,11 +498,16 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     torch.manual_seed(SEED)
     timer = Clock(dev, repeats, warmup, entry_budget_s, clock)
     cfg = spec.cfg
+    if ranks < 1:
+        raise InputError("--ranks", None, f"must be >= 1, got {ranks}")
+    if dev.type == "cuda" and ranks > 1:
+        raise InputError("--ranks", None, "> 1 is for CPUs (one rank per core); on CUDA each rank has its own GPU")
     started = time.perf_counter()
+    neighbours = _Neighbours(model, micro_batch, seq_len, dtype, threads, ranks - 1)
     load_before = _load_average()
 
     parts, layers, spread = [], [], {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with neighbours, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task(f"profiling {model}", total=len(spec.part_names) + int(comm))
         for name in spec.part_names:
@@ -485,7 +541,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
         "cuda": torch.version.cuda, "dtype": dtype, "threads": threads,
         "micro_batch": micro_batch, "seq_len": seq_len, "repeats": repeats, "warmup": warmup,
-        "entry_budget_s": entry_budget_s,
+        "entry_budget_s": entry_budget_s, "ranks": ranks,
         "clock": {"wall": "cuda events" if dev.type == "cuda" else "time.perf_counter",
                   "thread": "time.thread_time (CPU time of the one torch thread)"}[clock],
         "host": socket.gethostname(),
