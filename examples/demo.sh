@@ -65,8 +65,8 @@ say "5/5 where the time went, then calibrate the profile from this run, re-plan 
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
       "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" 2>&1 \
   | grep -v '^W[0-9]' | tee "$OUT/run2.txt" > /dev/null || exit 1
-echo "before calibration: $(grep '^runtime: ' "$OUT/run1.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')"
-echo "after calibration:  $(grep '^runtime: ' "$OUT/run2.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')  (a second run, seed 1)"
+echo "before calibration: $(grep '^runtime: [0-9]* steps' "$OUT/run1.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')"
+echo "after calibration:  $(grep '^runtime: [0-9]* steps' "$OUT/run2.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')  (a second run, seed 1)"
 
 say "outputs in $OUT"
 ls -1 "$OUT"
