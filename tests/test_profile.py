@@ -294,7 +294,8 @@ def test_inspect_edited_profile_fails_the_hash(tmp_path):
 
 def test_profile_unavailable_device_and_unknown_model(tmp_path):
     out = tmp_path / "p.json"
-    one_line_error(cli("profile", "--device", "cuda:0", "-o", str(out)), "--device", "cuda:0", "not available")
+    # a device no host has (cuda:0 exists on a GPU host): refused with one line, GPU or not
+    one_line_error(cli("profile", "--device", "cuda:99", "-o", str(out)), "--device", "cuda:99", "not available")
     line = one_line_error(cli("profile", "--model", "bert-huge", "-o", str(out)), "--model", "bert-huge")
     assert "bert-tiny" in line and "bert-mini" in line  # lists the valid names
     one_line_error(cli("profile", "--micro-batch", "0", "-o", str(out)), "--micro-batch")
