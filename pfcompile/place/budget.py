@@ -22,6 +22,7 @@ class Budget:
         self.t0 = time.monotonic() if started is None else started  # time.monotonic() of the start
         self.deadline = None if seconds is None else self.t0 + seconds
         self.reserve = 0.0  # seconds kept for what follows the search (set from the plan's size)
+        self.replay_s_per_op: float | None = None  # measured on this run's first replay (the load counts)
         self.seconds: dict[str, float] = defaultdict(float)
 
     def left(self) -> float:

@@ -83,7 +83,10 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: st
         raise InputError("--refresh-steps", None, f"must be at least 1, got {refresh_steps}")
     t0 = time.perf_counter()
     # the baseline is only a reference here: the memory limit applies to the plan made
+    t_base = time.perf_counter()
     base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
+    if budget is not None:  # what a replay costs on this machine now: the budget's reserve scales with it
+        budget.replay_s_per_op = (time.perf_counter() - t_base) / max(1, base_plan.stats.get("tasks", 1))
     # the best first-order plan of the family: the tight baseline, and the step time the k
     # lower bound aims at
     tight = (tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers, budget=budget)

@@ -273,10 +273,12 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         greedy, greedy_info = _greedy(profile, cfg)
     k_greedy = len(next(iter(greedy.values())))
     # kept for assembling and replaying the plan (and the greedy's, to compare) at the end:
-    # ~0.8 ms per op of the plan at a load average of 10 on 2 cores (paper setting: 5 s for
-    # two replays of 6432 ops), plus writing the file
+    # three replays follow the search (the plan's, the greedy's to compare, the check on
+    # writing), at the seconds per op this run's first replay took (the machine's load
+    # counts), else ~0.8 ms per op (paper setting at a load average of 10 on 2 cores)
     ops = sum(len(ops) for steps in greedy.values() for ops in steps) / k_greedy
-    budget.reserve = max(budget.reserve, 2.0 + 8e-4 * ops * max(k_greedy, opts.refresh_steps or 1, 2))
+    per_op = budget.replay_s_per_op or 8e-4
+    budget.reserve = max(budget.reserve, 2.0 + 3 * per_op * ops * max(k_greedy, opts.refresh_steps or 1, 2))
     k_lb, target = 1, None
     if cfg.kfac:
         target = opts.first_order_step_ms
