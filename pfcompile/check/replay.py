@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Cluster, Profile
-from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, op_dependencies
+from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, cycle_dependencies
 from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
 
@@ -120,19 +120,7 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     def name(q, c, t, op):
         return f"{op} (rank {q}, step {t}{f', cycle {c}' if c else ''})"
 
-    rules: dict[tuple, tuple[list, list]] = {}  # (rank, step, op, cycle > 0) -> its dependencies
-
-    def dependencies(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
-        """op_dependencies, derived once per listed op and shifted to later cycles (the
-        rules of cycle c are those of cycle 1 with every cycle index moved by c - 1)."""
-        c0 = 1 if c > 0 else 0
-        got = rules.get((q, t, op, c0))
-        if got is None:
-            got = rules[(q, t, op, c0)] = op_dependencies(L, q, c0, t, op)
-        if c == c0:
-            return got
-        shift = c - c0
-        return ([(k[0] + shift,) + k[1:] for k in got[0]], [(k[0] + shift,) + k[1:] for k in got[1]])
+    dependencies = cycle_dependencies(L)  # op_dependencies, derived once per listed op
 
     def ready_time(q: int) -> float | None:
         """When rank q's next op may start as far as its own dependencies go; None if it must wait."""

@@ -172,7 +172,23 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
     return local, remote
 
 
-deps = op_dependencies  # the short name the verifier uses
+def cycle_dependencies(L: "PlanLayout"):
+    """`op_dependencies` for any cycle, derived once per listed op: cycle 0 differs (its
+    first forwards wait for no earlier update), and the rules of a cycle c > 1 are cycle
+    1's with every cycle index moved by c - 1. Returns `deps(q, c, t, op)`."""
+    memo: dict[tuple, tuple[list, list]] = {}
+
+    def deps(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
+        base = min(c, 1)
+        got = memo.get((base, q, t, op))
+        if got is None:
+            got = memo[(base, q, t, op)] = op_dependencies(L, q, base, t, op)
+        if c == base:
+            return got
+        shift = c - base
+        return ([(k[0] + shift,) + tuple(k[1:]) for k in got[0]], [(k[0] + shift,) + tuple(k[1:]) for k in got[1]])
+
+    return deps
 
 
 # --- what the cycle must hold, each op once where it belongs --------------------------------------

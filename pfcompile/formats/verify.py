@@ -32,7 +32,7 @@ from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, deps, op_field, op_name
+from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, cycle_dependencies, op_field, op_name
 
 # The planner rounds times to 1e-6 ms; consecutive ops may touch within that.
 _TIME_TOLERANCE_MS = 1e-5
@@ -206,19 +206,7 @@ def check_order(plan: Plan, L: PlanLayout, where: str, *, cycles: int = 2) -> No
     unreceived: dict[tuple[int, int, int], int] = defaultdict(int)  # (rank, cycle, step) -> sends in flight
     pos = [0] * L.W
 
-    memo: dict[tuple, tuple[list, list]] = {}
-
-    def deps_at(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
-        """deps() of cycle c, computed once per listed op (cycle 0 and 1 differ: a first
-        forward waits for the previous cycle's update; later cycles are cycle 1 shifted)."""
-        base = min(c, 1)
-        got = memo.get((base, q, t, op))
-        if got is None:
-            got = memo[(base, q, t, op)] = deps(L, q, base, t, op)
-        if c == base:
-            return got
-        shift = c - base
-        return ([(dc + shift, *rest) for dc, *rest in got[0]], [(dc + shift, *rest) for dc, *rest in got[1]])
+    deps_at = cycle_dependencies(L)
 
     def local_ok(q: int, c: int, t: int, i: int, op: Op) -> None:
         local, _ = deps_at(q, c, t, op)
