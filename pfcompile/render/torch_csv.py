@@ -32,25 +32,16 @@ from pfcompile.formats.plan import Plan
 FORMATS = ("compute_comms", "compute_only")
 
 
+# op kind -> torch's action; a receive is named by the stage it serves (the consumer)
+_ACTIONS = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W", "send_act": "SEND_F",
+            "recv_act": "RECV_F", "send_grad": "SEND_B", "recv_grad": "RECV_B"}
+
+
 def _action(op: Op, local_mb: int) -> str:
-    k, s = op.kind, op.stage
-    if k == "fwd":
-        return f"{s}F{local_mb}"
-    if k == "bwd":
-        return f"{s}B{local_mb}"
-    if k == "bwd_input":
-        return f"{s}I{local_mb}"
-    if k == "bwd_weight":
-        return f"{s}W{local_mb}"
-    if k == "send_act":
-        return f"{s}SEND_F{local_mb}"
-    if k == "recv_act":
-        return f"{stage_served(op)}RECV_F{local_mb}"
-    if k == "send_grad":
-        return f"{s}SEND_B{local_mb}"
-    if k == "recv_grad":
-        return f"{stage_served(op)}RECV_B{local_mb}"
-    raise ValueError(f"{op} is no pipeline action")
+    if op.kind not in _ACTIONS:
+        raise ValueError(f"{op} is no pipeline action")
+    stage = stage_served(op) if op.kind.startswith("recv") else op.stage
+    return f"{stage}{_ACTIONS[op.kind]}{local_mb}"
 
 
 def replicas(plan: Plan) -> list[int]:
