@@ -17,12 +17,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pfcompile.formats.ops import COMPUTE_KINDS  # the rest (messages, collectives) is bubble to compute
 from pfcompile.formats.trace import stream_of, write_trace
 
-# Ops during which a rank computes; the rest (receives, collectives) is waiting or
-# communicating, i.e. bubble from the point of view of the compute stream.
-_NOT_COMPUTE = {"send_act", "recv_act", "send_grad", "recv_grad", "sync_curv", "bcast_inv", "sync_grad", "rs_grad",
-                "ag_grad"}
 
 
 @dataclass
@@ -170,7 +167,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     hi = max(end for tl in timelines for s, _, end in tl.steps if s in kept)
     wall = hi - lo
     busy = sum(e - s for tl in timelines for step, _, kind, s, e in tl.ops
-               if step in kept and kind not in _NOT_COMPUTE)
+               if step in kept and kind in COMPUTE_KINDS)
     bubble = 1.0 - busy / (wall * len(timelines)) if wall > 0 else 0.0
     op_ratio = _op_ratio(timelines, set(kept), predicted_ops) if predicted_ops else None
     measured_peaks = None
@@ -190,7 +187,7 @@ def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float
         for step, text, kind, s, e in tl.ops:
             i = index.get(step, 0)
             index[step] = i + 1
-            if step not in kept or kind in _NOT_COMPUTE:
+            if step not in kept or kind not in COMPUTE_KINDS:
                 continue
             want_text, want_ms = predicted_ops[tl.rank][step % k][i]
             if want_text == text and want_ms > 0:
