@@ -92,7 +92,7 @@ def run(job, args) -> measure.Summary | None:
         if world.rank != 0:
             return None
         metrics.close()
-        return _summary(job, args, [measure.Timeline.from_json(d) for d in gathered], losses, first)
+        return _summary(job, args, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
     finally:
         comm.shutdown(clean)
 

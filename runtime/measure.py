@@ -2,7 +2,11 @@
 renderer's format (pfcompile.formats.trace), and the one-line summary of a run.
 
 Times are milliseconds from a start instant all ranks agree on (a barrier right before the
-first step), so the ranks' rows line up in the trace like the plan's predicted rows.
+first step), so the ranks' rows line up in the trace like the plan's predicted rows. A
+barrier releases the ranks up to a few ms apart (measured 2 ms on 2 CPU ranks), which
+would put a message's receive before its send; ranks on one host share the monotonic clock
+that perf_counter reads, so `align` moves every such rank onto rank 0's origin exactly.
+Ranks on other hosts keep their barrier origin.
 
 On CUDA an op's start and end are CUDA events recorded on the current stream and read
 once the step is over (`end_step`): kernels run asynchronously, and synchronising after
@@ -13,6 +17,7 @@ instant t0, so the ranks still line up. On CPU the marks are perf_counter instan
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ class Timeline:
     # peak bytes of each step on this rank: (step, bytes)
     memory: list[tuple[int, int]] = field(default_factory=list)
     device_type: str = "cpu"
+    host: str = field(default_factory=socket.gethostname)
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
@@ -78,16 +84,30 @@ class Timeline:
             self.memory.append((step, int(peak_bytes)))
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory}
+        return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
+                "t0": self.t0, "host": self.host}
 
     @staticmethod
     def from_json(d: dict) -> "Timeline":
-        return Timeline(d["rank"], 0.0, [tuple(o) for o in d["ops"]], [tuple(s) for s in d["steps"]],
-                        [tuple(m) for m in d.get("memory", [])])
+        return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
+                        [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
+                        host=str(d.get("host", "")))
+
+    def shifted(self, ms: float) -> "Timeline":
+        """The same timeline with every time moved by `ms`."""
+        return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
+                        [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory), self.device_type, self.host)
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
                 for step, text, kind, s, e in self.ops]
+
+
+def align(timelines: list[Timeline]) -> list[Timeline]:
+    """Every rank on rank 0's host onto rank 0's origin (module doc); the others as they are."""
+    first = min(timelines, key=lambda tl: tl.rank)
+    return [tl.shifted((tl.t0 - first.t0) * 1000.0) if tl.host == first.host and tl.host else tl
+            for tl in timelines]
 
 
 @dataclass

@@ -20,9 +20,10 @@ from pfcompile.calibrate.fit import calibrate
 from pfcompile.calibrate.measured import load_measured
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import load_plan
-from pfcompile.formats.profile import Profile, load_profile, profile_from_json
+from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile, profile_from_json
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.check.replay import replay
 from pfcompile.place.build import build_plan
 from runtime import measure
 
@@ -67,7 +68,7 @@ def test_the_step_op_costs_its_parts_steps():
 # --- a measured trace with known durations ------------------------------------------------------------
 def true_profile(prof: Profile) -> Profile:
     """The 'machine' the synthetic run ran on: every entry scaled by a known factor, per part
-    and per layer different, and another message latency."""
+    and per layer different, another message latency, and the runtime's own overheads."""
     t = copy.deepcopy(prof)
     for i, p in enumerate(t.parts):
         p.fwd_ms = (p.fwd_ms or 0.5) * (1.1 + 0.2 * i)
@@ -80,34 +81,51 @@ def true_profile(prof: Profile) -> Profile:
         l.inv_b_ms = {m: v * 0.9 for m, v in l.inv_b_ms.items()}
         l.precond_ms *= 3.0
     t.comm.p2p.latency_ms = 0.25
+    t.runtime = RuntimeOverheads(op_ms=0.01, step_ms=0.8, send_ms=0.15, recv_ms=0.2)
     return t
 
 
 def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int) -> Path:
-    """Each rank runs its ops back to back with the TRUE durations; each receive is posted
-    before its send and ends one true transfer time after the send starts."""
+    """The run as the cost model says it goes, written from the model's definition (not with
+    the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
+    it, the runtime's step work follows the step; a send takes its posting time and its data
+    reaches a waiting receiver one link time after it ends; a receive lasts at least its
+    completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank."""
     plan = load_plan(str(plan_path))
     costs = Costs(truth, plan.partition, plan.config["replicas"], plan.config.get("inverse", "cholesky"),
                   plan.config["kfac"])
+    rt = truth.runtime
     timelines = [measure.Timeline(q) for q in range(plan.world_size)]
-    sends = {}
-    recvs = []
+    clock = [0.0] * plan.world_size
     for step in range(steps):
+        ops = [plan.ops(q, step) for q in range(plan.world_size)]
+        pos = [0] * plan.world_size
+        starts = list(clock)
+        arrival: dict = {}
+        while any(pos[q] < len(ops[q]) for q in range(plan.world_size)):
+            moved = False
+            for q, tl in enumerate(timelines):
+                while pos[q] < len(ops[q]):
+                    op = ops[q][pos[q]]
+                    t = clock[q]
+                    if op.kind.startswith("recv"):
+                        at = arrival.get(op.message_key())
+                        if at is None:
+                            break  # its send has not run yet
+                        end = max(t + rt.recv_ms, at)
+                    elif op.kind.startswith("send"):
+                        end = t + rt.send_ms
+                        arrival[op.message_key()] = end + costs.link_ms(op)
+                    else:
+                        end = t + costs.work_ms(op) - (rt.step_ms / costs.stages_per_rank if op.kind == "step" else 0.0)
+                    tl.record(step, str(op), op.kind, t, end)
+                    clock[q] = end + rt.op_ms
+                    pos[q] += 1
+                    moved = True
+            assert moved, "the synthetic run deadlocked"
         for q, tl in enumerate(timelines):
-            t = 100.0 * step
-            for op in plan.ops(q, step):
-                d = costs.duration(op)
-                tl.record(step, str(op), op.kind, t, t + d)
-                if op.kind.startswith("send"):
-                    sends[(step, op.message_key())] = (t, costs.message_ms(op))
-                elif op.kind.startswith("recv"):
-                    recvs.append((q, step, op, len(tl.ops) - 1))
-                t += d + 0.01
-            tl.steps.append((step, 100.0 * step, t))
-    for q, step, op, i in recvs:
-        start, transfer = sends[(step, op.message_key())]
-        s, text, kind, _, _ = timelines[q].ops[i]
-        timelines[q].ops[i] = (s, text, kind, start - 0.005, start + transfer)
+            tl.steps.append((step, starts[q], clock[q] - rt.op_ms))
+            clock[q] += rt.step_ms
     out = tmp_path / f"{plan_path.stem}.measured.json"
     measure.write_measured_trace(str(out), timelines, {
         "plan": str(plan_path), "steps": steps, **measure.plan_identity(str(plan_path), plan), "warmup_steps": 1})
@@ -140,7 +158,13 @@ def test_calibration_recovers_known_costs(tmp_path):
         assert close(got.inv_b_ms["cholesky"], want.inv_b_ms["cholesky"])
         assert got.inv_a_ms["eigen"] == prof.kfac_layers[fitted.kfac_layers.index(got)].inv_a_ms["eigen"]  # not run: kept
     assert close(fitted.comm.p2p.latency_ms, truth.comm.p2p.latency_ms)
+    for key in ("op_ms", "step_ms", "send_ms", "recv_ms"):  # the runtime around the ops
+        assert close(getattr(fitted.runtime, key), getattr(truth.runtime, key)), key
     assert counts["p2p messages"] > 0 and counts["fwd"] == 4
+
+    # the fitted profile predicts the run: its replay equals the synthetic run's step time
+    plan = load_plan(str(plan_path))
+    assert replay(plan, fitted).step_time_ms == pytest.approx(replay(plan, truth).step_time_ms, rel=0.01)
 
     # provenance and hash chain: a new hash, naming its parent and its trace; plans record it
     path = tmp_path / "calibrated.json"
@@ -183,3 +207,15 @@ def test_cli_calibrate_inspect_and_refusals(tmp_path):
     assert cli("render", str(plan_path), "--trace", str(not_measured)).returncode == 0
     r = cli("calibrate", str(PROFILE), str(not_measured), "-o", str(tmp_path / "cal3.json"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.source" in r.stderr
+
+
+def test_ranks_on_one_host_share_rank_0s_clock():
+    """A barrier releases ranks ms apart; on one host perf_counter is one clock, so the
+    timelines are moved onto rank 0's origin exactly (a receive never ends before its send)."""
+    a = measure.Timeline(0, 10.000, [(0, "F0.0", "fwd", 1.0, 2.0)], [(0, 1.0, 2.0)], host="h")
+    b = measure.Timeline(1, 10.002, [(0, "RA0.0<0", "recv_act", 0.5, 1.5)], [(0, 0.5, 1.5)], host="h")
+    c = measure.Timeline(2, 10.005, [(0, "F1.0", "fwd", 0.5, 1.5)], [(0, 0.5, 1.5)], host="other")
+    got = {tl.rank: tl for tl in measure.align([b, a, c])}
+    assert got[1].ops[0][3:] == pytest.approx((2.5, 3.5)) and got[1].steps[0][1:] == pytest.approx((2.5, 3.5))
+    assert got[0].ops == a.ops and got[2].ops == c.ops  # rank 0 is the origin; another host keeps its own
+    assert measure.Timeline.from_json(got[1].to_json()).host == "h"

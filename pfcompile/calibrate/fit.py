@@ -1,24 +1,37 @@
 """`pfcompile calibrate`: fit a profile's entries to what the runtime measured.
 
-For every op kind the runtime times, the median measured duration (over the steps after
-warm-up, every rank and every trace) replaces the profile's entry:
-- per K-FAC layer: curv_a, curv_b, precond, and inv of the method the plan used, directly
-  (one op is one entry);
-- per part: fwd, bwd and the optimizer step are measured per STAGE (a stage may hold several
-  parts), so each part's entry is scaled by measured / predicted of its stage (the
-  proportional fit: parts keep their relative costs); a part seen in several stages or
-  traces takes the mean of its fits. A stage predicted at 0 ms spreads its measurement
-  evenly over its parts;
-- point-to-point messages: a message whose receiver was already waiting when it was sent
-  gives one transfer time (receive end - send start; ranks share a clock origin at a
-  barrier). With two or more message sizes, latency and bandwidth are fitted (least squares
-  on relative error); with one size, the bandwidth is kept and the latency fitted.
+What an op costs its rank is its OCCUPANCY: from its start to the next op's start on the
+same rank in the same step (its own work, whatever the runtime does after it, and the
+dispatch of the next op), not only the span the runtime timed. The fit:
+- `runtime.op_ms`, the dispatch of one op: the median gap between an op's end and the next
+  op's start (the common case; an op with more work after its timed span, e.g. a backward's
+  gradient bookkeeping, keeps that work in its own entry);
+- every compute op kind: statistic(occupancy - op_ms) (an op that ends its step: its timed
+  span, the runtime's work after it being the step's),
+  - per K-FAC layer: curv_a, curv_b, precond, and inv of the method the plan used, directly
+    (one op is one entry);
+  - per part: fwd, bwd and the optimizer step are measured per STAGE (a stage may hold
+    several parts), so each part's entry is scaled by measured / predicted of its stage (the
+    proportional fit: parts keep their relative costs); a part seen in several stages or
+    traces takes the mean of its fits. A stage predicted at 0 ms spreads its measurement
+    evenly over its parts;
+- `runtime.send_ms`: statistic(occupancy of a send - op_ms) (posting it);
+- `runtime.step_ms`: statistic over ranks and steps of the gap between a rank's last op of a
+  step and its first op of the next, less op_ms (the runtime's work between steps);
+- the messages, every receive with its send in the trace (fit_receives): a receive posted
+  `gap` after its send ended lasts max(recv_ms, latency + bytes/bandwidth - gap) (the pair
+  meets, then the data moves: Costs.message_ms); the p2p latency and `runtime.recv_ms` are
+  fitted together by least squares (the bandwidth stays the profile's: its message
+  benchmark spans sizes, a run sees one or two). Ranks share a clock origin (runtime.measure.align).
+The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
+means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
+predicts a step that is too short. `statistic="median"` fits medians.
 Op kinds the trace does not have (e.g. inv with another method) keep their entries.
 Split-backward kinds (bwd_input, bwd_weight) are not fitted (the profile has one bwd entry).
 
 The result records what it was calibrated from in its provenance (`calibration`: the
-traces' paths and plan hashes, the parent profile's hash, how many entries per kind), so
-its hash differs from the parent's and every plan made from it names it.
+traces' paths and plan hashes, the parent profile's hash, how many entries per kind, the
+statistic), so its hash differs from the parent's and every plan made from it names it.
 """
 
 from __future__ import annotations
@@ -29,78 +42,114 @@ import statistics
 from collections import defaultdict
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
-from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile
+from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads
 
 PART_KINDS = ("fwd", "bwd", "step")
 LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv")
 
 
-def medians(traces: list[MeasuredTrace]) -> dict[tuple, list[float]]:
-    """(kind, key) -> measured durations, key = stage (per trace: (trace index, stage)) or layer[, factor]."""
-    out: dict[tuple, list[float]] = defaultdict(list)
-    for i, tr in enumerate(traces):
-        for o in tr.ops:
-            k = o.op.kind
-            if k in PART_KINDS:
-                out[(k, i, o.op.stage)].append(o.ms)
-            elif k == "inv":
-                out[(k, o.op.layer, o.op.factor)].append(o.ms)
-            elif k in LAYER_KINDS:
-                out[(k, o.op.layer)].append(o.ms)
+STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
+
+
+def _by_rank(trace: MeasuredTrace) -> dict[int, list]:
+    out: dict[int, list] = defaultdict(list)
+    for o in trace.ops:
+        out[o.rank].append(o)
+    for ops in out.values():
+        ops.sort(key=lambda o: o.start_ms)
     return out
 
 
-def message_samples(trace: MeasuredTrace, profile: Profile) -> list[tuple[int, float]]:
-    """(bytes, transfer ms) of each message whose receive was posted before its send."""
-    sends, recvs = {}, {}
-    for o in trace.ops:
-        if o.op.kind in ("send_act", "send_grad"):
-            sends[(o.step, o.op.message_key())] = o
-        elif o.op.kind in ("recv_act", "recv_grad"):
-            recvs[(o.step, o.op.message_key())] = o
+def _sends(trace: MeasuredTrace) -> dict:
+    return {(o.step, o.op.message_key()): o for o in trace.ops if o.op.kind in ("send_act", "send_grad")}
+
+
+def dispatch_gaps(traces: list[MeasuredTrace]) -> list[float]:
+    """End of an op to the next op's start on its rank, within a step (every op kind)."""
+    return [b.start_ms - a.end_ms for tr in traces for ops in _by_rank(tr).values()
+            for a, b in zip(ops, ops[1:]) if a.step == b.step]
+
+
+def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float]]:
+    """What each op costs its rank, less the dispatch of the next (op_ms): its occupancy - op_ms
+    when the next op is in the same step, its timed span when it is the step's last.
+    (kind, key) -> ms, key = (trace index, stage) for parts, layer[, factor] for K-FAC ops;
+    ("send",) for sends; ("between steps",) -> a rank's last op's end to its next step's
+    first op, less op_ms (the runtime's work between steps)."""
+    out: dict[tuple, list[float]] = defaultdict(list)
+    for i, tr in enumerate(traces):
+        for ops in _by_rank(tr).values():
+            for a, b in zip(ops, ops[1:] + [None]):
+                if b is not None and b.step != a.step:
+                    out[("between steps",)].append(b.start_ms - a.end_ms - op_ms)
+                occ = b.start_ms - a.start_ms - op_ms if b is not None and b.step == a.step else a.ms
+                k = a.op.kind
+                if k in PART_KINDS:
+                    out[(k, i, a.op.stage)].append(occ)
+                elif k == "inv":
+                    out[(k, a.op.layer, a.op.factor)].append(occ)
+                elif k in LAYER_KINDS:
+                    out[(k, a.op.layer)].append(occ)
+                elif k in ("send_act", "send_grad"):
+                    out[("send",)].append(occ)
+    return out
+
+
+def receives(trace: MeasuredTrace, profile: Profile) -> list[tuple[int, float, float]]:
+    """(bytes, receive start - send end, receive duration) of every message whose send is in the trace."""
+    sends = _sends(trace)
     parts = trace.layout["partition"]
     out_bytes = [profile.part(stage[-1]).out_bytes for stage in parts]
-    samples = []
-    for key, r in recvs.items():
-        s = sends.get(key)
-        if s is None or r.start_ms > s.start_ms:
+    out = []
+    for r in trace.ops:
+        if r.op.kind not in ("recv_act", "recv_grad"):
             continue
-        kind, stage, _ = key[1]
+        key = r.op.message_key()
+        s = sends.get((r.step, key))
+        if s is None:
+            continue
+        kind, stage, _ = key
         nbytes = out_bytes[stage] if kind == "act" else (out_bytes[stage - 1] if stage > 0 else 0)
-        samples.append((nbytes, r.end_ms - s.start_ms))
-    return samples
+        out.append((nbytes, r.start_ms - s.end_ms, r.ms))
+    return out
 
 
-def fit_latency_bandwidth(samples: list[tuple[int, float]], old: LinkModel) -> LinkModel:
-    """Median per size; two or more sizes: weighted least squares of ms = latency + bytes/bw
-    (weights 1/ms: relative error); one size: the old bandwidth, the latency fitted."""
-    by_size: dict[int, list[float]] = defaultdict(list)
-    for n, ms in samples:
-        by_size[n].append(ms)
-    pts = sorted((n, statistics.median(v)) for n, v in by_size.items())
-    if len(pts) >= 2:
-        w = [1.0 / max(ms, 1e-9) ** 2 for _, ms in pts]
-        sw = sum(w)
-        mx = sum(wi * n for wi, (n, _) in zip(w, pts)) / sw
-        my = sum(wi * ms for wi, (_, ms) in zip(w, pts)) / sw
-        sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, pts))
-        slope = sum(wi * (n - mx) * (ms - my) for wi, (n, ms) in zip(w, pts)) / sxx if sxx > 0 else 0.0
-        if slope > 0:
-            return LinkModel(latency_ms=max(0.0, my - slope * mx), bytes_per_ms=1.0 / slope)
-    n, ms = pts[-1]
-    return LinkModel(latency_ms=max(0.0, ms - n / old.bytes_per_ms), bytes_per_ms=old.bytes_per_ms)
+def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel) -> tuple[LinkModel, float]:
+    """The link's latency and the receive's completion time, together. A receive posted
+    `gap` after its send ended lasts max(recv_ms, latency + bytes/bandwidth - gap)
+    (Costs.message_ms: the pair meets, then the data moves). The bandwidth is the profile's
+    (its message benchmark spans sizes; a run sees one or two); latency and recv_ms are
+    chosen on a 10 µs grid to minimise the squared error of the receives' durations."""
+    import numpy as np
+
+    n = np.array([r[0] for r in recvs], dtype=float)
+    gap = np.array([r[1] for r in recvs], dtype=float)
+    dur = np.array([r[2] for r in recvs], dtype=float)
+    grid = np.arange(0.0, 10.0, 0.01)
+    best = None
+    for lat in grid:
+        need = lat + n / old.bytes_per_ms - gap                      # per receive, what the link asks
+        err = ((np.maximum(grid[:, None], need[None, :]) - dur[None, :]) ** 2).sum(axis=1)
+        i = int(err.argmin())
+        if best is None or err[i] < best[0] - 1e-12:
+            best = (float(err[i]), float(lat), float(grid[i]))
+    _, lat, recv = best
+    return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
 
 
-def calibrate(profile: Profile, traces: list[MeasuredTrace]) -> tuple[Profile, dict]:
-    """A new profile with entries fitted to the traces' medians; returns (profile, counts per kind)."""
+def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "mean") -> tuple[Profile, dict]:
+    """A new profile with entries fitted to the traces (module doc); returns (profile, counts per kind)."""
     for tr in traces:
         check_against_profile(tr, profile)
+    stat = STATISTICS[statistic]
     new = copy.deepcopy(profile)
-    meds = {key: statistics.median(v) for key, v in medians(traces).items()}
+    gaps = dispatch_gaps(traces)
+    op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    fitted = {key: max(0.0, stat(v)) for key, v in samples(traces, op_ms).items()}
     counts: dict[str, int] = defaultdict(int)
 
     # per K-FAC layer: direct
-    for key, ms in meds.items():
+    for key, ms in fitted.items():
         kind = key[0]
         if kind in ("curv_a", "curv_b", "precond"):
             setattr(new.kfac_layers[key[1]], f"{kind}_ms", ms)
@@ -114,7 +163,7 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace]) -> tuple[Profile, d
 
     # per part: proportional within each measured stage, mean over observations
     fits: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for key, ms in meds.items():
+    for key, ms in fitted.items():
         kind = key[0]
         if kind not in PART_KINDS:
             continue
@@ -136,11 +185,16 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace]) -> tuple[Profile, d
             setattr(part, f"{what}_ms", value)
         counts[what.split(".")[0]] += 1
 
-    # messages
-    samples = [s for tr in traces for s in message_samples(tr, profile)]
-    if samples:
-        new.comm.p2p = fit_latency_bandwidth(samples, profile.comm.p2p)
-        counts["p2p messages"] = len(samples)
+    # the runtime around the ops, and the messages' lag
+    old_rt = profile.runtime
+    recv_ms = old_rt.recv_ms
+    recvs = [r for tr in traces for r in receives(tr, profile)]
+    if recvs:
+        new.comm.p2p, recv_ms = fit_receives(recvs, profile.comm.p2p)
+        counts["p2p messages"] = len(recvs)
+    new.runtime = RuntimeOverheads(op_ms=op_ms, step_ms=fitted.get(("between steps",), old_rt.step_ms),
+                                   send_ms=fitted.get(("send",), old_rt.send_ms), recv_ms=recv_ms)
+    counts["runtime overheads"] = sum(1 for key in (("between steps",), ("send",)) if key in fitted) + bool(gaps) + bool(recvs)
 
     new.spread = {}  # the measured spreads belonged to the parent's samples
     new.schema_version = SCHEMA_VERSION
@@ -149,8 +203,11 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace]) -> tuple[Profile, d
         "traces": [{"path": tr.path, "plan_sha256": tr.meta["plan_sha256"], "steps_used": len({o.step for o in tr.ops}),
                     "load_avg": tr.meta.get("load_avg")} for tr in traces],
         "entries": dict(counts),
+        "statistic": statistic,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "method": "median of the measured ops after warm-up; parts scaled per stage; p2p from waiting receives",
+        "method": f"{statistic} occupancy (start to the next op's start) of the measured ops after warm-up, "
+                  "less the median dispatch gap; parts scaled per stage; runtime overheads from sends, "
+                  "non-waiting receives and the gaps between steps; p2p lag from waiting receives",
     }}
     new.to_json()  # the new hash
     return new, dict(counts)

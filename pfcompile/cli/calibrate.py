@@ -12,11 +12,15 @@ def register(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="fit a profile's entries to measured traces of plans made from it",
         description="Replace each profile entry (fwd/bwd/step per part, curvature/inversion/preconditioning "
-                    "per K-FAC layer, point-to-point latency and bandwidth) by the median the runtime measured "
+                    "per K-FAC layer, the runtime's overheads per op, per step, per send and per receive, "
+                    "point-to-point latency and bandwidth) by what the runtime measured "
                     "in the given traces (`torchrun -m runtime PLAN --trace T`); the traces must be runs of "
                     "plans made from PROFILE. Writes a new profile whose provenance names the traces.")
     p.add_argument("profile", help="the profile the traced plans were made from")
     p.add_argument("traces", nargs="+", metavar="MEASURED_TRACE", help="measured traces written by the runtime")
+    p.add_argument("--statistic", choices=("mean", "median"), default="mean",
+                   help="of each entry's measured occupancies (default mean: a step is a sum of op times, and "
+                        "sums add means)")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE2", help="write the calibrated profile here")
     p.set_defaults(func=run)
 
@@ -28,7 +32,7 @@ def run(args) -> int:
 
     profile = load_profile(args.profile)
     traces = [load_measured(t) for t in args.traces]
-    new, counts = calibrate(profile, traces)
+    new, counts = calibrate(profile, traces, args.statistic)
     if args.output == args.profile:
         raise InputError("-o", None, "must differ from PROFILE (the calibrated profile names its parent by hash)")
     new.save(args.output)

@@ -24,6 +24,7 @@ sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where
       "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
                "p2p": {"latency_ms", "bytes_per_ms"},
                "allreduce": {"latency_ms", "bytes_per_ms"}},
+      "runtime": {"op_ms", "step_ms", "send_ms", "recv_ms"},   # optional, see below
       "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
       "hash": "sha256:..."                   # of everything above, canonical JSON
     }
@@ -36,6 +37,14 @@ no such field: it still loads, with a one-line warning, and its step is ESTIMATE
 the parameter bytes for AdamW and 5 for SGD-momentum, at 2 GB/s on a CPU (one core,
 single-threaded torch, measured 0.1-0.7 GB/s-of-parameters on bert-tiny/mini parts, where
 per-tensor overheads dominate) and 200 GB/s on a GPU.
+
+`runtime` (optional in every version; absent: all 0, the ops alone) is what the runtime itself
+costs around the ops, per rank: `op_ms` the interpreter's dispatch of one op (the gap between an
+op's end and the next op's start when the next need not wait), `step_ms` its work between two
+steps (the next batch, bookkeeping, completing the step's sends), `send_ms` posting one
+point-to-point send, `recv_ms` completing a receive whose data is already there. The
+message's own lag (its send's end to its data at the receiver) is `comm.p2p`. `pfcompile
+profile` measures them where it can; `pfcompile calibrate` fits all four from measured runs.
 
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
@@ -125,6 +134,19 @@ class LinkModel:
 
 
 @dataclass
+class RuntimeOverheads:
+    """What the runtime costs a rank around the ops (module doc), ms."""
+
+    op_ms: float = 0.0
+    step_ms: float = 0.0
+    send_ms: float = 0.0
+    recv_ms: float = 0.0
+
+    def any(self) -> bool:
+        return any(v > 0 for v in asdict(self).values())
+
+
+@dataclass
 class Comm:
     method: str
     act_bytes: int
@@ -180,6 +202,7 @@ class Profile:
     kfac_layers: list[KfacLayer]
     comm: Comm
     spread: dict[str, list[float]] = field(default_factory=dict)
+    runtime: RuntimeOverheads = field(default_factory=RuntimeOverheads)
     hash: str = ""
     schema_version: int = SCHEMA_VERSION  # a loaded version-1 profile keeps its hash as written
 
@@ -209,6 +232,7 @@ class Profile:
             "parts": [self._part_json(p) for p in self.parts],
             "kfac_layers": [asdict(l) for l in self.kfac_layers],
             "comm": asdict(self.comm),
+            **({"runtime": asdict(self.runtime)} if self.runtime.any() else {}),  # absent: as before
             "spread": self.spread,
         }
 
@@ -324,9 +348,14 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         )
     comm = Comm(method=cf.req("method", str), act_bytes=cf.req("act_bytes", int, check=_pos, why="must be >= 0"), **links)
     spread = top.opt("spread", dict, {})
+    runtime = RuntimeOverheads()
+    if top.opt("runtime", dict) is not None:
+        rf = top.sub("runtime")
+        runtime = RuntimeOverheads(**{k: rf.req(k, float, check=_pos, why="must be a finite number >= 0")
+                                      for k in ("op_ms", "step_ms", "send_ms", "recv_ms")})
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
-                   kfac_layers=layers, comm=comm, spread=spread, schema_version=version)
+                   kfac_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
     if version < 2:
         for p in parts:
             p.step_ms = estimated_step_ms(prof, p)
@@ -400,6 +429,12 @@ def format_profile(profile: Profile) -> str:
             f"p2p {c.p2p.latency_ms:.4f} ms + {c.p2p.bytes_per_ms / 1e6:.3f} GB/s "
             f"-> {c.p2p.time_ms(c.act_bytes):.3f} ms per message; "
             f"all-reduce {c.allreduce.latency_ms:.4f} ms + {c.allreduce.bytes_per_ms / 1e6:.3f} GB/s")
+    r = profile.runtime
+    if r.any():
+        comm += (f"\nruntime overheads per rank: {r.op_ms:.4f} ms per op, {r.step_ms:.3f} ms per step, "
+                 f"{r.send_ms:.3f} ms per send, {r.recv_ms:.3f} ms per receive whose data is there")
+    else:
+        comm += "\nruntime overheads: not in this profile (costed as 0)"
     spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread
               else "spread: none recorded")
     return "\n\n".join(["\n".join(head), parts, "times in ms per micro-batch (inversion, preconditioning: once)\n"

@@ -114,6 +114,9 @@ class Costs:
         self.layer_stage = [part_stage[l.part] for l in self.profile.kfac_layers]
         self.stage_layers = [[i for i, s in enumerate(self.layer_stage) if s == st] for st in range(len(self.partition))]
         self._parts = [[self.profile.part(p) for p in group] for group in self.partition]
+        # the runtime's per-step work is once per rank: shared by the `step` ops of the stages it holds
+        first = self.stage_ranks[0][0] if self.stage_ranks and self.stage_ranks[0] else None
+        self.stages_per_rank = max(1, sum(first in r for r in self.stage_ranks)) if first is not None else 1
 
     @property
     def num_stages(self) -> int:
@@ -175,8 +178,14 @@ class Costs:
 
     # --- durations ------------------------------------------------------------------------------
     def duration(self, op: Op) -> float:
-        """Milliseconds the op occupies its rank. Sends are non-blocking (0); a receive's
-        waiting is the message's lag, not its duration."""
+        """Milliseconds the op occupies its rank: its own work (`work_ms`) and the runtime's
+        dispatch of it (profile.runtime.op_ms). A send costs its posting (it completes in the
+        background); a receive costs its completion once the data is there (its waiting is
+        the message's lag, message_ms, not its duration); each `step` op carries its share of
+        the runtime's work between steps."""
+        return self.work_ms(op) + self.profile.runtime.op_ms
+
+    def work_ms(self, op: Op) -> float:
         k = op.kind
         layers = self.profile.kfac_layers
         if k == "fwd":
@@ -187,8 +196,10 @@ class Costs:
             return self.bwd_input_ms(op.stage)
         if k == "bwd_weight":
             return self.bwd_weight_ms(op.stage)
-        if k in ("send_act", "recv_act", "send_grad", "recv_grad"):
-            return 0.0
+        if k in ("send_act", "send_grad"):
+            return self.profile.runtime.send_ms
+        if k in ("recv_act", "recv_grad"):
+            return self.profile.runtime.recv_ms
         if k == "curv_a":
             return layers[op.layer].curv_a_ms
         if k == "curv_b":
@@ -215,16 +226,24 @@ class Costs:
             rest = self.grad_bytes(op.stage) - owned
             return half + (self._allreduce_ms(rest, op.stage) if rest > 0 else 0.0)
         if k == "step":
-            return self.step_ms(op.stage)
+            return self.step_ms(op.stage) + self.profile.runtime.step_ms / self.stages_per_rank
         raise ValueError(f"no cost for {op}")
 
-    def message_ms(self, op: Op, src: int | None = None) -> float:
-        """Transfer time of a point-to-point message (send -> its receive); `src`: the
-        sending rank (with a cluster, the link between it and `op.peer` is the one crossed)."""
+    def link_ms(self, op: Op, src: int | None = None) -> float:
+        """Transfer time of a point-to-point message: its send's end to the end of a receive
+        that was waiting for it; `src`: the sending rank (with a cluster, the link between it
+        and `op.peer` is the one crossed)."""
         nbytes = self.out_bytes(op.stage) if op.kind.endswith("act") else self.grad_message_bytes(op.stage)
         if self.cluster is not None:
             return self.cluster.link((src, op.peer)).time_ms(nbytes)
         return self.profile.comm.p2p.time_ms(nbytes)
+
+    def message_ms(self, op: Op, src: int | None = None) -> float:
+        """The lag from a send's end to the START of its receive's completion (the receive op,
+        runtime.recv_ms long). gloo and NCCL pair a send with its receive before moving the
+        data, so a receive ends at max(its start + recv_ms, the send's end + link_ms): the
+        completion overlaps the transfer, and the lag is what of the link is left."""
+        return max(0.0, self.link_ms(op, src) - self.profile.runtime.recv_ms)
 
     def _group_link(self, stage: int):
         return self.cluster.link(self.stage_ranks[stage])

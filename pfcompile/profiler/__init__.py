@@ -30,7 +30,7 @@ import torch
 
 from pfcompile import __version__
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile
+from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile, RuntimeOverheads
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from runtime.comm import free_port
 
@@ -297,6 +297,7 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
         bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device) for n in sizes]
         p2p: list[list[float]] = [[] for _ in sizes]
         ar: list[list[float]] = [[] for _ in sizes]
+        around: list[list[float]] = [[] for _ in sizes]
         for i in range(warmup + repeats):
             for j, buf in enumerate(bufs):
                 dist.barrier()
@@ -317,12 +318,28 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
                 if world.device.type == "cuda":
                     torch.cuda.synchronize()
                 t3 = time.perf_counter()
+                # what the runtime pays around a message: posting the send, and completing a
+                # receive whose data is already there (posted 5 ms after the send)
+                dist.barrier()
+                if rank == 0:
+                    t4 = time.perf_counter()
+                    mailbox.send("probe", buf, 1, 0)
+                    own = time.perf_counter() - t4
+                    mailbox.drain()
+                else:
+                    time.sleep(0.005)
+                    t4 = time.perf_counter()
+                    mailbox.recv("probe", buf.shape, buf.dtype, 0, 0)
+                    if world.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    own = time.perf_counter() - t4
                 if i >= warmup:
                     p2p[j].append((t1 - t0) * 1e3 / 2)
                     ar[j].append((t3 - t2) * 1e3)
-        if rank == 0:
-            queue.put({"backend": world.backend, "samples": [
-                (nbytes(b), float(np.median(a)), float(np.median(c))) for b, a, c in zip(bufs, p2p, ar)]})
+                    around[j].append(own * 1e3)
+        # rank 0 reports the exchanges and its sends; rank 1 its receives
+        queue.put({"rank": rank, "backend": world.backend, "around": [float(np.median(a)) for a in around],
+                   "samples": [(nbytes(b), float(np.median(a)), float(np.median(c))) for b, a, c in zip(bufs, p2p, ar)]})
     finally:
         comm.shutdown()
 
@@ -332,12 +349,14 @@ def message_sizes(act_bytes: int) -> list[int]:
     return sorted({4096, 65536, 1 << 20, max(4096, act_bytes // 4), max(4096, act_bytes), 4 * max(4096, act_bytes)})
 
 
-def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int) -> tuple[Comm, dict]:
-    """gloo on CPU, NCCL with two GPUs, both real two-rank groups; one GPU: a stated model."""
+def measure_comm(act_bytes: int, device: torch.device, repeats: int,
+                 warmup: int) -> tuple[Comm, dict, RuntimeOverheads]:
+    """gloo on CPU, NCCL with two GPUs, both real two-rank groups; one GPU: a stated model
+    (and no runtime overheads measured around messages)."""
     if device.type == "cuda" and torch.cuda.device_count() < 2:
         note = ("model: one GPU, no peer to measure; latency/bandwidth of pfcompile.profiler.reference.LINK "
                 f"({MODEL_LINK.latency_ms} ms, {MODEL_LINK.bytes_per_ms / 1e6:g} GB/s)")
-        return Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), {"comm_note": note}
+        return Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), {"comm_note": note}, RuntimeOverheads()
     import torch.multiprocessing as mp
 
     sizes = message_sizes(act_bytes)
@@ -351,16 +370,23 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int, warmup: int
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         raise InputError("communication", None, f"the 2-rank measurement failed ({lines[-1] if lines else type(e).__name__}); "
                                                 "rerun, or use --no-comm for a stated model") from None
-    got = queue.get()
-    samples = got["samples"]
+    got = {d["rank"]: d for d in (queue.get(), queue.get())}
+    samples, send_ms, recv_ms = got[0]["samples"], got[0]["around"], got[1]["around"]
+    # the link: a one-way message to a waiting receiver; a receive posted after its send
+    # still pays recv_ms (gloo and NCCL pair the two before moving data: Costs.message_ms)
     p2p = fit_link([(n, t) for n, t, _ in samples])
+    at = min(range(len(samples)), key=lambda j: abs(samples[j][0] - act_bytes))
+    runtime = RuntimeOverheads(send_ms=send_ms[at], recv_ms=recv_ms[at])
     # two ranks: a ring all-reduce moves 2(r-1)/r = 1 times the bytes, as Comm.allreduce_ms assumes
     allreduce = fit_link([(n, t) for n, _, t in samples])
-    method = f"measured-{got['backend']}"
+    method = f"measured-{got[0]['backend']}"
     note = (f"{method}: 2 ranks on this host, 1 thread each, runtime.comm Mailbox ping-pong (one way = "
-            f"half the round trip) and all_reduce_sum; median of {repeats} per size; fit latency + bytes/bandwidth")
+            f"half the round trip) and all_reduce_sum; median of {repeats} per size; the send's posting and a "
+            f"receive posted 5 ms after its send timed alone (runtime.send_ms/recv_ms, at the stage "
+            f"message's size); fit latency + bytes/bandwidth")
     return Comm(method, act_bytes, p2p, allreduce), {
-        "comm_note": note, "comm_samples": [{"bytes": n, "p2p_ms": a, "allreduce_ms": b} for n, a, b in samples]}
+        "comm_note": note, "comm_samples": [{"bytes": n, "p2p_ms": a, "allreduce_ms": b, "send_ms": s, "recv_ms": r}
+                                            for (n, a, b), s, r in zip(samples, send_ms, recv_ms)]}, runtime
 
 
 def _runtime_op(dtype: str, device: torch.device, fn):
@@ -531,10 +557,10 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         act_bytes = micro_batch * seq_len * cfg.hidden * DTYPES[dtype].itemsize
         if comm:
             bar.update(task, description="communication (2 ranks)")
-            link, comm_prov = measure_comm(act_bytes, dev, repeats, warmup)
+            link, comm_prov, runtime = measure_comm(act_bytes, dev, repeats, warmup)
             bar.advance(task)
         else:
-            link = Comm("model", act_bytes, MODEL_LINK, MODEL_LINK)
+            link, runtime = Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), RuntimeOverheads()
             comm_prov = {"comm_note": "model (not measured: --no-comm); latency/bandwidth of pfcompile.profiler.reference.LINK"}
 
     provenance = {
@@ -559,5 +585,5 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         source="measured", provenance=provenance,
         model={"name": model, "kind": cfg.kind, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
                "ffn": cfg.ffn, "vocab": cfg.vocab, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype},
-        parts=parts, kfac_layers=layers, comm=link, spread=spread,
+        parts=parts, kfac_layers=layers, comm=link, spread=spread, runtime=runtime,
     )
