@@ -47,6 +47,9 @@ def test_measured_profile_has_every_entry_positive(measured):
     assert [p.name for p in measured.parts] == ["embed", "block0", "block1", "head"]
     for p in measured.parts:
         assert p.fwd_ms > 0 and p.bwd_ms > 0 and p.act_bytes > 0 and p.param_bytes > 0, p
+        # the split backward, measured (schema 3): B everywhere, W where a part has Linears
+        assert p.split_measured and p.bwd_input_ms > 0 and p.bwd_weight_ms >= 0, p
+        assert p.bwd_weight_ms > 0 or p.name == "embed", p
     names = [f"block{b}.{n}" for b in range(BLOCKS) for n in ("attn.q", "attn.k", "attn.v", "attn.out", "ffn.fc1", "ffn.fc2")]
     assert [l.name for l in measured.kfac_layers] == names
     for l in measured.kfac_layers:
@@ -54,7 +57,8 @@ def test_measured_profile_has_every_entry_positive(measured):
         times = [l.curv_a_ms, l.curv_b_ms, l.precond_ms, *l.inv_a_ms.values(), *l.inv_b_ms.values()]
         assert all(t > 0 for t in times), l
     # every timed entry has its spread, and the median lies inside it
-    flat = {f"parts.{p.name}.{k}": getattr(p, k) for p in measured.parts for k in ("fwd_ms", "bwd_ms")}
+    flat = {f"parts.{p.name}.{k}": getattr(p, k) for p in measured.parts
+            for k in ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")}
     flat.update({f"parts.{p.name}.step_ms.{k}": v for p in measured.parts for k, v in p.step_ms.items()})
     assert all(set(p.step_ms) == {"kfac", "adamw"} and min(p.step_ms.values()) > 0 for p in measured.parts)
     for l in measured.kfac_layers:

@@ -169,3 +169,59 @@ def test_cpsat_moves_weight_passes_to_fit_the_memory_limit():
 def canonical_ops(prof, cfg, q):
     plan, _ = baseline_plan(prof, cfg, check_memory=False)
     return plan.ranks[q][0]
+
+
+# --- B and W as profiled -------------------------------------------------------------------------
+def test_costs_take_b_and_w_from_the_profile_and_older_profiles_estimate_half(tmp_path, capsys):
+    """Schema 3 stores each part's measured B and W (they need not add up to the whole
+    backward); the planner's durations are their sums over a stage. A schema-2 profile
+    loads with one warning line and the documented estimate: half the backward each."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from pfcompile.formats.profile import load_profile
+    from pfcompile.graph.costs import Costs
+
+    prof = load_profile(str(Path(__file__).resolve().parents[1] / "profiles" / "bert-tiny-cpu.json"))
+    assert all(p.split_measured for p in prof.parts)
+    partition = [["embed", "block0"], ["block1", "head"]]
+    costs = Costs(prof, partition, replicas=1)
+    for s, group in enumerate(partition):
+        b = sum(prof.part(n).bwd_input_ms for n in group)
+        w = sum(prof.part(n).bwd_weight_ms for n in group)
+        assert costs.duration(Op("bwd_input", stage=s, mb=0)) == pytest.approx(b)
+        assert costs.duration(Op("bwd_weight", stage=s, mb=0)) == pytest.approx(w)
+        assert costs.duration(Op("bwd", stage=s, mb=0)) == pytest.approx(sum(prof.part(n).bwd_ms for n in group))
+        assert b + w != pytest.approx(costs.bwd_ms(s))  # measured, not the whole backward cut in two
+
+    old = copy.deepcopy(prof)
+    old.schema_version = 2
+    path = tmp_path / "v2.json"
+    old.save(str(path))
+    assert "bwd_input_ms" not in json.loads(path.read_text())["parts"][1]
+    capsys.readouterr()
+    loaded = load_profile(str(path))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "schema_version 2 has no split-backward costs" in err
+    assert loaded.hash == json.loads(path.read_text())["hash"]
+    est = Costs(loaded, partition, replicas=1)
+    for s in range(2):
+        assert est.bwd_input_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
+        assert est.bwd_weight_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
+
+
+def test_split_fields_are_both_numbers_or_both_null(tmp_path):
+    import json
+    from pathlib import Path
+
+    from pfcompile.formats.errors import InputError
+    from pfcompile.formats.profile import load_profile
+
+    obj = json.loads((Path(__file__).resolve().parents[1] / "profiles" / "bert-tiny-cpu.json").read_text())
+    obj["parts"][1]["bwd_weight_ms"] = None
+    obj.pop("hash")
+    path = tmp_path / "half.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(InputError, match=r"parts\[1\]\.bwd_weight_ms: .*both numbers or both null"):
+        load_profile(str(path))

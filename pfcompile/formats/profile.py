@@ -8,14 +8,15 @@ Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, 
 sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where measured.
 
     {
-      "schema": "pfcompile-profile", "schema_version": 2,
+      "schema": "pfcompile-profile", "schema_version": 3,
       "source": "measured" | "reference",
       "provenance": {...},                   # device, torch, dtype, host, date, repeats, ...
       "model": {"name", "kind", "layers", "hidden", "heads", "ffn", "vocab", "seq_len",
                 "micro_batch", "dtype"},
       "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
                  "param_bytes", "grad_bytes", "out_bytes",
-                 "step_ms": {"kfac", "adamw"}}],        # version 2
+                 "step_ms": {"kfac", "adamw"},          # version 2
+                 "bwd_input_ms", "bwd_weight_ms"}],      # version 3 (number or null)
       "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
                  "out_features", "bias", "curv_a_ms", "curv_b_ms",
                  "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
@@ -46,6 +47,16 @@ point-to-point send, `recv_ms` completing a receive whose data is already there.
 message's own lag (its send's end to its data at the receiver) is `comm.p2p`. `pfcompile
 profile` measures them where it can; `pfcompile calibrate` fits all four from measured runs.
 
+`bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
+(zero-bubble families), timed as runtime.split_backward runs them: B, the input gradient
+(and the non-Linear parameters'), and W, each nn.Linear's weight gradient from the kept
+input and output gradient. They need not add up to `bwd_ms` (B+W measured 1.05-1.15x the
+whole backward on CPU: two launches, and B keeps what W reads). `null` (a reference profile
+whose source published only the whole backward) and version-2 profiles (which load with a
+one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half of `bwd_ms`
+each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
+FLOPs, input gradient and weight gradient).
+
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
 part's output for one micro-batch: the point-to-point message when a stage ends there.
@@ -64,14 +75,16 @@ from typing import Any
 from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
 
 SCHEMA = "pfcompile-profile"
-SCHEMA_VERSION = 2
-READS_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READS_VERSIONS = (1, 2, 3)
 INVERSE_METHODS = ("cholesky", "eigen")
 STEP_KINDS = ("kfac", "adamw")
 # The estimate for version-1 profiles (see the module doc): passes over the parameter bytes
 # and the streaming rate in bytes per ms.
 STEP_PASSES = {"adamw": 7, "sgd": 5}
 STEP_BYTES_PER_MS = {"cpu": 2e6, "gpu": 2e8}
+# The estimate of a split backward where it was not measured (module doc): W's share of bwd_ms.
+WEIGHT_SHARE = 0.5
 
 
 @dataclass
@@ -85,6 +98,21 @@ class Part:
     out_bytes: int
     # "kfac" / "adamw" -> ms per step; parts made in code (test profiles) default to free steps
     step_ms: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in STEP_KINDS})
+    # split backward (version 3): B and W as measured; None: not measured (the estimate applies)
+    bwd_input_ms: float | None = None
+    bwd_weight_ms: float | None = None
+
+    @property
+    def split_measured(self) -> bool:
+        return self.bwd_input_ms is not None and self.bwd_weight_ms is not None
+
+    def split_backward_ms(self) -> tuple[float, float]:
+        """(B, W) of this part's split backward: measured, or the documented estimate
+        (WEIGHT_SHARE of the whole backward is W, the rest B)."""
+        if self.split_measured:
+            return self.bwd_input_ms, self.bwd_weight_ms
+        w = self.bwd_ms * WEIGHT_SHARE
+        return self.bwd_ms - w, w
 
 
 @dataclass
@@ -240,6 +268,9 @@ class Profile:
         d = asdict(p)
         if self.schema_version < 2:  # as written: its step_ms is an estimate, not part of the file
             d.pop("step_ms")
+        if self.schema_version < 3:  # as written: no split backward fields
+            d.pop("bwd_input_ms")
+            d.pop("bwd_weight_ms")
         return d
 
     def to_json(self) -> dict[str, Any]:
@@ -304,12 +335,19 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         if version >= 2:
             sf = f.sub("step_ms")
             step = {k: sf.req(k, float, check=_pos, why="must be a finite number >= 0") for k in STEP_KINDS}
+        split = {}
+        if version >= 3:
+            split = {k: f.req(k, (float, type(None)), check=lambda v: v is None or _pos(v),
+                              why="must be a finite number >= 0, or null (not measured)")
+                     for k in ("bwd_input_ms", "bwd_weight_ms")}
+            if (split["bwd_input_ms"] is None) != (split["bwd_weight_ms"] is None):
+                raise f.fail("bwd_weight_ms", "bwd_input_ms and bwd_weight_ms are both numbers or both null")
         parts.append(Part(
             name=f.req("name", str),
             **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},
             **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
                for k in ("act_bytes", "param_bytes", "grad_bytes", "out_bytes")},
-            step_ms=step,
+            step_ms=step, **split,
         ))
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
@@ -356,12 +394,18 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
                    kfac_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
+    missing, estimates = [], []
     if version < 2:
         for p in parts:
             p.step_ms = estimated_step_ms(prof, p)
-        print(f"warning: {where}: profile schema_version {version} has no optimizer-step costs; the step is "
-              f"estimated from parameter bytes (pfcompile.formats.profile.estimated_step_ms); re-profile to measure it",
-              file=sys.stderr)
+        missing.append("optimizer-step costs")
+        estimates.append("the step from parameter bytes (pfcompile.formats.profile.estimated_step_ms)")
+    if version < 3:
+        missing.append("split-backward costs")
+        estimates.append("a zero-bubble family's B and W as half the backward each (pfcompile.formats.profile.WEIGHT_SHARE)")
+    if missing:  # one line, whatever is missing
+        print(f"warning: {where}: profile schema_version {version} has no {' and no '.join(missing)}; estimated: "
+              f"{'; '.join(estimates)}; re-profile to measure", file=sys.stderr)
     stored = top.opt("hash", str)
     actual = canonical_hash(prof.body())
     if check_hash and stored is not None and stored != actual:
@@ -403,13 +447,20 @@ def format_profile(profile: Profile) -> str:
     if pv.get("note"):
         head.append(f"note: {pv['note']}")
 
+    def split(p: Part, i: int) -> str:  # an estimate in parentheses (module doc)
+        v = _ms(p.split_backward_ms()[i])
+        return v if p.split_measured else f"({v})"
+
     parts = _table(
-        ["part", "fwd ms", "bwd ms", "step ms K-FAC", "step ms AdamW", "act MiB", "param MiB", "grad MiB",
-         "out MiB", "K-FAC layers"],
-        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), _ms(p.step_ms.get("kfac", 0.0)), _ms(p.step_ms.get("adamw", 0.0)),
+        ["part", "fwd ms", "bwd ms", "B ms", "W ms", "step ms K-FAC", "step ms AdamW", "act MiB", "param MiB",
+         "grad MiB", "out MiB", "K-FAC layers"],
+        [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), split(p, 0), split(p, 1),
+          _ms(p.step_ms.get("kfac", 0.0)), _ms(p.step_ms.get("adamw", 0.0)),
           _mib(p.act_bytes), _mib(p.param_bytes), _mib(p.grad_bytes), _mib(p.out_bytes),
           str(len(profile.layers_of(p.name)))] for p in profile.parts]
         + [["total", _ms(sum(p.fwd_ms for p in profile.parts)), _ms(sum(p.bwd_ms for p in profile.parts)),
+            _ms(sum(p.split_backward_ms()[0] for p in profile.parts)),
+            _ms(sum(p.split_backward_ms()[1] for p in profile.parts)),
             _ms(sum(p.step_ms.get("kfac", 0.0) for p in profile.parts)),
             _ms(sum(p.step_ms.get("adamw", 0.0) for p in profile.parts)),
             _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
@@ -437,5 +488,7 @@ def format_profile(profile: Profile) -> str:
         comm += "\nruntime overheads: not in this profile (costed as 0)"
     spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread
               else "spread: none recorded")
+    if not all(p.split_measured for p in profile.parts):
+        parts += "\n(B, W in parentheses: not measured, estimated as half the backward each)"
     return "\n\n".join(["\n".join(head), parts, "times in ms per micro-batch (inversion, preconditioning: once)\n"
                         + layers, comm + "\n" + spread])

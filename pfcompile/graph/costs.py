@@ -89,13 +89,6 @@ def balanced_partition(profile: Profile, stages: int) -> list[list[str]]:
     return groups[::-1]
 
 
-# Share of a part's backward that is the weight-gradient pass W when the backward is split.
-# Every nn.Linear's backward is two matmuls of equal FLOPs (input gradient, weight
-# gradient), and the zero-bubble paper's schedules assume T_B = T_W; the profile times the
-# whole backward.
-WEIGHT_SHARE = 0.5
-
-
 @dataclass
 class Costs:
     profile: Profile
@@ -130,10 +123,13 @@ class Costs:
         return sum(p.bwd_ms for p in self._parts[stage])
 
     def bwd_input_ms(self, stage: int) -> float:
-        return self.bwd_ms(stage) * (1.0 - WEIGHT_SHARE)
+        """B of a split backward: as profiled per part (or the profile's documented 50/50
+        estimate where it was not measured: pfcompile.formats.profile.Part.split_backward_ms)."""
+        return sum(p.split_backward_ms()[0] for p in self._parts[stage])
 
     def bwd_weight_ms(self, stage: int) -> float:
-        return self.bwd_ms(stage) - self.bwd_input_ms(stage)
+        """W of a split backward (as bwd_input_ms). B + W need not equal bwd_ms."""
+        return sum(p.split_backward_ms()[1] for p in self._parts[stage])
 
     def wgrad_bytes(self, stage: int) -> int:
         """What a weight pass keeps besides the activations: the output gradients of the

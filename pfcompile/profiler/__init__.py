@@ -125,6 +125,7 @@ class PartBench:
 
     def forward(self):
         x = self.x if self.is_first else self.x.detach().requires_grad_(True)
+        self.last_input = x  # the split backward's B asks for its gradient
         with self._capturing(self.kfac, 0), self.precision.autocast(self.device_type):
             self.out = self.stage(x, self.targets) if self.is_last else self.precision.boundary(self.stage(x))
         return self.out
@@ -151,11 +152,53 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     bwd = clock.time(bench.backward, setup=bench.forward)
     params = list(bench.stage.parameters())
     grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    split = measure_split_backward(bench, clock)
     steps = measure_step(bench, clock)
     part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
                 param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
-                step_ms={k: t.median for k, t in steps.items()})
-    return part, {"fwd_ms": fwd, "bwd_ms": bwd, **{f"step_ms.{k}": t for k, t in steps.items()}}
+                step_ms={k: t.median for k, t in steps.items()},
+                bwd_input_ms=split["bwd_input_ms"].median, bwd_weight_ms=split["bwd_weight_ms"].median)
+    return part, {"fwd_ms": fwd, "bwd_ms": bwd, **split, **{f"step_ms.{k}": t for k, t in steps.items()}}
+
+
+def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
+    """The zero-bubble families' split backward of this part, as the runtime's interpreter
+    runs it (runtime.split_backward.WeightPasses): the forward recorded for the split, B
+    (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
+    and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
+    K-FAC capture on as for bwd_ms. Each timed run starts from its own forward (and B)."""
+    from runtime.split_backward import WeightPasses
+
+    split = WeightPasses(bench.stage)
+    x = None
+
+    def forward():
+        nonlocal x
+        with split.recording(0):
+            bench.forward()
+        x = bench.last_input
+
+    def backward_input():
+        with bench._capturing(bench.kfac, 0):
+            split.backward_input(0, bench.out, None if bench.is_last else bench.grad_out,
+                                 None if bench.is_first else x)
+        bench.out = None
+
+    def backward_weight():
+        split.backward_weight(0)
+
+    def forward_and_b():
+        forward()
+        backward_input()
+
+    try:
+        b = clock.time(backward_input, setup=forward)
+        w = clock.time(backward_weight, setup=forward_and_b)
+    finally:
+        split.close()
+        split.saved.clear()
+        split.kept.clear()
+    return {"bwd_input_ms": b, "bwd_weight_ms": w}
 
 
 def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
@@ -576,7 +619,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         # other processes share the CPU: the 1-minute load average before and after says how much
         "load_avg": [load_before, _load_average()], "cpus": os.cpu_count(),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
-                 "capture on (a refresh step); precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
+                 "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
                  "parameters excluded"),
         **comm_prov,

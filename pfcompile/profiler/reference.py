@@ -134,6 +134,9 @@ def reference_profile(model: str = "bert-large", gpu: str = "p100", micro_batch:
     for p in prof.parts:
         p.step_ms = estimated_step_ms(prof, p)
     prof.provenance["step_note"] = "optimizer step not published: estimated_step_ms (parameter bytes streamed at 200 GB/s)"
+    # nor a split backward: B and W stay null, the documented 50/50 estimate (Part.split_backward_ms)
+    prof.provenance["split_note"] = ("split backward not published: bwd_input_ms/bwd_weight_ms null, estimated as "
+                                     "half the backward each (pfcompile.formats.profile.WEIGHT_SHARE)")
     return prof
 
 
