@@ -44,6 +44,10 @@ def register(sub) -> None:
                         "(R - 1 others run the model's forward/backward meanwhile; CPU; default 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="skip the 2-rank communication measurement; state a latency/bandwidth model instead")
+    p.add_argument("--no-runtime-probe", action="store_true",
+                   help="skip the short 2-rank GPipe run that measures the runtime's own costs around the ops "
+                        "(per-op dispatch, work between steps, sends, receives); costed from the message "
+                        "benchmark alone")
     p.add_argument("--reference", metavar="MODEL", default=None,
                    help="convert the published CSV of MODEL (bert-base, bert-large) instead of measuring")
     p.add_argument("--gpu", default="p100", help="with --reference: p100, v100 or rtx3090 (default p100)")
@@ -81,7 +85,7 @@ def run(args) -> int:
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
                              entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json,
-                             ranks=args.ranks)
+                             ranks=args.ranks, probe=not args.no_runtime_probe)
     if args.output:
         prof.save(args.output)
     else:
