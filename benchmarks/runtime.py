@@ -5,6 +5,11 @@
   (b) the compiled plan with K-FAC in the bubbles (CP-SAT) against K-FAC appended after
       each step's pipeline work (`--method none`) and against no K-FAC;
   (c) predicted (plan.stats.step_time_ms) against measured step time;
+  (e) `--only-calibration`: predicted against measured for every planned run (GPipe, 1F1B,
+      K-FAC appended, K-FAC in bubbles) from the profile as it is, then from the profile
+      calibrated on those runs (`pfcompile calibrate`, all four traces), re-planned and
+      measured on a second run with another seed (so calibration does not replay the
+      numbers it was fitted to);
   (d) zero bubble without K-FAC: our zb-v against torch's ScheduleZBVZeroBubble (same V
       placement: rank r holds stages r and 3-r), our zb-h1 against torch's
       ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = ZB-H1), and our zb-h1
@@ -137,6 +142,61 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
 
 
 # --- the benchmark -----------------------------------------------------------------------------
+CALIBRATION_RUNS = {  # name -> plan flags (part e)
+    "gpipe, no K-FAC": ("--schedule", "gpipe", "--no-kfac", "--method", "none"),
+    "1f1b, no K-FAC": ("--schedule", "1f1b", "--no-kfac", "--method", "none"),
+    "1f1b, K-FAC appended": ("--schedule", "1f1b", "--method", "none"),
+    "1f1b, K-FAC in bubbles (cpsat)": ("--schedule", "1f1b", "--method", "cpsat", "--workers", "2"),
+}
+
+
+def run_traced(plan_path: Path, steps: int, warmup: int, seed: int, trace: Path) -> float:
+    out = torchrun(["-m", "runtime", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
+                    "--data", "synthetic", "--seed", str(seed), "--trace", str(trace), "--json"])
+    return out["step_ms"]
+
+
+def calibration_tables(a, out: Path, console) -> None:
+    """(e): every run planned from the profile, measured (seed 0, traced); the profile
+    calibrated on the four traces; every run re-planned from it and measured again (seed 1)."""
+    n = ["--micro-batches", str(a.micro_batches), "--time-limit", str(a.time_limit)]
+    rows = {}
+    profiles = {"profile": a.profile}
+    for phase, seed in (("profile", 0), ("calibrated", 1)):
+        traces = []
+        for name, flags in CALIBRATION_RUNS.items():
+            slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") + "-" + phase
+            with console.status(f"({phase}) planning {name}"):
+                p = plan(profiles[phase], out, slug, *flags, *n)
+            cfg = json.loads(p.read_text())
+            k = cfg["config"]["refresh_steps"]
+            warmup = max(a.warmup, k)
+            steps = max(a.steps, warmup + 2 * k)
+            trace = out / f"{slug}.trace.json"
+            with console.status(f"({phase}) running {name}, seed {seed}, {steps} steps"):
+                ms = run_traced(p, steps, warmup, seed, trace)
+            traces.append(str(trace))
+            rows.setdefault(name, {})[phase] = (cfg["stats"]["step_time_ms"], ms, k)
+            console.print(f"({phase}) {name}: predicted {cfg['stats']['step_time_ms']:.1f}, measured {ms:.1f} ms/step")
+        if phase == "profile":
+            calibrated = out / "calibrated.profile.json"
+            r = subprocess.run([PY, "-m", "pfcompile", "calibrate", a.profile, *traces, "-o", str(calibrated)],
+                               cwd=ROOT, capture_output=True, text=True)
+            if r.returncode:
+                sys.exit(f"benchmark: calibrate failed:\n{r.stderr[-2000:]}")
+            profiles["calibrated"] = str(calibrated)
+    print(f"\n(e) predicted against measured, {a.profile} (bert-mini, 2 ranks x 1 thread, gloo, CPU, "
+          f"{a.micro_batches} micro-batches); load average at the end {os.getloadavg()[0]:.1f}")
+    print("before: planned from the profile, measured with seed 0; after: planned from the profile calibrated on "
+          "the four seed-0 runs, measured with seed 1\n")
+    print("| run | k | predicted | measured (seed 0) | measured / predicted | k | predicted (calibrated) "
+          "| measured (seed 1) | measured / predicted |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        (p0, m0, k0), (p1, m1, k1) = r["profile"], r["calibrated"]
+        print(f"| {name} | {k0} | {p0:.1f} | {m0:.1f} | {m0 / p0:.3f} | {k1} | {p1:.1f} | {m1:.1f} | {m1 / p1:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="profiles/bert-mini-cpu.json")
@@ -147,6 +207,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per k")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--only-zero-bubble", action="store_true", help="only part (d) and its 1f1b reference")
+    ap.add_argument("--only-calibration", action="store_true",
+                    help="only part (e): predicted vs measured before and after pfcompile calibrate")
     ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b", "zbv", "zb1p"), help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -157,6 +219,8 @@ def main() -> None:
     console = Console(stderr=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.only_calibration:
+        return calibration_tables(a, out, console)
     n = ["--micro-batches", str(a.micro_batches)]
     with console.status("planning (CP-SAT for the K-FAC plan)..."):
         plans = {
