@@ -18,11 +18,12 @@ dispatch of the next op), not only the span the runtime timed. The fit:
 - `runtime.send_ms`: statistic(occupancy of a send - op_ms) (posting it);
 - `runtime.step_ms`: statistic over ranks and steps of the gap between a rank's last op of a
   step and its first op of the next, less op_ms (the runtime's work between steps);
-- the messages, every receive with its send in the trace (fit_receives): a receive posted
-  `gap` after its send ended lasts max(recv_ms, latency + bytes/bandwidth - gap) (the pair
-  meets, then the data moves: Costs.message_ms); the p2p latency and `runtime.recv_ms` are
-  fitted together by least squares (the bandwidth stays the profile's: its message
-  benchmark spans sizes, a run sees one or two). Ranks share a clock origin (runtime.measure.align).
+- the messages (fit_receives): a receive posted `gap` after its send ended lasts
+  max(recv_ms, latency + bytes/bandwidth - gap) (the pair meets, then the data moves:
+  Costs.message_ms). `runtime.recv_ms` is the statistic of the receives posted after their
+  send ended, the p2p latency that of (receive end - send end - bytes/bandwidth) of those
+  posted before; the bandwidth stays the profile's (its message benchmark spans sizes, a
+  run sees one or two). Ranks share a clock origin (runtime.measure.align).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -114,26 +115,16 @@ def receives(trace: MeasuredTrace, profile: Profile) -> list[tuple[int, float, f
     return out
 
 
-def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel) -> tuple[LinkModel, float]:
-    """The link's latency and the receive's completion time, together. A receive posted
-    `gap` after its send ended lasts max(recv_ms, latency + bytes/bandwidth - gap)
-    (Costs.message_ms: the pair meets, then the data moves). The bandwidth is the profile's
-    (its message benchmark spans sizes; a run sees one or two); latency and recv_ms are
-    chosen on a 10 µs grid to minimise the squared error of the receives' durations."""
-    import numpy as np
-
-    n = np.array([r[0] for r in recvs], dtype=float)
-    gap = np.array([r[1] for r in recvs], dtype=float)
-    dur = np.array([r[2] for r in recvs], dtype=float)
-    grid = np.arange(0.0, 10.0, 0.01)
-    best = None
-    for lat in grid:
-        need = lat + n / old.bytes_per_ms - gap                      # per receive, what the link asks
-        err = ((np.maximum(grid[:, None], need[None, :]) - dur[None, :]) ** 2).sum(axis=1)
-        i = int(err.argmin())
-        if best is None or err[i] < best[0] - 1e-12:
-            best = (float(err[i]), float(lat), float(grid[i]))
-    _, lat, recv = best
+def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statistic) -> tuple[LinkModel, float]:
+    """The link's latency and the receive's completion time. A receive posted `gap` after its
+    send ended lasts max(recv_ms, latency + bytes/bandwidth - gap) (Costs.message_ms: the pair
+    meets, then the data moves). A receive posted after its send ended measures recv_ms; one
+    posted before measures the link (its end - the send's end). The bandwidth is the
+    profile's (its message benchmark spans sizes; a run sees one or two)."""
+    late = [d for n, gap, d in recvs if gap >= 0]
+    waiting = [(n, gap + d) for n, gap, d in recvs if gap < 0]
+    recv = statistic(late) if late else 0.0
+    lat = statistic([max(0.0, x - n / old.bytes_per_ms) for n, x in waiting]) if waiting else old.latency_ms
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
 
 
@@ -190,7 +181,7 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     recv_ms = old_rt.recv_ms
     recvs = [r for tr in traces for r in receives(tr, profile)]
     if recvs:
-        new.comm.p2p, recv_ms = fit_receives(recvs, profile.comm.p2p)
+        new.comm.p2p, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
         counts["p2p messages"] = len(recvs)
     new.runtime = RuntimeOverheads(op_ms=op_ms, step_ms=fitted.get(("between steps",), old_rt.step_ms),
                                    send_ms=fitted.get(("send",), old_rt.send_ms), recv_ms=recv_ms)

@@ -465,7 +465,7 @@ def measure_runtime(profile: Profile, device: torch.device, steps: int = 8) -> t
     op_ms = float(np.median(gaps)) if gaps else 0.0
     got = samples([trace], op_ms)
     mean = lambda v: float(np.mean(v)) if v else 0.0  # noqa: E731 - sums of op times add means
-    _, recv_ms = fit_receives(receives(trace, profile), profile.comm.p2p)
+    _, recv_ms = fit_receives(receives(trace, profile), profile.comm.p2p, lambda v: float(np.mean(v)))
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=max(0.0, mean(got[("between steps",)])),
                                  send_ms=max(0.0, mean(got[("send",)])), recv_ms=recv_ms)
     return overheads, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
