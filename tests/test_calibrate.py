@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,21 @@ def test_ranks_on_one_host_share_rank_0s_clock():
     assert got[1].ops[0][3:] == pytest.approx((2.5, 3.5)) and got[1].steps[0][1:] == pytest.approx((2.5, 3.5))
     assert got[0].ops == a.ops and got[2].ops == c.ops  # rank 0 is the origin; another host keeps its own
     assert measure.Timeline.from_json(got[1].to_json()).host == "h"
+
+
+def test_two_message_sizes_fit_latency_and_bandwidth():
+    """Receives posted before their send ended measure the link: with two sizes both its
+    latency and its bandwidth come back; receives posted after measure recv_ms."""
+    from pfcompile.calibrate.fit import fit_receives
+    from pfcompile.formats.profile import LinkModel
+
+    true = LinkModel(latency_ms=0.3, bytes_per_ms=2e6)
+    recvs = []
+    for n in (100_000, 400_000):
+        for gap in (-5.0, -3.0, -1.0):  # posted before: lasts until the data is in
+            recvs.append((n, gap, true.time_ms(n) - gap))
+        for gap in (0.5, 2.0):  # posted after: its own completion, 0.4 ms
+            recvs.append((n, gap, 0.4))
+    link, recv_ms = fit_receives(recvs, LinkModel(latency_ms=9.0, bytes_per_ms=1.0), statistics.fmean)
+    assert link.latency_ms == pytest.approx(0.3, rel=1e-6) and link.bytes_per_ms == pytest.approx(2e6, rel=1e-6)
+    assert recv_ms == pytest.approx(0.4)

@@ -21,9 +21,10 @@ dispatch of the next op), not only the span the runtime timed. The fit:
 - the messages (fit_receives): a receive posted `gap` after its send ended lasts
   max(recv_ms, latency + bytes/bandwidth - gap) (the pair meets, then the data moves:
   Costs.message_ms). `runtime.recv_ms` is the statistic of the receives posted after their
-  send ended, the p2p latency that of (receive end - send end - bytes/bandwidth) of those
-  posted before; the bandwidth stays the profile's (its message benchmark spans sizes, a
-  run sees one or two). Ranks share a clock origin (runtime.measure.align).
+  send ended; the p2p link is fitted to (receive end - send end) of those posted before:
+  with two message sizes or more, latency and bandwidth (least squares on relative error);
+  with one, the latency, the bandwidth staying the profile's (its message benchmark spans
+  sizes). Ranks share a clock origin (runtime.measure.align).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -119,13 +120,37 @@ def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statisti
     """The link's latency and the receive's completion time. A receive posted `gap` after its
     send ended lasts max(recv_ms, latency + bytes/bandwidth - gap) (Costs.message_ms: the pair
     meets, then the data moves). A receive posted after its send ended measures recv_ms; one
-    posted before measures the link (its end - the send's end). The bandwidth is the
-    profile's (its message benchmark spans sizes; a run sees one or two)."""
+    posted before measures the link (its end - the send's end): latency and bandwidth with
+    two sizes or more, else the latency at the profile's bandwidth."""
     late = [d for n, gap, d in recvs if gap >= 0]
-    waiting = [(n, gap + d) for n, gap, d in recvs if gap < 0]
     recv = statistic(late) if late else 0.0
-    lat = statistic([max(0.0, x - n / old.bytes_per_ms) for n, x in waiting]) if waiting else old.latency_ms
+    by_size: dict[int, list[float]] = defaultdict(list)
+    for n, gap, d in recvs:
+        if gap < 0:
+            by_size[n].append(gap + d)  # the receive's end - its send's end
+    if not by_size:
+        return old, recv
+    pts = sorted((n, statistic(v)) for n, v in by_size.items())
+    if len(pts) >= 2 and pts[-1][0] > pts[0][0]:  # two sizes or more: latency and bandwidth
+        link = _line(pts)
+        if link is not None:
+            return link, recv
+    lat = statistic([max(0.0, x - n / old.bytes_per_ms) for n, v in by_size.items() for x in v])
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
+
+
+def _line(pts: list[tuple[int, float]]) -> LinkModel | None:
+    """ms = latency + bytes/bandwidth by least squares on relative error; None if not physical."""
+    w = [1.0 / max(ms, 1e-9) ** 2 for _, ms in pts]
+    sw = sum(w)
+    mx = sum(wi * n for wi, (n, _) in zip(w, pts)) / sw
+    my = sum(wi * ms for wi, (_, ms) in zip(w, pts)) / sw
+    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, pts))
+    slope = sum(wi * (n - mx) * (ms - my) for wi, (n, ms) in zip(w, pts)) / sxx if sxx > 0 else 0.0
+    latency = my - slope * mx
+    if slope <= 0 or latency < 0:
+        return None
+    return LinkModel(latency_ms=latency, bytes_per_ms=1.0 / slope)
 
 
 def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "mean") -> tuple[Profile, dict]:
