@@ -50,8 +50,8 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.split_backward runs them: B, the input gradient
 (and the non-Linear parameters'), and W, each nn.Linear's weight gradient from the kept
-input and output gradient. They need not add up to `bwd_ms` (B+W measured 1.05-1.15x the
-whole backward on CPU: two launches, and B keeps what W reads). `null` (a reference profile
+input and output gradient. They need not add up to `bwd_ms` (B+W measured 1.0-1.4x the
+whole backward per part on CPU, bert-tiny/mini: two passes, and B keeps what W reads). `null` (a reference profile
 whose source published only the whole backward) and version-2 profiles (which load with a
 one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half of `bwd_ms`
 each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
