@@ -295,6 +295,12 @@ def main() -> None:
     row("zb-h1, no K-FAC", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
     row("1f1b, no K-FAC", "1f1b, no K-FAC")
     row("zb-h1, no K-FAC", "1f1b, no K-FAC")
+    f1b, zbh1 = "1f1b, no K-FAC", "zb-h1, no K-FAC"
+    if predicted.get(f1b) and predicted.get(zbh1):  # (d) the bubble the split backward saves, per step
+        print(f"\n(d) bubble saved by zb-h1 against 1f1b, ms/step (positive: zb-h1 faster): predicted "
+              f"{predicted[f1b] - predicted[zbh1]:.1f} ({1 - predicted[zbh1] / predicted[f1b]:.1%}); measured best "
+              f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
+              f"({1 - med[zbh1] / med[f1b]:.1%})")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
