@@ -23,13 +23,13 @@ after them on each rank, so they equal a single cycle from idle).
 
 from __future__ import annotations
 
-from collections import defaultdict
+import numpy as np
 from dataclasses import dataclass, field
 
 from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Cluster, Profile
-from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, cycle_dependencies
+from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops
 from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
 
@@ -104,113 +104,123 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
 # --- the simulation --------------------------------------------------------------------------
 
 def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory: bool, where: str) -> ReplayResult:
-    # each rank's sequence over all cycles: (cycle, step, index, op)
-    seq = [[(c, t, i, po.op) for c in range(cycles) for t in range(L.k) for i, po in enumerate(plan.ranks[q][t])]
-           for q in range(L.W)]
-    listed = [{(c, None if op.kind in FLOATING_KINDS else t, op) for c, t, _, op in s} for s in seq]
-    pos = [0] * L.W
-    clock = [0.0] * L.W
-    end: dict[tuple, float] = {}
-    start_of: dict[tuple, float] = {}
-    timeline: list[list[tuple]] = [[] for _ in range(L.W)]  # (start, end, cycle, step, i, op)
-
-    def key(q, c, t, op):
-        return (c, None if op.kind in FLOATING_KINDS else t, q, op)
+    """Run each rank's lists in order, cycle after cycle, over the integer ids of
+    CycleIndex (instance c * M + j: listing j in cycle c): an op starts when its rank is
+    free and the sends it receives have arrived; a collective when every member is at it."""
+    X = CycleIndex(plan, L)
+    M, W = X.M, L.W
+    ops, first = X.ops, X.first
+    dur = [costs.duration(op) for op in ops]
+    # a receive waits for its send's end plus the transfer time of the message (by its link)
+    lag = [[[costs.message_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
+           for b in (0, 1)]
+    n_of = [first[q + 1] - first[q] for q in range(W)]
+    pos = [0] * W  # instances of rank q run so far (over all cycles)
+    clock = [0.0] * W
+    start = [0.0] * (cycles * M)
+    end = [0.0] * (cycles * M)
+    done = bytearray(cycles * M)
 
     def name(q, c, t, op):
         return f"{op} (rank {q}, step {t}{f', cycle {c}' if c else ''})"
 
-    dependencies = cycle_dependencies(L)  # op_dependencies, derived once per listed op
+    def current(q: int) -> tuple[int, int]:
+        """(cycle, id) of rank q's next op."""
+        c, i = divmod(pos[q], n_of[q])
+        return c, first[q] + i
 
-    def ready_time(q: int) -> float | None:
-        """When rank q's next op may start as far as its own dependencies go; None if it must wait."""
-        c, t, i, op = seq[q][pos[q]]
-        local, remote = dependencies(q, c, t, op)
+    def ready_time(q: int, c: int, j: int) -> float | None:
+        """When rank q's op j of cycle c may start; None while a send it receives is not done."""
+        b = 1 if c else 0
+        bad = X.early[b].get(j)
+        if bad is not None:
+            dop, listed = bad
+            t, op = X.step[j], ops[j]
+            if listed:
+                raise ReplayError(where, _where(q, t, X.pos[j], op), f"{name(q, c, t, op)} runs before its dependency {dop} on the same rank")
+            raise ReplayError(where, _where(q, t, X.pos[j], op), f"{name(q, c, t, op)} depends on {dop}, which rank {q} never runs")
         at = clock[q]
-        for dk in local:
-            if dk not in end:
-                dc, dt, _, dop = dk
-                if (dc, dt, dop) in listed[q]:
-                    raise ReplayError(where, _where(q, t, i, op), f"{name(q, c, t, op)} runs before its dependency {dop} on the same rank")
-                raise ReplayError(where, _where(q, t, i, op), f"{name(q, c, t, op)} depends on {dop}, which rank {q} never runs")
-        for dk in remote:
-            if dk not in end:
-                return None
-            at = max(at, end[dk] + costs.message_ms(dk[3], dk[2]))
+        rem = X.remote[b][j]
+        if rem:
+            for (dc, d), lg in zip(rem, lag[b][j]):
+                x = (c + dc) * M + d
+                if d < 0 or not done[x]:
+                    return None
+                e = end[x] + lg
+                if e > at:
+                    at = e
         return at
 
-    def run(q: int, at: float) -> None:
-        c, t, i, op = seq[q][pos[q]]
-        d = costs.duration(op)
-        kk = key(q, c, t, op)
-        start_of[kk], end[kk] = at, at + d
-        timeline[q].append((at, at + d, c, t, i, op))
-        clock[q] = at + d
+    def run(q: int, c: int, j: int, at: float) -> None:
+        x = c * M + j
+        start[x] = at
+        end[x] = clock[q] = at + dur[j]
+        done[x] = 1
         pos[q] += 1
 
-    total = sum(len(s) for s in seq)
-    done = 0
-    while done < total:
+    total = cycles * M
+    count = 0
+    members_of = X.members
+    while count < total:
         moved = False
-        for q in range(L.W):
-            while pos[q] < len(seq[q]):
-                c, t, i, op = seq[q][pos[q]]
-                if op.is_collective:
-                    members = L.group(L.stage_of(op))
-                    want = key(q, c, t, op)
-                    if not all(pos[p] < len(seq[p]) and key(p, *_cto(seq[p][pos[p]])) == (want[0], want[1], p, op)
-                               for p in members):
+        for q in range(W):
+            last = cycles * n_of[q]
+            while pos[q] < last:
+                c, j = current(q)
+                members = members_of.get(j)
+                if members is not None:
+                    ranks = [X.rank[m] if m >= 0 else -1 for m in members]
+                    if any(m < 0 or pos[p] >= cycles * n_of[p] or current(p) != (c, m) for m, p in zip(members, ranks)):
                         break
-                    ats = [ready_time(p) for p in members]
+                    ats = [ready_time(p, c, m) for m, p in zip(members, ranks)]
                     if any(a is None for a in ats):
                         break
                     at = max(ats)
-                    for p in members:
-                        run(p, at)
-                    done += len(members)
+                    for m, p in zip(members, ranks):
+                        run(p, c, m, at)
+                    count += len(members)
                     moved = True
                     continue
-                at = ready_time(q)
+                at = ready_time(q, c, j)
                 if at is None:
                     break
-                run(q, at)
-                done += 1
+                run(q, c, j, at)
+                count += 1
                 moved = True
         if not moved:
-            stuck = [f"rank {q} at {name(q, seq[q][pos[q]][0], seq[q][pos[q]][1], seq[q][pos[q]][3])}"
-                     for q in range(L.W) if pos[q] < len(seq[q])]
+            stuck = []
+            for q in range(W):
+                if pos[q] < cycles * n_of[q]:
+                    c, j = current(q)
+                    stuck.append(f"rank {q} at {name(q, c, X.step[j], ops[j])}")
             raise ReplayError(where, "ranks", "deadlock: " + "; ".join(stuck))
-    _check_messages(seq, end, L, where)
-    return _result(plan, L, costs, timeline, cycles, check_memory, where)
+    _check_messages(X, L, where)
+    return _result(plan, L, costs, X, start, end, cycles, check_memory, where)
 
 
-def _cto(entry):
-    c, t, i, op = entry
-    return c, t, op
-
-
-def _check_messages(seq, end, L: PlanLayout, where: str) -> None:
+def _check_messages(X: CycleIndex, L: PlanLayout, where: str) -> None:
     """Every send has its receive (a receive without a send already deadlocks)."""
-    for q in range(L.W):
-        for c, t, i, op in seq[q]:
-            if op.kind.startswith("send_"):
-                recv = Op("recv_" + op.kind[5:], stage=op.stage, mb=op.mb, peer=q)
-                if (c, t, op.peer, recv) not in end:
-                    raise ReplayError(where, _where(q, t, i, op),
-                                      f"{op} (rank {q}, step {t}) has no matching receive {recv} on rank {op.peer}")
+    for j, op in enumerate(X.ops):
+        if op.kind.startswith("send_"):
+            q, t = X.rank[j], X.step[j]
+            recv = Op("recv_" + op.kind[5:], stage=op.stage, mb=op.mb, peer=q)
+            if X.find(t, op.peer, recv) < 0:
+                raise ReplayError(where, _where(q, t, X.pos[j], op),
+                                  f"{op} (rank {q}, step {t}) has no matching receive {recv} on rank {op.peer}")
 
 
-def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, check_memory: bool, where: str) -> ReplayResult:
+def _result(plan: Plan, L: PlanLayout, costs: Costs, X: CycleIndex, start: list[float], end: list[float],
+            cycles: int, check_memory: bool, where: str) -> ReplayResult:
+    M, ops = X.M, X.ops
     times = [[[(0.0, 0.0)] * len(plan.ranks[q][t]) for t in range(L.k)] for q in range(L.W)]
-    cycle_end = [0.0] * cycles
+    for j in range(M):
+        times[X.rank[j]][X.step[j]][X.pos[j]] = (start[j], end[j])
+    cycle_end = [max(end[c * M:(c + 1) * M], default=0.0) for c in range(cycles)]
     busy = [0.0] * L.W
     for q in range(L.W):
-        for st, en, c, t, i, op in timeline[q]:
-            cycle_end[c] = max(cycle_end[c], en)
-            if c == 0:
-                times[q][t][i] = (st, en)
-                if op.kind in COMPUTE_KINDS:
-                    busy[q] += en - st
+        for j in range(X.first[q], X.first[q + 1]):
+            if ops[j].kind in COMPUTE_KINDS:
+                busy[q] += end[j] - start[j]
     T = cycle_end[0]
     # the cycle as it repeats: the next cycle's first forward may start before this cycle's
     # last op ends, so cycles overlap; the mean spacing of cycle ends after the first (from
@@ -219,14 +229,18 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, chec
     resident = [costs.resident_bytes(sorted(L.held[q])) for q in range(L.W)]
     peaks, traces = [], []
     limit = plan.config.get("memory_limit_bytes")
+    allocs = [costs.allocates(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]
+    frees = [costs.frees(op) for op in ops]
     for q in range(L.W):
         events = []  # (time, order, delta, op text): frees (order 0) before allocations at a tie
         live: dict[tuple, int] = {}
-        for st, en, c, t, i, op in timeline[q]:
-            for bkey, nbytes in costs.allocates(op, refresh=(t == 0)):
-                events.append((st, 1, nbytes, (c,) + bkey, (op, t)))
-            for bkey in costs.frees(op):
-                events.append((en, 0, None, (c,) + bkey, (op, t)))
+        for c in range(cycles):
+            for j in range(X.first[q], X.first[q + 1]):
+                x = c * M + j
+                for bkey, nbytes in allocs[j]:
+                    events.append((start[x], 1, nbytes, (c,) + bkey, j))
+                for bkey in frees[j]:
+                    events.append((end[x], 0, None, (c,) + bkey, j))
         events.sort(key=lambda e: (e[0], e[1]))
         cur, peak, peak_at, trace = resident[q], resident[q], "start", [(0.0, resident[q])]
         for at, order, nbytes, bkey, who in events:
@@ -242,18 +256,19 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, timeline, cycles: int, chec
         peaks.append(peak)
         traces.append(trace)
         if check_memory and limit is not None and peak > limit:
-            at_op = peak_at if peak_at == "start" else f"{peak_at[0]} (rank {q}, step {peak_at[1]})"
+            at_op = peak_at if peak_at == "start" else f"{ops[peak_at]} (rank {q}, step {X.step[peak_at]})"
             raise ReplayError(where, "config.memory_limit_bytes",
                               f"rank {q} needs {peak} bytes (at {at_op}), over the limit of {limit}")
     util = sum(busy) / (L.W * T) if T > 0 else 0.0
     return ReplayResult(times=times, cycle_time_ms=T, step_time_from_idle_ms=T / L.k, refresh_steps=L.k, steady_cycle_time_ms=steady,
                         busy_ms=busy, idle_ms=[T - b for b in busy], utilization=util,
                         peak_memory_bytes=peaks, resident_bytes=resident, memory_trace=traces,
-                        utilization_pipefisher=_pipefisher_utilization(timeline, L, cycles),
+                        utilization_pipefisher=_pipefisher_utilization(X, start, end, L, cycles),
                         utilization_strict=sum(busy) / (L.W * steady) if steady > 0 else 0.0)
 
 
-def _pipefisher_utilization(timeline, L: PlanLayout, cycles: int) -> list[float]:
+def _pipefisher_utilization(X: CycleIndex, start: list[float], end: list[float], L: PlanLayout,
+                            cycles: int) -> list[float]:
     """PipeFisher's GPU utilization (pipe-fisher scripts/plot_cuda_timeline.py), one value per
     step of the cycle: the window runs from rank 0's first forward of the step to its first
     forward of the next step; each rank's busy time in it counts compute AND collectives
@@ -262,11 +277,19 @@ def _pipefisher_utilization(timeline, L: PlanLayout, cycles: int) -> list[float]
     One difference: an op that straddles the window's end counts with its part inside
     (PipeFisher's script drops it); that makes every step's windows tile the timeline."""
     c = 1 if cycles >= 3 else 0
+    M = X.M
     first_fwd: dict[tuple[int, int], float] = {}
-    for st, _en, cc, t, _i, op in timeline[0]:
-        if op.kind == "fwd" and (cc, t) not in first_fwd:
-            first_fwd[(cc, t)] = st
+    for cc in range(cycles):
+        for j in range(X.first[0], X.first[1]):
+            if X.ops[j].kind == "fwd" and (cc, X.step[j]) not in first_fwd:
+                first_fwd[(cc, X.step[j])] = start[cc * M + j]
     busy_kinds = COMPUTE_KINDS | COLLECTIVE_KINDS
+    # per rank, the busy ops of every cycle in execution order (as arrays: k windows each)
+    spans = []
+    for q in range(L.W):
+        ids = [j for j in range(X.first[q], X.first[q + 1]) if X.ops[j].kind in busy_kinds]
+        xs = np.array([cc * M + j for cc in range(cycles) for j in ids], dtype=np.int64)
+        spans.append((np.asarray(start)[xs] if len(xs) else np.zeros(0), np.asarray(end)[xs] if len(xs) else np.zeros(0)))
     out = []
     for t in range(L.k):
         w0 = first_fwd.get((c, t))
@@ -274,9 +297,8 @@ def _pipefisher_utilization(timeline, L: PlanLayout, cycles: int) -> list[float]
         if w0 is None or w1 is None or w1 <= w0:
             continue  # rank 0 runs no forward (cannot happen for a valid plan) or one cycle only
         per_rank = []
-        for q in range(L.W):
-            b = sum(max(0.0, min(en, w1) - max(st, w0)) for st, en, _c, _t, _i, op in timeline[q]
-                    if op.kind in busy_kinds)
-            per_rank.append(b / (w1 - w0))
+        for st, en in spans:
+            inside = np.maximum(0.0, np.minimum(en, w1) - np.maximum(st, w0))
+            per_rank.append(sum(inside.tolist()) / (w1 - w0))  # summed in order, as a list
         out.append(sum(per_rank) / L.W)
     return out

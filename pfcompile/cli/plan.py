@@ -88,6 +88,9 @@ def register(sub) -> None:
                         "them; family keeps the family's rank numbering")
     p.add_argument("-o", "--output", default=None, metavar="PLAN", help="write the plan here (JSON)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="profile the command's Python with cProfile and print its N most expensive functions "
+                        "(by cumulative time) on stderr")
     p.set_defaults(func=run)
 
 
@@ -187,6 +190,28 @@ def check_task_bound(cfg: PipelineConfig, kfac_layers: int) -> None:
 
 
 def run(args) -> int:
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(_run, args)
+        finally:
+            print(f"## cProfile: the {args.cprofile} most expensive functions by cumulative time "
+                  f"(CP-SAT's search is the native `solve`)", file=sys.stderr)
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(args.cprofile)
+    return _run(args)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def _run(args) -> int:
     check_plan_bounds(args)  # before reading anything: a typo must not start a runaway
     if args.output:
         check_output_path(args.output, "--output")
@@ -225,17 +250,20 @@ def run(args) -> int:
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
     # what is written is what every reader will verify: check the file's form, not the object
-    verify_plan(plan_from_json(plan.to_json(), args.output or "<plan>"), args.output or "<plan>",
-                profile_model=profile.model)
-    if args.output:
-        plan.save(args.output)
+    with budget.stage("verify"):
+        verify_plan(plan_from_json(plan.to_json(), args.output or "<plan>"), args.output or "<plan>",
+                    profile_model=profile.model)
+        if args.output:
+            plan.save(args.output)
+    # where the command's time went (the plan's own stats stop at its replay) and its memory
+    seconds = {**budget.report(), "total": round(budget.elapsed(), 3)}
     keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
             "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes", "refresh_steps_note", "placement")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
-           **{k: plan.stats.get(k) for k in keys}}
+           **{k: plan.stats.get(k) for k in keys}, "stage_seconds": seconds, "peak_rss_mib": peak_rss_mib()}
     if args.json:
         print(json.dumps(out))
     else:
@@ -244,6 +272,7 @@ def run(args) -> int:
         if args.output:
             print(f"wrote {args.output}")
         print(format_stats(plan))
+        print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; peak RSS {out['peak_rss_mib']:.0f} MiB")
     return 0
 
 

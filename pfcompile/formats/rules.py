@@ -172,23 +172,65 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
     return local, remote
 
 
-def cycle_dependencies(L: "PlanLayout"):
-    """`op_dependencies` for any cycle, derived once per listed op: cycle 0 differs (its
-    first forwards wait for no earlier update), and the rules of a cycle c > 1 are cycle
-    1's with every cycle index moved by c - 1. Returns `deps(q, c, t, op)`."""
-    memo: dict[tuple, tuple[list, list]] = {}
+class CycleIndex:
+    """Every op the plan lists as one integer id (rank by rank, step by step, in list order:
+    a rank's ids are contiguous and in its execution order), and what each waits for as
+    ids, derived once with `op_dependencies` for cycle 0 and cycle 1 (the rules of a cycle
+    c > 1 are cycle 1's with every cycle index moved by c - 1; cycle 0's first forwards
+    wait for no earlier update). The replay and the verifier execute several cycles over
+    these integers: instance `c * M + j` is listing j in cycle c.
 
-    def deps(q: int, c: int, t: int, op: Op) -> tuple[list, list]:
-        base = min(c, 1)
-        got = memo.get((base, q, t, op))
-        if got is None:
-            got = memo[(base, q, t, op)] = op_dependencies(L, q, base, t, op)
-        if c == base:
-            return got
-        shift = c - base
-        return ([(k[0] + shift,) + tuple(k[1:]) for k in got[0]], [(k[0] + shift,) + tuple(k[1:]) for k in got[1]])
+    - `ops[j]`, `rank[j]`, `step[j]`, `pos[j]`: the listing (op, rank, step, index in the step);
+      `first[q]:first[q + 1]` are rank q's ids.
+    - `remote[b][j]`: [(cycle offset, id)] of the sends a receive waits for, cycle b = 0 or
+      1 (id -1: the send is listed nowhere, so the receive never runs).
+    - `early[b][j]`: (dependency op, listed) for the first local dependency (same rank,
+      same rules as the replay's) that in-order execution cannot have run before j: not
+      listed at all, or listed later on the rank. Empty for a valid plan.
+    - `members[j]`: for a collective, the ids of its listing on each member of the stage's
+      group (ascending ranks; -1 where a member does not list it)."""
 
-    return deps
+    def __init__(self, plan: Plan, L: PlanLayout):
+        ops: list[Op] = []
+        rank: list[int] = []
+        step: list[int] = []
+        pos: list[int] = []
+        first: list[int] = []
+        at: dict[tuple, int] = {}  # (step | None for floating work, rank, op) -> id
+        for q in range(L.W):
+            first.append(len(ops))
+            for t in range(L.k):
+                for i, po in enumerate(plan.ranks[q][t]):
+                    op = po.op
+                    at[(None if op.kind in FLOATING else t, q, op)] = len(ops)
+                    ops.append(op)
+                    rank.append(q)
+                    step.append(t)
+                    pos.append(i)
+        first.append(len(ops))
+        self.ops, self.rank, self.step, self.pos, self.first, self.M = ops, rank, step, pos, first, len(ops)
+        self.remote: list[list[list[tuple[int, int]]]] = [[], []]
+        self.early: list[dict[int, tuple[Op, bool]]] = [{}, {}]
+        for b in (0, 1):
+            remote, early = self.remote[b], self.early[b]
+            for j, op in enumerate(ops):
+                local, rem = op_dependencies(L, rank[j], b, step[j], op)
+                for c, tt, qq, dop in local:  # always on rank[j] itself
+                    d = at.get((tt, qq, dop))
+                    if d is None or (c == b and d >= j):
+                        early[j] = (dop, d is not None)
+                        break
+                remote.append([(c - b, at.get((tt, qq, dop), -1)) for c, tt, qq, dop in rem] if rem else [])
+        self.members: dict[int, list[int]] = {}
+        for j, op in enumerate(ops):
+            if op.is_collective:
+                tt = None if op.kind in FLOATING else step[j]
+                self.members[j] = [at.get((tt, p, op), -1) for p in L.group(L.stage_of(op))]
+        self._at = at
+
+    def find(self, t: int | None, q: int, op: Op) -> int:
+        """The id of `op` listed on rank q in step t (None: floating work, any step); -1 if not listed."""
+        return self._at.get((None if op.kind in FLOATING else t, q, op), -1)
 
 
 # --- what the cycle must hold, each op once where it belongs --------------------------------------

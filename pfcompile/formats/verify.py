@@ -32,7 +32,7 @@ from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.rules import PlanError, PlanLayout, check_ops, cycle_dependencies, op_field, op_name
+from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops, op_field, op_name
 
 # The planner rounds times to 1e-6 ms; consecutive ops may touch within that.
 _TIME_TOLERANCE_MS = 1e-5
@@ -186,94 +186,96 @@ def _msg(key: tuple, prefix: str, peer: int, arrow: str) -> str:
 
 # --- execution order: dependencies and deadlock ---------------------------------------------------------
 
-_DRAIN = None  # the end of a step on a rank: its posted sends must have been received
 
 
 def check_order(plan: Plan, L: PlanLayout, where: str, *, cycles: int = 2) -> None:
     """Execute the lists as the runtime does, without times: a local dependency must have run
     earlier on its rank; a receive waits for its send; a collective waits for every member of
-    the stage's group to reach it; a step ends once its sends are received."""
-    seq: list[list[tuple]] = []
+    the stage's group to reach it; a step ends once its sends are received. Over the integer
+    ids of CycleIndex (instance c * M + j: listing j in cycle c)."""
+    X = CycleIndex(plan, L)
+    M, ops = X.M, X.ops
+    # each rank's sequence of one cycle: its ids step by step, each step closed by a drain (-1 - step)
+    seq: list[list[int]] = []
     for q in range(L.W):
-        s: list[tuple] = []
-        for c in range(cycles):
-            for t in range(L.k):
-                s += [(c, t, i, po.op) for i, po in enumerate(plan.ranks[q][t])]
-                s.append((c, t, -1, _DRAIN))
+        s: list[int] = []
+        j = X.first[q]
+        for t in range(L.k):
+            while j < X.first[q + 1] and X.step[j] == t:
+                s.append(j)
+                j += 1
+            s.append(-1 - t)
         seq.append(s)
-    listed = [{L.instance(c, t, q, op) for c, t, _, op in seq[q] if op is not None} for q in range(L.W)]
-    done: set[tuple] = set()
-    unreceived: dict[tuple[int, int, int], int] = defaultdict(int)  # (rank, cycle, step) -> sends in flight
+    done = bytearray(cycles * M)
+    unreceived = [0] * (L.W * cycles * L.k)  # (rank, cycle, step) -> sends in flight
+    kind = [0] * M  # 1: send, 2: receive, 3: collective
+    for j, op in enumerate(ops):
+        kind[j] = 1 if op.kind.startswith("send_") else 2 if op.kind.startswith("recv_") else 3 if op.is_collective else 0
     pos = [0] * L.W
 
-    deps_at = cycle_dependencies(L)
+    def at(q: int) -> tuple[int, int]:
+        """(cycle, entry) of rank q's next entry: an id, or a drain -1 - step."""
+        c, i = divmod(pos[q], len(seq[q]))
+        return c, seq[q][i]
 
-    def local_ok(q: int, c: int, t: int, i: int, op: Op) -> None:
-        local, _ = deps_at(q, c, t, op)
-        for dk in local:
-            if dk not in done:
-                dop = dk[3]
-                if dk in listed[q]:
-                    raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} runs before its dependency "
-                                    f"{dop} on the same rank (rule: dependency)")
-                raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} depends on {dop}, which rank {q} "
-                                "never runs (rule: dependency)")
+    def local_ok(c: int, j: int) -> None:
+        bad = X.early[1 if c else 0].get(j)
+        if bad is not None:
+            dop, listed = bad
+            q, t, i, op = X.rank[j], X.step[j], X.pos[j], ops[j]
+            if listed:
+                raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} runs before its dependency "
+                                f"{dop} on the same rank (rule: dependency)")
+            raise PlanError(where, op_field(q, t, i), f"{op_name(q, t, op, c)} depends on {dop}, which rank {q} "
+                            "never runs (rule: dependency)")
 
-    def execute(q: int) -> None:
-        c, t, i, op = seq[q][pos[q]]
-        done.add(L.instance(c, t, q, op))
-        if op.kind.startswith("send_"):
-            unreceived[(q, c, t)] += 1
-        elif op.kind.startswith("recv_"):
-            unreceived[(op.peer, c, t)] -= 1
+    def execute(q: int, c: int, j: int) -> None:
+        done[c * M + j] = 1
+        if kind[j] == 1:
+            unreceived[(q * cycles + c) * L.k + X.step[j]] += 1
+        elif kind[j] == 2:
+            unreceived[(ops[j].peer * cycles + c) * L.k + X.step[j]] -= 1
         pos[q] += 1
 
-    remaining = sum(len(s) for s in seq)
+    remaining = sum(len(s) for s in seq) * cycles
     while remaining:
         moved = False
         for q in range(L.W):
-            while pos[q] < len(seq[q]):
-                c, t, i, op = seq[q][pos[q]]
-                if op is _DRAIN:
-                    if unreceived[(q, c, t)] > 0:
+            last = cycles * len(seq[q])
+            while pos[q] < last:
+                c, j = at(q)
+                if j < 0:  # the end of step -1 - j
+                    if unreceived[(q * cycles + c) * L.k - 1 - j] > 0:
                         break
                     pos[q] += 1
                     remaining -= 1
                     moved = True
                     continue
-                if op.is_collective:
-                    key = L.instance(c, t, q, op)
-                    members = L.group(L.stage_of(op))
-                    if not all(_at(seq, pos, p, L) == (key[0], key[1], p, op) for p in members):
+                if kind[j] == 3:
+                    members = X.members[j]
+                    if not all(m >= 0 and pos[X.rank[m]] < cycles * len(seq[X.rank[m]]) and at(X.rank[m]) == (c, m)
+                               for m in members):
                         break
-                    for p in members:
-                        pc, pt, pi, pop = seq[p][pos[p]]
-                        local_ok(p, pc, pt, pi, pop)
-                    for p in members:
-                        execute(p)
+                    for m in members:
+                        local_ok(c, m)
+                    for m in members:
+                        execute(X.rank[m], c, m)
                     remaining -= len(members)
                     moved = True
                     continue
-                local_ok(q, c, t, i, op)
-                if op.kind.startswith("recv_"):
-                    _, remote = deps_at(q, c, t, op)
-                    if remote[0] not in done:
+                local_ok(c, j)
+                if kind[j] == 2:
+                    dc, d = X.remote[1 if c else 0][j][0]
+                    if d < 0 or not done[(c + dc) * M + d]:
                         break
-                execute(q)
+                execute(q, c, j)
                 remaining -= 1
                 moved = True
         if not moved:
             stuck = []
             for q in range(L.W):
-                if pos[q] < len(seq[q]):
-                    c, t, i, op = seq[q][pos[q]]
-                    stuck.append(f"rank {q} at " + (f"the end of step {t} (its sends not yet received)"
-                                                    if op is None else op_name(q, t, op, c)))
+                if pos[q] < cycles * len(seq[q]):
+                    c, j = at(q)
+                    stuck.append(f"rank {q} at " + (f"the end of step {-1 - j} (its sends not yet received)"
+                                                    if j < 0 else op_name(q, X.step[j], ops[j], c)))
             raise PlanError(where, "ranks", "deadlock: " + "; ".join(stuck) + " (rule: order)")
-
-
-def _at(seq, pos, p: int, L: PlanLayout):
-    if pos[p] >= len(seq[p]):
-        return None
-    c, t, _, op = seq[p][pos[p]]
-    return None if op is None else L.instance(c, t, p, op)
