@@ -60,10 +60,14 @@ class _Timeline:
             del starts[i + 1], ends[i + 1]
 
 
-def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
-                  pinned: dict[int, int] | None = None, options: set[int] | None = None) -> Schedule:
-    """`pinned`: tasks whose start is given (booked before anything else is placed);
-    `options`: the option to take in each choice they cover (default: the earliest finish)."""
+def _graph(p: Problem) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
+    """(preds, succ) of the tasks and step barriers, built once per problem: the warm start
+    schedules each problem several times with different priorities. Rebuilt if the
+    problem grew since (the key counts its tasks and constraints)."""
+    key = (p.n, len(p.edges), len(p.chains), len(p.phases), sum(len(c) for c in p.chains))
+    cached = getattr(p, "_list_graph", None)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
     n = p.n
     preds: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for a, b, l in p.edges:
@@ -84,6 +88,17 @@ def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
     for b in range(total):
         for a, _ in preds[b]:
             succ[a].append(b)
+    p._list_graph = (key, preds, succ)
+    return preds, succ
+
+
+def list_schedule(p: Problem, first: set[int] | None = None, order_key=None,
+                  pinned: dict[int, int] | None = None, options: set[int] | None = None) -> Schedule:
+    """`pinned`: tasks whose start is given (booked before anything else is placed);
+    `options`: the option to take in each choice they cover (default: the earliest finish)."""
+    n = p.n
+    preds, succ = _graph(p)
+    total = len(preds)
     group_of = {i: gr for gr in p.rendezvous for i in gr}
     first = first or set()
     key = order_key or (lambda i: (i,))
