@@ -62,3 +62,29 @@ def test_graph_and_replay_dependency_rules_agree(schedule, kw, kfac):
         assert graph_preds == replay_preds - inside, (members, graph_preds ^ replay_preds)
         checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("schedule,kw", CASES)
+def test_only_a_first_steps_forward_has_rules_that_differ_by_cycle(schedule, kw):
+    """The replay and the verifier derive cycle 1's rules from cycle 0's for every listing
+    but those `differs_by_cycle` names (pfcompile.formats.rules.CycleIndex): the shortcut
+    must give what op_dependencies gives."""
+    from pfcompile.formats.rules import differs_by_cycle
+
+    prof = uniform_profile(blocks=4)
+    cfg = PipelineConfig(schedule, refresh_steps=2, kfac=True, **kw)
+    tg = build_task_graph(prof, cfg)
+    plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
+    layout = PlanLayout(plan)
+    differing = 0
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for p in ops:
+                at0 = op_dependencies(layout, q, 0, t, p.op)
+                at1 = op_dependencies(layout, q, 1, t, p.op)
+                shifted = tuple([(c + 1, *rest) for c, *rest in keys] for keys in at0)
+                if differs_by_cycle(t, p.op):
+                    differing += at1 != shifted
+                else:
+                    assert at1 == shifted, (q, t, p.op)
+    assert differing > 0  # a first-step forward waits for the previous cycle's update

@@ -172,6 +172,13 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
     return local, remote
 
 
+def differs_by_cycle(t: int, op: Op) -> bool:
+    """Whether `op_dependencies` of this listing differs between cycle 0 and a later cycle
+    beyond the cycle index itself: only a first step's forward (it waits for the previous
+    cycle's update). tests/test_deps_agree.py checks this against op_dependencies."""
+    return t == 0 and op.kind == "fwd"
+
+
 class CycleIndex:
     """Every op the plan lists as one integer id (rank by rank, step by step, in list order:
     a rank's ids are contiguous and in its execution order), and what each waits for as
@@ -214,6 +221,11 @@ class CycleIndex:
         for b in (0, 1):
             remote, early = self.remote[b], self.early[b]
             for j, op in enumerate(ops):
+                if b == 1 and not differs_by_cycle(step[j], op):  # cycle 0's, relative to the cycle
+                    remote.append(self.remote[0][j])
+                    if j in self.early[0]:
+                        early[j] = self.early[0][j]
+                    continue
                 local, rem = op_dependencies(L, rank[j], b, step[j], op)
                 for c, tt, qq, dop in local:  # always on rank[j] itself
                     d = at.get((tt, qq, dop))
@@ -300,13 +312,14 @@ def _check_peer(L: PlanLayout, q: int, op: Op, at: str, name: str, where: str) -
 
 def _check_step_complete(L: PlanLayout, q: int, t: int, ops: set[Op], where: str) -> None:
     for s, r in sorted(L.held[q].items()):
-        need = [Op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
-        need.append(Op("step", stage=s))
+        # built from the layout's own fields: unvalidated (_op), one per op of every step
+        need = [_op(kind, stage=s, mb=m) for m in L.mbs_of(r) for kind in ("fwd",) + L.backward]
+        need.append(_op("step", stage=s))
         if L.split_stage(s):
-            need += [Op("rs_grad", stage=s), Op("ag_grad", stage=s)]
+            need += [_op("rs_grad", stage=s), _op("ag_grad", stage=s)]
         elif L.R > 1:
-            need.append(Op("sync_grad", stage=s))
-        need += [Op("precond", layer=l) for l in L.preconditions(q, s)]
+            need.append(_op("sync_grad", stage=s))
+        need += [_op("precond", layer=l) for l in L.preconditions(q, s)]
         for op in need:
             if op not in ops:
                 raise PlanError(where, f"ranks[{q}].steps[{t}]", f"{op_name(q, t, op)} is missing (rule: complete)")
