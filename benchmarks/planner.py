@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pfcompile.formats.errors import InputError  # noqa: E402
+from pfcompile.formats.plan import plan_from_json  # noqa: E402
+from pfcompile.formats.verify import verify_plan  # noqa: E402
 from pfcompile.place.build import build_plan  # noqa: E402
 from pfcompile.formats.profile import Profile, load_profile  # noqa: E402
 from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
@@ -176,9 +178,11 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
             greedy, _, _ = build_plan(prof, cfg, "greedy")
             t0 = time.perf_counter()
             plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit))
+            t_verify = time.perf_counter()  # what `pfcompile plan` does before writing: verify the file's form
+            verify_plan(plan_from_json(plan.to_json(), "<plan>"), "<plan>", profile_model=prof.model)
             t = time.perf_counter() - t0
             st = plan.stats
-            stage = st.get("stage_seconds", {})
+            stage = {**st.get("stage_seconds", {}), "verify": time.perf_counter() - t_verify}
             rows.append([family, D, N, st["tasks"], st["tasks_model"], "yes" if st["curvature_grouped"] else "no",
                          f"{st['refresh_steps']} / {greedy.stats['refresh_steps']}",
                          round(st["step_time_ms"], 1), f"{st['step_time_ms'] / greedy.stats['step_time_ms']:.4f}",
@@ -188,11 +192,12 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
     print(table(["family", "D", "N", "plan ops", "model tasks", "curv grouped", "k cpsat / greedy", "step ms",
                  "cpsat / greedy step", "status", "gap", "seconds", *(f"{k} s" for k in STAGES),
                  "peak RSS MiB"], rows))
-    print(f"\n(per-stage seconds are the CP-SAT planner's: {', '.join(STAGES)}; the greedy and the "
-          f"first-order baseline run before and are not counted. Load average at the end: {load_average()})\n")
+    print(f"\n(per-stage seconds are the CP-SAT planner's: {', '.join(STAGES)} (the plan's check before "
+          f"writing, as `pfcompile plan` does); the greedy and the first-order baseline run before and are not "
+          f"counted. Load average at the end: {load_average()})\n")
 
 
-STAGES = ("graph", "warm start", "solve", "replay")
+STAGES = ("graph", "warm start", "solve", "replay", "verify")
 
 
 def peak_rss_mib() -> int:
