@@ -76,6 +76,7 @@ class TaskGraph:
     inv_candidates: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     inverters: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     precond_owner: list[int | None] | None = None  # split preconditioning: replica per layer
+    interned: "_Interned" = field(default_factory=lambda: _Interned(), repr=False, compare=False)
 
     # --- views ---------------------------------------------------------------------------------
     @property
@@ -121,8 +122,34 @@ class TaskGraph:
         return t
 
     def add_edge(self, u: Task, v: Task, lag: float = 0.0) -> None:
-        assert u in self.g and v in self.g, (u, v)
+        """An edge between tasks added before (checked once the graph is built: `_check_nodes`)."""
         self.g.add_edge(u, v, lag=lag)
+
+
+class _Interned:
+    """Op(...) for a graph build, one object per distinct op: the builder asks for the same
+    op many times (a task, then each edge to it), and equal keys that are the same object
+    compare by identity (no field-by-field __eq__) and are validated once."""
+
+    def __init__(self):
+        self.ops: dict[tuple, Op] = {}
+
+    def op(self, kind: str, stage=None, mb=None, layer=None, factor=None, peer=None) -> Op:
+        key = (kind, stage, mb, layer, factor, peer)
+        o = self.ops.get(key)
+        if o is None:
+            o = self.ops[key] = Op(kind, stage=stage, mb=mb, layer=layer, factor=factor, peer=peer)
+        return o
+
+    def same(self, op: Op) -> Op:
+        """The interned op equal to `op` (op itself the first time)."""
+        return self.ops.setdefault((op.kind, op.stage, op.mb, op.layer, op.factor, op.peer), op)
+
+
+def _check_nodes(tg: TaskGraph) -> None:
+    """Every node was added as a task: an edge to a task never added would have made a bare node."""
+    bare = [t for t, data in tg.g.nodes(data=True) if "op" not in data]
+    assert not bare, f"edges to tasks never added: {bare[:3]}"
 
 
 _BUILT: "OrderedDict[tuple, TaskGraph] | None" = None  # graphs of the planning run in progress
@@ -173,6 +200,7 @@ def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str
         _add_kfac(tg, inverters)
     for q in tg.ranks:
         tg.resident_bytes[q] = costs.resident_bytes([s for s, _ in cfg.stages_of(q)])
+    _check_nodes(tg)
     return tg
 
 
@@ -181,8 +209,9 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
     cfg, costs = tg.cfg, tg.costs
     S, R = cfg.num_stages, cfg.replicas
     rep = cfg.micro_batch_replica()
+    O = tg.interned.op
     for q, ops in orders.items():
-        tg.canonical.setdefault(q, []).append([tg.add_task(Task(k, q, op)) for op in ops])
+        tg.canonical.setdefault(q, []).append([tg.add_task(Task(k, q, tg.interned.same(op))) for op in ops])
 
     def T(op: Op, stage: int, replica: int) -> Task:
         return Task(k, cfg.rank_of(stage, replica), op)
@@ -192,50 +221,50 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
     for m in range(cfg.micro_batches):
         r = rep[m]
         for s in range(S):
-            fwd, bwd = T(Op("fwd", stage=s, mb=m), s, r), T(Op(B, stage=s, mb=m), s, r)
+            fwd, bwd = T(O("fwd", stage=s, mb=m), s, r), T(O(B, stage=s, mb=m), s, r)
             tg.add_edge(fwd, bwd)
             done = bwd
             if cfg.split_backward:
                 # W needs B's output gradients and keeps them and the activations until it ends
-                done = T(Op("bwd_weight", stage=s, mb=m), s, r)
+                done = T(O("bwd_weight", stage=s, mb=m), s, r)
                 tg.add_edge(bwd, done)
                 (wgrad,) = [n for key, n in costs.allocates(bwd.op, refresh=(k == 0)) if key[0] == "wgrad"]
                 tg.buffers.append(Buffer(bwd.rank, wgrad, bwd, done, ("wgrad", s, m)))
             tg.buffers.append(Buffer(fwd.rank, costs.act_bytes(s), fwd, done, ("act", s, m)))
             if s + 1 < S:
-                nxt_f, nxt_b = T(Op("fwd", stage=s + 1, mb=m), s + 1, r), T(Op(B, stage=s + 1, mb=m), s + 1, r)
+                nxt_f, nxt_b = T(O("fwd", stage=s + 1, mb=m), s + 1, r), T(O(B, stage=s + 1, mb=m), s + 1, r)
                 if nxt_f.rank == fwd.rank:
                     tg.add_edge(fwd, nxt_f)
                     tg.add_edge(nxt_b, bwd)
                 else:
                     for kind, src, dst, stage, before, after in (
                             ("act", fwd, nxt_f, s, fwd, nxt_f), ("grad", nxt_b, bwd, s + 1, nxt_b, bwd)):
-                        send = Task(k, src.rank, Op(f"send_{kind}", stage=stage, mb=m, peer=dst.rank))
-                        recv = Task(k, dst.rank, Op(f"recv_{kind}", stage=stage, mb=m, peer=src.rank))
+                        send = Task(k, src.rank, O(f"send_{kind}", stage=stage, mb=m, peer=dst.rank))
+                        recv = Task(k, dst.rank, O(f"recv_{kind}", stage=stage, mb=m, peer=src.rank))
                         tg.add_edge(before, send)
                         tg.add_edge(send, recv, lag=costs.message_ms(send.op, send.rank))
                         tg.add_edge(recv, after)
             if k > 0:
-                tg.add_edge(Task(k - 1, fwd.rank, Op("step", stage=s)), fwd)
+                tg.add_edge(Task(k - 1, fwd.rank, O("step", stage=s)), fwd)
 
     W = weight_grad_kind(cfg.schedule)  # after it, a micro-batch's weight gradients are in
     for s in range(S):
-        bwds = [T(Op(W, stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
+        bwds = [T(O(W, stage=s, mb=m), s, rep[m]) for m in range(cfg.micro_batches)]
         for r in range(R):
             q = cfg.rank_of(s, r)
             before_precond = [b for b in bwds if b.rank == q]
-            step = Task(k, q, Op("step", stage=s))
+            step = Task(k, q, O("step", stage=s))
             owner = tg.precond_owner
             if owner is not None and any(owner[l] is not None for l in costs.stage_layers[s]):
                 _add_split_precond(tg, k, s, r, q, bwds, step)
                 continue
             if R > 1:
-                sync = Task(k, q, Op("sync_grad", stage=s))
+                sync = Task(k, q, O("sync_grad", stage=s))
                 for b in bwds:
                     tg.add_edge(b, sync)
-                tg.collectives.setdefault((k, Op("sync_grad", stage=s)), []).append(sync)
+                tg.collectives.setdefault((k, O("sync_grad", stage=s)), []).append(sync)
                 before_precond = [sync]
-            preconds = [Task(k, q, Op("precond", layer=l)) for l in costs.stage_layers[s]] if cfg.kfac else []
+            preconds = [Task(k, q, O("precond", layer=l)) for l in costs.stage_layers[s]] if cfg.kfac else []
             for p in preconds:
                 for b in before_precond:
                     tg.add_edge(b, p)
@@ -249,8 +278,9 @@ def _add_split_precond(tg: TaskGraph, k: int, s: int, r: int, q: int, bwds: list
     replica the unowned ones), the preconditioned gradients are all-gathered (ag_grad),
     then the update. Each replica does 1/R of the owned layers' preconditioning."""
     owner = tg.precond_owner
-    rs = Task(k, q, Op("rs_grad", stage=s))
-    ag = Task(k, q, Op("ag_grad", stage=s))
+    O = tg.interned.op
+    rs = Task(k, q, O("rs_grad", stage=s))
+    ag = Task(k, q, O("ag_grad", stage=s))
     for b in bwds:
         tg.add_edge(b, rs)
     tg.collectives.setdefault((k, rs.op), []).append(rs)
@@ -258,7 +288,7 @@ def _add_split_precond(tg: TaskGraph, k: int, s: int, r: int, q: int, bwds: list
     for l in tg.costs.stage_layers[s]:
         if owner[l] not in (None, r):
             continue
-        p = Task(k, q, Op("precond", layer=l))
+        p = Task(k, q, O("precond", layer=l))
         tg.add_edge(rs, p)
         tg.add_edge(p, ag if owner[l] == r else step)
     tg.add_edge(rs, ag)
@@ -272,6 +302,7 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
     R = cfg.replicas
     rep = cfg.micro_batch_replica()
     layers = costs.profile.kfac_layers
+    O = tg.interned.op
     for l, s in enumerate(costs.layer_stage):
         for f in FACTORS:
             # split preconditioning: only the owner uses the layer's inverses
@@ -284,14 +315,14 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
         for m in range(cfg.micro_batches):
             q = cfg.rank_of(s, rep[m])
             for f, kind, after in (("A", "curv_a", "fwd"), ("B", "curv_b", "bwd")):
-                c = tg.add_task(Task(None, q, Op(kind, layer=l, mb=m)))
-                made_by = Task(0, q, Op(after, stage=s, mb=m))
+                c = tg.add_task(Task(None, q, O(kind, layer=l, mb=m)))
+                made_by = Task(0, q, O(after, stage=s, mb=m))
                 if kind == "curv_b" and cfg.split_backward:
                     # the output gradient is made by B and shared with W: curv_b runs with
                     # or after W (they read the same tensors; B -> W implies B -> curv_b),
                     # the buffer lives from B on
-                    made_by = Task(0, q, Op("bwd_input", stage=s, mb=m))
-                    tg.add_edge(Task(0, q, Op("bwd_weight", stage=s, mb=m)), c)
+                    made_by = Task(0, q, O("bwd_input", stage=s, mb=m))
+                    tg.add_edge(Task(0, q, O("bwd_weight", stage=s, mb=m)), c)
                 else:
                     tg.add_edge(made_by, c)
                 tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, (f"kept_{f.lower()}", l, m)))
@@ -302,7 +333,7 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
             if R > 1:
                 syncs = []
                 for f in FACTORS:
-                    y = tg.add_task(Task(None, q, Op("sync_curv", layer=l, factor=f)))
+                    y = tg.add_task(Task(None, q, O("sync_curv", layer=l, factor=f)))
                     for c in curv[f]:
                         tg.add_edge(c, y)
                     tg.collectives.setdefault((None, y.op), []).append(y)
@@ -313,14 +344,14 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
         for f in FACTORS:
             who = tg.inverters[(l, f)]
             for q in who:
-                inv = tg.add_task(Task(None, q, Op("inv", layer=l, factor=f)))
+                inv = tg.add_task(Task(None, q, O("inv", layer=l, factor=f)))
                 for y in ready_for_inv[q]:
                     tg.add_edge(y, inv)
             if R > 1 and len(who) < len(tg.inv_candidates[(l, f)]):
                 src = who[0]
                 for q in cfg.replica_ranks(s):
-                    b = tg.add_task(Task(None, q, Op("bcast_inv", layer=l, factor=f, peer=src)))
-                    tg.add_edge(Task(None, src, Op("inv", layer=l, factor=f)), b)
+                    b = tg.add_task(Task(None, q, O("bcast_inv", layer=l, factor=f, peer=src)))
+                    tg.add_edge(Task(None, src, O("inv", layer=l, factor=f)), b)
                     tg.collectives.setdefault((None, b.op), []).append(b)
 
 
