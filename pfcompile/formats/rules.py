@@ -93,13 +93,25 @@ class PlanLayout(Layout):
 
 # --- what each op waits for ----------------------------------------------------------------------
 
+_MADE: dict[tuple, Op] = {}  # ops made by the rules, by fields: one object each (cleared past _MADE_MAX)
+_MADE_MAX = 1 << 20
+
+
 def _op(kind: str, stage=None, mb=None, layer=None, factor=None, peer=None) -> Op:
     """An Op from fields already validated (those of a listed op and the plan's layout),
-    without Op's checks: the rules build one per dependency, for every op of a plan."""
+    without Op's checks: the rules build one per dependency, for every op of a plan, so
+    each distinct op is made once and then reused."""
+    key = (kind, stage, mb, layer, factor, peer)
+    o = _MADE.get(key)
+    if o is not None:
+        return o
     o = object.__new__(Op)
-    for name, v in (("kind", kind), ("stage", stage), ("mb", mb), ("layer", layer), ("factor", factor), ("peer", peer)):
+    for name, v in zip(("kind", "stage", "mb", "layer", "factor", "peer"), key):
         object.__setattr__(o, name, v)
-    object.__setattr__(o, "_hash", hash((kind, stage, mb, layer, factor, peer)))  # as Op.__post_init__
+    object.__setattr__(o, "_hash", hash(key))  # as Op.__post_init__
+    if len(_MADE) >= _MADE_MAX:
+        _MADE.clear()
+    _MADE[key] = o
     return o
 
 

@@ -48,10 +48,21 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
                   placement=placement)
         if not (cfg.kfac and cfg.replicas > 1) or method == "none":
             return build_plan(profile, cfg, method, precond="all", **kw)
-        tried = [build_plan(profile, cfg, method, precond=pc, **kw) for pc in ("all", "split", "layers")]
+        tried, skipped, longest = [], [], 0.0
+        for pc in ("all", "split", "layers"):
+            # under a wall-clock limit, a division is tried only if the time left holds
+            # another planning like the longest so far (the limit is hard: the Python counts)
+            if tried and budget is not None and budget.left() < longest:
+                skipped.append(pc)
+                continue
+            t0 = time.monotonic()
+            tried.append(build_plan(profile, cfg, method, precond=pc, **kw))
+            longest = max(longest, time.monotonic() - t0)
         best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
         best[0].stats["precond_auto"] = {t[0].config["precond_division"]: round(t[0].stats["step_time_ms"], 3)
                                          for t in tried}
+        if skipped:
+            best[0].stats["precond_auto_skipped"] = skipped  # not tried: the time limit would not hold them
         return best
     if precond is not None:
         cfg = replace(cfg, precond=precond)

@@ -342,10 +342,17 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "fell_back_to_greedy": False,
     }
     with budget.stage("replay"):
+        t_replay = time.monotonic()
         result = assemble.finish(plan, profile, stats)
+        t_replay = time.monotonic() - t_replay
         # a fixed k keeps its k
         if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
-            plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
+            # the limit is hard: the greedy's replay (about as long as this one) and the
+            # check before writing (about as long again) must fit in what is left
+            if budget.deadline is not None and budget.deadline - time.monotonic() < 2.5 * t_replay:
+                plan.stats["greedy_compared"] = False  # the time limit left no time to replay the greedy's plan
+            else:
+                plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
     plan.stats["stage_seconds"] = budget.report()
     if progress:
         progress(len(ks), len(ks))
