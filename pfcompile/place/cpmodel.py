@@ -34,6 +34,7 @@ class Vars:
     option: dict[int, object]  # option id -> Boolean literal (taken)
     makespan: object = None  # the objective: the makespan, or the period (Problem.periodic)
     boundary: list = field(default_factory=list)  # (var, tasks before it)
+    window: dict = field(default_factory=dict)  # periodic: rank -> (lo, hi), its first start and last end
 
     def present(self, p: Problem, i: int) -> list:
         """Literals under which task i exists (empty: always)."""
@@ -149,6 +150,7 @@ def add_period_objective(m, p: Problem, v: Vars, horizon: int) -> None:
         by_rank.setdefault(r[0], []).append(i)
     for r, tasks in by_rank.items():
         lo, hi = m.new_int_var(0, horizon, f"lo{r}"), m.new_int_var(0, horizon, f"hi{r}")
+        v.window[r] = (lo, hi)
         for i in tasks:
             lits = v.present(p, i)
             m.add(lo <= v.start[i]).only_enforce_if(lits)
@@ -164,12 +166,23 @@ def add_hint(m, p: Problem, v: Vars, hint: Schedule) -> None:
     taken = {p.option[i] for i, s in enumerate(hint.start) if s is not None and p.option[i] is not None}
     for o, lit in v.option.items():
         m.add_hint(lit, o in taken)
-    for i, s in enumerate(hint.start):
-        if s is not None:
-            m.add_hint(v.start[i], s)
+    for i, s in enumerate(hint.start):  # an absent task: any start (its constraints are off)
+        m.add_hint(v.start[i], 0 if s is None else s)
     m.add_hint(v.makespan, hint.makespan)
     for b, before in v.boundary:
         m.add_hint(b, max((hint.start[i] + p.dur[i] for i in before), default=0))
+    # every variable hinted: an incomplete hint is only a search preference, and CP-SAT
+    # may not complete it into a solution for minutes on a large periodic model
+    lo: dict = {}
+    hi: dict = {}
+    for i, s in enumerate(hint.start):
+        if s is not None:
+            r = p.resource[i][0]
+            lo[r] = min(lo.get(r, s), s)
+            hi[r] = max(hi.get(r, s), s + p.dur[i])
+    for r, (lo_var, hi_var) in v.window.items():
+        m.add_hint(lo_var, lo.get(r, 0))
+        m.add_hint(hi_var, hi.get(r, 0))
 
 
 @dataclass

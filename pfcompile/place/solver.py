@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from pfcompile.place import assemble
 from pfcompile.place.budget import Budget
-from pfcompile.place.bounds import heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
+from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.cpmodel import Result, solve
 from pfcompile.place.cycle_model import (CycleModel, curvature_ops, cycle_from_graph, cycle_graph, memory_error,
                                    schedule_from_steps, steps_from_schedule)
@@ -90,6 +90,7 @@ class CycleSolution:
     reference: int  # makespan of the same k steps without refresh work (µs)
     hint_source: str  # where the returned schedule came from
     stages: list[str] = field(default_factory=list)
+    lower: Bounds | None = None  # pfcompile.place.bounds' bounds of this k's problem
 
     @property
     def step_time_ms(self) -> float:
@@ -131,20 +132,26 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         with budget.stage("solve"):
             return solve(problem, time_limit=limit, workers=opts.workers, deadline=budget.deadline_for_search(), **kw)
 
-    # (1) the pipeline timeline
+    # (1) the pipeline timeline (no search when a list schedule meets the bound: the rank
+    # span bound is usually exact for the timeline alone)
     with budget.stage("warm start"):
         ref_head, _ = heads_and_tails(ref_cm.problem)
         ref_canon = _canonical_position(ref_cm)
         ref_hint = min((list_schedule(ref_cm.problem, order_key=lambda i: (ref_head[i], i)),
                         list_schedule(ref_cm.problem, order_key=lambda i: ref_canon.get(i, (ref_head[i], i)))),
                        key=lambda s: s.makespan)
-    ref = cpsat(ref_cm.problem, 0.2, hint=ref_hint, extra_bound=lower_bounds(ref_cm.problem).makespan,
-                on_solution=report("pipeline"))
+        ref_lower = lower_bounds(ref_cm.problem).makespan
+    if ref_hint.makespan <= ref_lower and not violations(ref_cm.problem, ref_hint):
+        ref = Result("OPTIMAL", ref_hint, ref_hint.makespan, ref_hint.makespan, 0.0)
+    else:
+        ref = cpsat(ref_cm.problem, 0.2, hint=ref_hint, extra_bound=ref_lower, on_solution=report("pipeline"))
     if ref.status == "INFEASIBLE":  # activations alone do not fit (free order)
         raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
             "--memory-limit", None, "the activations alone do not fit the limit")
     ref_sched = ref.schedule or ref_hint
-    bound = max(lower_bounds(p).makespan, ref.bound)
+    with budget.stage("warm start"):
+        lower = lower_bounds(p)
+    bound = max(lower.makespan, ref.bound)
 
     # candidates: the greedy, a list schedule, and (2) the packing into the timeline
     with budget.stage("warm start"):
@@ -152,6 +159,9 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
             ("list", list_schedule(p, first=cm.per_step, order_key=by_head)),
             ("canonical list", list_schedule(p, first=cm.per_step, order_key=lambda i: canon.get(i, (head[i], i)))),
             ("memory-lean list", list_schedule(p, order_key=_memory_lean_key(cm, canon, head)))]
+        if p.choices:  # the inverting replicas chosen to balance the work, not by earliest finish
+            cands.append(("balanced list", list_schedule(p, first=cm.per_step, order_key=by_head,
+                                                         options=balanced_options(p))))
         if greedy_steps is not None:
             h = schedule_from_steps(cm, greedy_steps)
             if h is not None:
@@ -159,12 +169,16 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
         packed = list_schedule(p, pinned=pinned, order_key=by_head)
         cands.append(("timeline+first-fit", packed))
-    pack = cpsat(p, 0.3, hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
-    if pack.schedule is not None:
-        cands.append(("timeline+cpsat packing", pack.schedule))
     ok = [c for c in cands if not violations(p, c[1])]
+    stages = ["pipeline timeline", "refresh packed into it"]
+    if not ok or min(c[1].makespan for c in ok) > bound:
+        pack = cpsat(p, 0.3, hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
+        if pack.schedule is not None:
+            cands.append(("timeline+cpsat packing", pack.schedule))
+            if not violations(p, pack.schedule):
+                ok.append(cands[-1])
     source, best = min(ok or cands, key=lambda c: c[1].makespan)
-    status, stages = "FEASIBLE", ["pipeline timeline", "refresh packed into it"]
+    status = "FEASIBLE"
 
     # (3) the whole model, unless the packing is already within 0.01% of the bound
     if best.makespan - bound > 1e-4 * best.makespan:
@@ -181,7 +195,32 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     if best.makespan <= bound:
         status = "OPTIMAL"
     result = Result(status, best, best.makespan, bound, 0.0)
-    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages)
+    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages, lower)
+
+
+def balanced_options(p) -> set[int]:
+    """One option per choice, longest first, each to the option that leaves its busiest
+    rank least loaded (LPT over every rank's mandatory work): the list scheduler's own
+    pick (the earliest finish) piles the inversions on the replica that is free first,
+    and a periodic cycle is as long as its most loaded rank."""
+    load: dict = {}
+    for i, o in enumerate(p.option):
+        if o is None:
+            load[p.resource[i][0]] = load.get(p.resource[i][0], 0) + p.dur[i]
+    by_opt = p.option_tasks()
+    work = {o: sum(p.dur[i] for i in ts) for o, ts in by_opt.items()}
+    taken = set()
+    for c in sorted(p.choices, key=lambda c: (-max(work[o] for o in c), c)):
+        def busiest_after(o: int) -> int:
+            add: dict = {}
+            for i in by_opt[o]:
+                add[p.resource[i][0]] = add.get(p.resource[i][0], 0) + p.dur[i]
+            return max((load.get(r, 0) + d for r, d in add.items()), default=0)
+        o = min(c, key=busiest_after)
+        taken.add(o)
+        for i in by_opt[o]:
+            load[p.resource[i][0]] = load.get(p.resource[i][0], 0) + p.dur[i]
+    return taken
 
 
 def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
@@ -324,7 +363,7 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "solve_seconds": round(time.perf_counter() - t0, 3),
         "refresh_steps_lower_bound": k_lb,
         "refresh_steps_bound_step_time_ms": None if target is None else round(target, 6),
-        "lower_bounds_ms": lower_bounds(best.cm.problem).as_dict(1 / 1000 / best.k),
+        "lower_bounds_ms": best.lower.as_dict(1 / 1000 / best.k),
         "solution_from": best.hint_source,
         "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
                       "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
