@@ -85,7 +85,8 @@ def test_one_stage_plan_on_cuda_matches_single_process(tmp_path):
 
 
 # --- memory measured against the plan ---------------------------------------------------------
-MEMORY_CASES = [("gpipe", 2), ("1f1b", 2), ("chimera", 4)]
+# zb-h1: a W keeps its activations and output gradients until it runs (and curv_b shares them)
+MEMORY_CASES = [("gpipe", 2), ("1f1b", 2), ("chimera", 4), ("zb-h1", 2)]
 
 
 def test_measured_peak_memory_matches_the_plan(tmp_path, capsys):

@@ -50,6 +50,9 @@ def test_measured_profile_has_every_entry_positive(measured):
         # the split backward, measured (schema 3): B everywhere, W where a part has Linears
         assert p.split_measured and p.bwd_input_ms > 0 and p.bwd_weight_ms >= 0, p
         assert p.bwd_weight_ms > 0 or p.name == "embed", p
+        # what W keeps: the output gradient of every Linear of the part (a block: q, k, v, out, fc1, fc2)
+        linear_outs = {"embed": 0, "head": VOCAB}.get(p.name, 4 * H + FFN + H)
+        assert p.wgrad_bytes == MB * SEQ * linear_outs * F32, p
     names = [f"block{b}.{n}" for b in range(BLOCKS) for n in ("attn.q", "attn.k", "attn.v", "attn.out", "ffn.fc1", "ffn.fc2")]
     assert [l.name for l in measured.kfac_layers] == names
     for l in measured.kfac_layers:

@@ -194,6 +194,11 @@ def test_costs_take_b_and_w_from_the_profile_and_older_profiles_estimate_half(tm
         assert costs.duration(Op("bwd_weight", stage=s, mb=0)) == pytest.approx(w)
         assert costs.duration(Op("bwd", stage=s, mb=0)) == pytest.approx(sum(prof.part(n).bwd_ms for n in group))
         assert b + w != pytest.approx(costs.bwd_ms(s))  # measured, not the whole backward cut in two
+        # what W keeps: every Linear's output gradient, as measured (the head's vocabulary
+        # projection is no K-FAC layer, so it is more than the K-FAC layers' kept_b)
+        assert costs.wgrad_bytes(s) == sum(prof.part(n).wgrad_bytes for n in group)
+    kept_b = sum(prof.kfac_layers[l].kept_b_bytes for l in costs.stage_layers[1])
+    assert costs.wgrad_bytes(1) > kept_b
 
     old = copy.deepcopy(prof)
     old.schema_version = 2
@@ -209,6 +214,7 @@ def test_costs_take_b_and_w_from_the_profile_and_older_profiles_estimate_half(tm
     for s in range(2):
         assert est.bwd_input_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
         assert est.bwd_weight_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
+        assert est.wgrad_bytes(s) == sum(loaded.kfac_layers[l].kept_b_bytes for l in est.stage_layers[s])
 
 
 def test_split_fields_are_both_numbers_or_both_null(tmp_path):

@@ -16,7 +16,8 @@ sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where
       "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
                  "param_bytes", "grad_bytes", "out_bytes",
                  "step_ms": {"kfac", "adamw"},          # version 2
-                 "bwd_input_ms", "bwd_weight_ms"}],      # version 3 (number or null)
+                 "bwd_input_ms", "bwd_weight_ms",       # version 3 (number or null)
+                 "wgrad_bytes"}],                        # version 3, optional (number or null)
       "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
                  "out_features", "bias", "curv_a_ms", "curv_b_ms",
                  "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
@@ -55,7 +56,10 @@ whole backward per part on CPU, bert-tiny/mini: two passes, and B keeps what W r
 whose source published only the whole backward) and version-2 profiles (which load with a
 one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half of `bwd_ms`
 each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
-FLOPs, input gradient and weight gradient).
+FLOPs, input gradient and weight gradient). `wgrad_bytes` (version 3, optional) is what the
+part's W keeps besides its activations from B until it runs: the output gradient of every
+nn.Linear of the part (K-FAC layer or not), as runtime.split_backward keeps them; absent or
+null: the K-FAC layers' `kept_b_bytes` (pfcompile.graph.costs.Costs.wgrad_bytes).
 
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
@@ -101,6 +105,7 @@ class Part:
     # split backward (version 3): B and W as measured; None: not measured (the estimate applies)
     bwd_input_ms: float | None = None
     bwd_weight_ms: float | None = None
+    wgrad_bytes: int | None = None  # what W keeps from B on (None: not measured, see Costs.wgrad_bytes)
 
     @property
     def split_measured(self) -> bool:
@@ -271,6 +276,9 @@ class Profile:
         if self.schema_version < 3:  # as written: no split backward fields
             d.pop("bwd_input_ms")
             d.pop("bwd_weight_ms")
+            d.pop("wgrad_bytes")
+        if d.get("wgrad_bytes", 0) is None:  # optional: absent as written before it existed
+            d.pop("wgrad_bytes", None)
         return d
 
     def to_json(self) -> dict[str, Any]:
@@ -342,6 +350,7 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
                      for k in ("bwd_input_ms", "bwd_weight_ms")}
             if (split["bwd_input_ms"] is None) != (split["bwd_weight_ms"] is None):
                 raise f.fail("bwd_weight_ms", "bwd_input_ms and bwd_weight_ms are both numbers or both null")
+            split["wgrad_bytes"] = f.opt("wgrad_bytes", int, check=_pos, why="must be an integer >= 0, or null")
         parts.append(Part(
             name=f.req("name", str),
             **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},

@@ -133,8 +133,11 @@ class Costs:
 
     def wgrad_bytes(self, stage: int) -> int:
         """What a weight pass keeps besides the activations: the output gradients of the
-        stage's linear layers (its K-FAC layers' kept_b), or the stage's output gradient
-        when it has none."""
+        stage's nn.Linear layers, as profiled per part (`Part.wgrad_bytes`); where a part's
+        were not measured, its K-FAC layers' kept_b (or the stage's output gradient when
+        the stage has none)."""
+        if all(p.wgrad_bytes is not None for p in self._parts[stage]):
+            return sum(p.wgrad_bytes for p in self._parts[stage])
         layers = self.stage_layers[stage]
         if layers:
             return sum(self.profile.kfac_layers[l].kept_b_bytes for l in layers)

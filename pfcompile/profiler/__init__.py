@@ -158,8 +158,28 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
                 param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
                 step_ms={k: t.median for k, t in steps.items()},
-                bwd_input_ms=split["bwd_input_ms"].median, bwd_weight_ms=split["bwd_weight_ms"].median)
+                bwd_input_ms=split["bwd_input_ms"].median, bwd_weight_ms=split["bwd_weight_ms"].median,
+                wgrad_bytes=weight_pass_kept_bytes(bench))
     return part, {"fwd_ms": fwd, "bwd_ms": bwd, **split, **{f"step_ms.{k}": t for k, t in steps.items()}}
+
+
+def weight_pass_kept_bytes(bench: PartBench) -> int:
+    """What the part's W keeps besides its activations after B: every nn.Linear's output
+    gradient (runtime.split_backward.WeightPasses.kept), counted as runtime.memory counts it."""
+    from runtime.split_backward import WeightPasses
+
+    split = WeightPasses(bench.stage)
+    try:
+        with split.recording(0):
+            bench.forward()
+        split.backward_input(0, bench.out, None if bench.is_last else bench.grad_out,
+                             None if bench.is_first else bench.last_input)
+        bench.out = None
+        return sum(nbytes(g) for _, _, g in split.kept.pop(0) if g is not None)
+    finally:
+        split.close()
+        split.saved.clear()
+        split.kept.clear()
 
 
 def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:

@@ -1,5 +1,7 @@
 """Add measured split-backward costs (schema 3) to a measured profile that predates them.
 
+(A profile that has B and W but not `wgrad_bytes` gets only the bytes: its times stay.)
+
     python -m pfcompile.profiler.add_split PROFILE [PROFILE ...]
 
 For each part, under the profile's own settings (model, micro-batch, sequence length, dtype,
@@ -26,7 +28,7 @@ import torch
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import SCHEMA_VERSION, Profile, load_profile
 from pfcompile.profiler import (DTYPES, Clock, PartBench, _load_average, check_device, measure_split_backward,
-                                resolve_spec)
+                                resolve_spec, weight_pass_kept_bytes)
 
 
 def add_split(prof: Profile, where: str) -> Profile:
@@ -43,12 +45,16 @@ def add_split(prof: Profile, where: str) -> Profile:
     spec = resolve_spec(prof.name, seq)
     load_before = _load_average()
     ratios = {}
+    timed = not all(p.split_measured for p in prof.parts)
     for part in prof.parts:
         bench = PartBench(spec, part.name, mb, seq, dev, DTYPES[dtype])
         out = bench.forward()
         if not bench.is_last:
             g = torch.Generator().manual_seed(1)
             bench.grad_out = torch.randn(out.shape, generator=g).to(dtype=out.dtype)
+        part.wgrad_bytes = weight_pass_kept_bytes(bench)
+        if part.split_measured:  # only the bytes were missing: the times stay as measured
+            continue
         whole = timer.time(bench.backward, setup=bench.forward)
         split = measure_split_backward(bench, timer)
         scale = part.bwd_ms / whole.median if whole.median > 0 else 1.0
@@ -58,6 +64,12 @@ def add_split(prof: Profile, where: str) -> Profile:
             prof.spread[f"parts.{part.name}.{k}"] = [t.p10 * scale, t.p90 * scale]
         ratios[part.name] = round((split["bwd_input_ms"].median + split["bwd_weight_ms"].median) / whole.median, 3) \
             if whole.median > 0 else None
+    if not timed:
+        prof.provenance = {**pv, "wgrad_note": (
+            f"wgrad_bytes added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
+            f"pfcompile.profiler.add_split: the nn.Linear output gradients W keeps, after one B")}
+        prof.schema_version = SCHEMA_VERSION
+        return prof
     prof.provenance = {**pv, "split_note": (
         f"bwd_input_ms/bwd_weight_ms added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
         f"pfcompile.profiler.add_split (load_avg {[load_before, _load_average()]}): B and W timed as "
