@@ -178,6 +178,26 @@ def test_calibration_recovers_known_costs(tmp_path):
     assert json.loads(replanned.read_text())["profile"]["hash"] == again.hash
 
 
+def test_calibration_recovers_a_split_backward(tmp_path):
+    """A zero-bubble run (zb-h1, one part per stage): B and W are fitted per part, apart
+    from each other and from the whole backward the plan does not run."""
+    prof = load_profile(str(PROFILE))
+    truth = true_profile(prof)
+    for i, p in enumerate(truth.parts):  # B and W off the profile by different known factors
+        b, w = prof.part(p.name).split_backward_ms()
+        p.bwd_input_ms, p.bwd_weight_ms = (b or 0.4) * (1.3 + 0.1 * i), (w or 0.3) * (0.6 + 0.1 * i)
+    plan_path = make_plan(tmp_path, prof, "zbh1", schedule="zb-h1")
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=load_plan(str(plan_path)).refresh_steps + 2)
+    fitted, counts = calibrate(prof, [load_measured(str(trace))])
+    assert counts["bwd_input"] == counts["bwd_weight"] == 4 and "bwd" not in counts
+    for got, want, was in zip(fitted.parts, truth.parts, prof.parts):
+        assert got.bwd_input_ms == pytest.approx(want.bwd_input_ms, rel=0.01), got.name
+        assert got.bwd_weight_ms == pytest.approx(want.bwd_weight_ms, rel=0.01), got.name
+        assert got.bwd_ms == was.bwd_ms  # not run: kept
+    plan = load_plan(str(plan_path))
+    assert replay(plan, fitted).step_time_ms == pytest.approx(replay(plan, truth).step_time_ms, rel=0.01)
+
+
 def test_cli_calibrate_inspect_and_refusals(tmp_path):
     prof = load_profile(str(PROFILE))
     truth = true_profile(prof)

@@ -29,7 +29,9 @@ The statistic is the MEAN by default: a step is a sum of op occupancies, and sum
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
 Op kinds the trace does not have (e.g. inv with another method) keep their entries.
-Split-backward kinds (bwd_input, bwd_weight) are not fitted (the profile has one bwd entry).
+A split backward's B and W (bwd_input, bwd_weight: zero-bubble plans) are fitted per part as
+fwd and bwd are, into `bwd_input_ms` / `bwd_weight_ms` (from the parent's measured split, or
+its 50/50 estimate where it had none, for the proportions within a stage).
 
 The result records what it was calibrated from in its provenance (`calibration`: the
 traces' paths and plan hashes, the parent profile's hash, how many entries per kind, the
@@ -46,7 +48,7 @@ from collections import defaultdict
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
 from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads
 
-PART_KINDS = ("fwd", "bwd", "step")
+PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv")
 
 
@@ -200,6 +202,11 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
         else:
             setattr(part, f"{what}_ms", value)
         counts[what.split(".")[0]] += 1
+    for part, was in zip(new.parts, profile.parts):  # a split is both numbers or both null
+        if (part.bwd_input_ms is None) != (part.bwd_weight_ms is None):
+            b, w = was.split_backward_ms()
+            part.bwd_input_ms = b if part.bwd_input_ms is None else part.bwd_input_ms
+            part.bwd_weight_ms = w if part.bwd_weight_ms is None else part.bwd_weight_ms
 
     # the runtime around the ops, and the messages' lag
     old_rt = profile.runtime
@@ -233,4 +240,6 @@ def _part_ms(profile: Profile, name: str, kind: str, step_kind: str) -> float:
     p = profile.part(name)
     if kind == "step":
         return p.step_ms.get(step_kind, 0.0)
+    if kind in ("bwd_input", "bwd_weight"):
+        return p.split_backward_ms()[kind == "bwd_weight"]
     return p.fwd_ms if kind == "fwd" else p.bwd_ms
