@@ -18,7 +18,10 @@ of one refresh over the bubble time per step on the most loaded rank, pfcompile.
 and keep the FIRST k whose step time is within `tolerance` (0.5%) of the step time the
 same k steps reach without any refresh work (the best any k can hope for: the refresh
 then costs nothing); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
-the k with the least step time (ties: the smaller k).
+the k with the least step time (ties: the smaller k). A k whose lower bound is already
+beyond that tolerance cannot be accepted: it gets its warm starts only and its search time
+goes to the ks after it; if none is accepted, the best of them is searched with the time
+left. With `total_time_limit`, each k gets what is left of it over the ks left.
 
 The solution becomes per-rank op lists (sorted by model start), is assembled with
 pfcompile.place.assemble and replayed by pfcompile.check.replay like every plan.
@@ -91,6 +94,7 @@ class CycleSolution:
     hint_source: str  # where the returned schedule came from
     stages: list[str] = field(default_factory=list)
     lower: Bounds | None = None  # pfcompile.place.bounds' bounds of this k's problem
+    searched: bool = True  # False: warm starts only (the k was out of the k rule's reach)
 
     @property
     def step_time_ms(self) -> float:
@@ -103,12 +107,14 @@ class CycleSolution:
 
 
 def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
-                greedy_steps: dict | None = None, describe=None) -> CycleSolution:
+                greedy_steps: dict | None = None, describe=None, unless_out_of_reach: bool = False) -> CycleSolution:
     """Three stages, each warm-starting the next, each stopping early at a proven optimum:
     (1) the pipeline timeline: the k steps without refresh work, on their own model (its
     bound is a lower bound of the whole cycle); (2) the refresh work packed into that
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
-    make room. `time_limit` is shared 20/30/50 between them."""
+    make room. `time_limit` is shared 20/30/50 between them. `unless_out_of_reach`: no
+    search past the warm starts when the bound already puts this k's step time beyond the
+    k rule's tolerance of its timeline (the k cannot be the one accepted; `searched` False)."""
     budget = opts.budget or Budget()
     with budget.stage("graph"):
         tg = cycle_graph(profile, cfg, k)
@@ -171,6 +177,11 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         cands.append(("timeline+first-fit", packed))
     ok = [c for c in cands if not violations(p, c[1])]
     stages = ["pipeline timeline", "refresh packed into it"]
+    if ok and unless_out_of_reach and bound > ref_sched.makespan * (1 + opts.tolerance):
+        source, best = min(ok, key=lambda c: c[1].makespan)
+        status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
+        return CycleSolution(k, cm, Result(status, best, best.makespan, bound, 0.0), best, bound,
+                             ref_sched.makespan, source, stages, lower, searched=False)
     if not ok or min(c[1].makespan for c in ok) > bound:
         pack = cpsat(p, 0.3, hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
         if pack.schedule is not None:
@@ -332,23 +343,40 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         # from the greedy's k when it is below the bound (a slower step holds more refresh work)
         k_first = min(k_lb or k_greedy, k_greedy)
         ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
-    if opts.total_time_limit:
-        opts = replace(opts, time_limit=opts.total_time_limit / len(ks))
+    # a k whose bound is already beyond the k rule's tolerance cannot be the one accepted:
+    # it gets its warm starts only, and the search time goes to the ks after it; if no k
+    # is accepted, the best of those gets the time left (the second pass below)
+    total = opts.total_time_limit
+    t_loop = time.perf_counter()
+
+    def share(n_left: int) -> SolverOptions:  # what is left of the total, over the ks left
+        if not total:
+            return opts
+        return replace(opts, time_limit=max(0.0, total - (time.perf_counter() - t_loop)) / n_left)
+
     tried: list[CycleSolution] = []
+    accepted = False
     for n, k in enumerate(ks):
         if progress:
             progress(n, len(ks))
         try:
-            sol = solve_cycle(profile, cfg, k, opts, greedy_steps=greedy if k == k_greedy else None,
-                              describe=describe)
+            sol = solve_cycle(profile, cfg, k, share(len(ks) - n), greedy_steps=greedy if k == k_greedy else None,
+                              describe=describe, unless_out_of_reach=n + 1 < len(ks))
         except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
             failure = e
             continue
         tried.append(sol)
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+            accepted = True
             break
         if budget.left() <= 0:  # the command's time is up: keep the best k found so far
             break
+    if tried and not accepted and budget.left() > 0:
+        lead = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
+        if not lead.searched:
+            again = solve_cycle(profile, cfg, lead.k, share(1), greedy_steps=greedy if lead.k == k_greedy else None,
+                                describe=describe)
+            tried[tried.index(lead)] = again
     if not tried:
         raise failure
     best = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
@@ -376,7 +404,7 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             " (stopped early: the packing reached the bound, nothing given up)" if best.gap == 0 else
             " (the pipeline was not moved to make room for K-FAC work)"),
         "time_unit": "integer microseconds (rounding: optimal within 0.5 us per task on the critical path)",
-        "workers": opts.workers, "time_limit_s": opts.time_limit,
+        "workers": opts.workers, "time_limit_s": opts.time_limit, "total_time_limit_s": opts.total_time_limit,
         "tasks_model": best.cm.problem.n,
         "fell_back_to_greedy": False,
     }
