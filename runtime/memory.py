@@ -65,6 +65,11 @@ class MemoryMeter:
         self.layers = [layer for sr in stages.values() for layer in sr.kfac.values()]
         self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
                         for s, sr in stages.items()}
+        # The resident count in parts, so an op recounts only what it can change (this runs
+        # after every op): parameters never change size; the optimizer's state only at a step.
+        self._param_list = [p for sr in stages.values() for p in sr.module.parameters()]
+        self._param_bytes = sum(nbytes(p) for p in self._param_list)
+        self._opt_bytes = 0
         self.act_bytes: dict[int, int] = {}        # stage -> bytes one forward saves
         self.acts: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes held until its bwd ends
         self.resident = 0
@@ -108,7 +113,8 @@ class MemoryMeter:
         # Recount only what the op can change (this runs after every op: keep it cheap).
         if kind in ("bwd", "bwd_input", "bwd_weight", "inv", "bcast_inv", "step", "sync_grad",
                     "rs_grad", "ag_grad"):
-            self.resident = self._resident()  # gradients, factors, inverses or optimizer state changed
+            # gradients, factors, inverses or (a step) the optimizer state changed
+            self.resident = self._resident(optimizer=kind == "step")
         if kind in ("fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b"):
             self.kept = self._kept()
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
@@ -116,13 +122,13 @@ class MemoryMeter:
             self.held_acts -= self.acts.pop((stage, mb), 0)
 
     # --- counting -------------------------------------------------------------------------------
-    def _resident(self) -> int:
-        total = 0
-        for sr in self.stages.values():
-            for p in sr.module.parameters():
-                total += nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0)
-            total += optimizer_state_bytes(sr.optimizer)
-        return total + sum(layer.state_bytes() for layer in self.layers)
+    def _resident(self, optimizer: bool = True) -> int:
+        """Parameters, their gradients, optimizer state (recounted if `optimizer`, else the
+        last count) and the K-FAC layers' state."""
+        if optimizer:
+            self._opt_bytes = sum(optimizer_state_bytes(sr.optimizer) for sr in self.stages.values())
+        grads = sum(nbytes(g) for g in (p.grad for p in self._param_list) if g is not None)
+        return self._param_bytes + grads + self._opt_bytes + sum(layer.state_bytes() for layer in self.layers)
 
     def _kept(self) -> int:
         kept = sum(layer.kept_bytes() for layer in self.layers)
