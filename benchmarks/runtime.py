@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--only-zero-bubble", action="store_true", help="only part (d) and its 1f1b reference")
     ap.add_argument("--only-calibration", action="store_true",
                     help="only part (e): predicted vs measured before and after pfcompile calibrate")
+    ap.add_argument("--only-torch", action="store_true",
+                    help="only part (a): our gpipe and 1f1b against torch's ScheduleGPipe and Schedule1F1B")
     ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b", "zbv", "zb1p"), help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -223,17 +225,20 @@ def main() -> None:
         return calibration_tables(a, out, console)
     n = ["--micro-batches", str(a.micro_batches)]
     with console.status("planning (CP-SAT for the K-FAC plan)..."):
-        plans = {
-            "gpipe, no K-FAC": plan(a.profile, out, "gpipe-nokfac", "--schedule", "gpipe", *n, "--no-kfac", "--method", "none"),
-            "1f1b, no K-FAC": plan(a.profile, out, "1f1b-nokfac", "--schedule", "1f1b", *n, "--no-kfac", "--method", "none"),
-            "1f1b, K-FAC appended": plan(a.profile, out, "1f1b-kfac-appended", "--schedule", "1f1b", *n, "--method", "none"),
-            "1f1b, K-FAC in bubbles (cpsat)": plan(a.profile, out, "1f1b-kfac-cpsat", "--schedule", "1f1b", *n,
-                                                  "--method", "cpsat", "--time-limit", str(a.time_limit), "--workers", "2"),
-            "zb-h1, no K-FAC": plan(a.profile, out, "zbh1-nokfac", "--schedule", "zb-h1", *n, "--no-kfac", "--method", "none"),
-            "zb-v, no K-FAC": plan(a.profile, out, "zbv-nokfac", "--schedule", "zb-v", *n, "--no-kfac", "--method", "none"),
+        specs = {  # name -> (file name, plan flags)
+            "gpipe, no K-FAC": ("gpipe-nokfac", "--schedule", "gpipe", *n, "--no-kfac", "--method", "none"),
+            "1f1b, no K-FAC": ("1f1b-nokfac", "--schedule", "1f1b", *n, "--no-kfac", "--method", "none"),
+            "1f1b, K-FAC appended": ("1f1b-kfac-appended", "--schedule", "1f1b", *n, "--method", "none"),
+            "1f1b, K-FAC in bubbles (cpsat)": ("1f1b-kfac-cpsat", "--schedule", "1f1b", *n, "--method", "cpsat",
+                                               "--time-limit", str(a.time_limit), "--workers", "2"),
+            "zb-h1, no K-FAC": ("zbh1-nokfac", "--schedule", "zb-h1", *n, "--no-kfac", "--method", "none"),
+            "zb-v, no K-FAC": ("zbv-nokfac", "--schedule", "zb-v", *n, "--no-kfac", "--method", "none"),
         }
         if a.only_zero_bubble:
-            plans = {k: v for k, v in plans.items() if k in ("1f1b, no K-FAC", "zb-h1, no K-FAC", "zb-v, no K-FAC")}
+            specs = {k: v for k, v in specs.items() if k in ("1f1b, no K-FAC", "zb-h1, no K-FAC", "zb-v, no K-FAC")}
+        if a.only_torch:
+            specs = {k: v for k, v in specs.items() if k in ("gpipe, no K-FAC", "1f1b, no K-FAC")}
+        plans = {name: plan(a.profile, out, *spec) for name, spec in specs.items()}
     k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
     warmup = max(a.warmup, k_max)
     steps = max(a.steps, warmup + k_max)  # at least one whole refresh cycle timed
@@ -241,8 +246,9 @@ def main() -> None:
     if not a.only_zero_bubble:
         runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
         runs["torch Schedule1F1B"] = lambda: run_pipelining("1f1b", plans["1f1b, no K-FAC"], steps, warmup)
-    runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
-    runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
+    if not a.only_torch:
+        runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
+        runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     op_ratio: dict[str, list[float | None]] = {name: [] for name in runs}
@@ -284,23 +290,25 @@ def main() -> None:
         row("gpipe, no K-FAC", "torch ScheduleGPipe")
         row("torch Schedule1F1B", "torch Schedule1F1B")
         row("1f1b, no K-FAC", "torch Schedule1F1B")
+    if not a.only_zero_bubble and not a.only_torch:
         print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | |")
         row("1f1b, no K-FAC", "1f1b, no K-FAC")
         row("1f1b, K-FAC appended", "1f1b, no K-FAC")
         row("1f1b, K-FAC in bubbles (cpsat)", "1f1b, no K-FAC")
-    print("| **(d) zero bubble, no K-FAC** (ratio vs the torch row above; last: vs our 1f1b) | | | | | | | | |")
-    row("torch ScheduleZBVZeroBubble", "torch ScheduleZBVZeroBubble")
-    row("zb-v, no K-FAC", "torch ScheduleZBVZeroBubble")
-    row("torch ScheduleInterleavedZeroBubble (ZB-H1)", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
-    row("zb-h1, no K-FAC", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
-    row("1f1b, no K-FAC", "1f1b, no K-FAC")
-    row("zb-h1, no K-FAC", "1f1b, no K-FAC")
-    f1b, zbh1 = "1f1b, no K-FAC", "zb-h1, no K-FAC"
-    if predicted.get(f1b) and predicted.get(zbh1):  # (d) the bubble the split backward saves, per step
-        print(f"\n(d) bubble saved by zb-h1 against 1f1b, ms/step (positive: zb-h1 faster): predicted "
-              f"{predicted[f1b] - predicted[zbh1]:.1f} ({1 - predicted[zbh1] / predicted[f1b]:.1%}); measured best "
-              f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
-              f"({1 - med[zbh1] / med[f1b]:.1%})")
+    if not a.only_torch:
+        print("| **(d) zero bubble, no K-FAC** (ratio vs the torch row above; last: vs our 1f1b) | | | | | | | | |")
+        row("torch ScheduleZBVZeroBubble", "torch ScheduleZBVZeroBubble")
+        row("zb-v, no K-FAC", "torch ScheduleZBVZeroBubble")
+        row("torch ScheduleInterleavedZeroBubble (ZB-H1)", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
+        row("zb-h1, no K-FAC", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
+        row("1f1b, no K-FAC", "1f1b, no K-FAC")
+        row("zb-h1, no K-FAC", "1f1b, no K-FAC")
+        f1b, zbh1 = "1f1b, no K-FAC", "zb-h1, no K-FAC"
+        if predicted.get(f1b) and predicted.get(zbh1):  # (d) the bubble the split backward saves, per step
+            print(f"\n(d) bubble saved by zb-h1 against 1f1b, ms/step (positive: zb-h1 faster): predicted "
+                  f"{predicted[f1b] - predicted[zbh1]:.1f} ({1 - predicted[zbh1] / predicted[f1b]:.1%}); measured best "
+                  f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
+                  f"({1 - med[zbh1] / med[f1b]:.1%})")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
