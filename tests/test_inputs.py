@@ -166,6 +166,25 @@ def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     assert "step 2: stage 0 (rank 0) produced a non-finite activation or loss" in err, err
 
 
+def test_the_finite_check_agrees_with_isfinite_all():
+    """The runtime's per-forward check (a float64 sum) against torch.isfinite(t).all(), on
+    NaN, both infinities, opposite infinities (whose sum is NaN) and the largest finite values."""
+    import torch
+
+    from runtime.interpreter import all_finite
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        base = torch.randn(4, 8, 16).to(dtype)
+        cases = [base, torch.full_like(base, torch.finfo(dtype).max), torch.full_like(base, torch.finfo(dtype).min)]
+        for bad in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+            t = base.clone()
+            for i, v in enumerate(bad):
+                t[i, 2, 3] = v
+            cases.append(t)
+        for t in cases:
+            assert bool(all_finite(t)) == bool(torch.isfinite(t).all()), (dtype, t.flatten()[:4])
+
+
 def test_checkpoints_pruned_to_keep_tmp_cleaned_and_load_errors_one_line(tmp_path, one_rank):
     import torch
 
