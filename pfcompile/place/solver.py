@@ -350,15 +350,23 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
     t_loop = time.perf_counter()
 
     def share(n_left: int) -> SolverOptions:  # what is left of the total, over the ks left
-        if not total:
-            return opts
-        return replace(opts, time_limit=max(0.0, total - (time.perf_counter() - t_loop)) / n_left)
+        o = opts
+        if total:
+            o = replace(opts, time_limit=max(0.0, total - (time.perf_counter() - t_loop)) / n_left)
+        if budget.deadline is not None and n_left > 1:
+            # under the command's wall-clock limit too: the first k must not take it all
+            o = replace(o, time_limit=min(o.time_limit, max(0.0, budget.left()) / n_left))
+        return o
 
     tried: list[CycleSolution] = []
     accepted = False
+    python_per_k = 0.0  # the most seconds of graph and warm start one k took (the next k's estimate)
     for n, k in enumerate(ks):
         if progress:
             progress(n, len(ks))
+        python_s = budget.seconds["graph"] + budget.seconds["warm start"]
+        if tried and budget.deadline is not None and budget.left() < 1.2 * python_per_k:
+            break  # the next k's graph and warm start alone would not fit in what is left
         try:
             sol = solve_cycle(profile, cfg, k, share(len(ks) - n), greedy_steps=greedy if k == k_greedy else None,
                               describe=describe, unless_out_of_reach=n + 1 < len(ks))
@@ -366,12 +374,13 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             failure = e
             continue
         tried.append(sol)
+        python_per_k = max(python_per_k, budget.seconds["graph"] + budget.seconds["warm start"] - python_s)
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
             accepted = True
             break
         if budget.left() <= 0:  # the command's time is up: keep the best k found so far
             break
-    if tried and not accepted and budget.left() > 0:
+    if tried and not accepted and budget.left() > 1.2 * python_per_k:  # its graph and warm start again, then a search
         lead = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
         if not lead.searched:
             again = solve_cycle(profile, cfg, lead.k, share(1), greedy_steps=greedy if lead.k == k_greedy else None,
