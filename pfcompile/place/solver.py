@@ -330,15 +330,21 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         opts = replace(opts, budget=Budget())
     budget = opts.budget
     with budget.stage("warm start"):
-        greedy, greedy_info = _greedy(profile, cfg)
+        greedy_tg, greedy, greedy_info = _greedy(profile, cfg)
     k_greedy = len(next(iter(greedy.values())))
-    # kept for assembling and replaying the plan (and the greedy's, to compare) at the end:
-    # three replays follow the search (the plan's, the greedy's to compare, the check on
-    # writing), at the seconds per op this run's first replay took (the machine's load
-    # counts), else ~0.8 ms per op (paper setting at a load average of 10 on 2 cores)
+    # the greedy's plan, the bar the solver's must beat, replayed now rather than after the
+    # search: the search's deadline then already counts it (the time limit is hard)
+    greedy_replayed = None
+    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
+        with budget.stage("replay"):
+            greedy_replayed = _replay_greedy(profile, cfg, greedy_tg, greedy, opts)
+    # kept for assembling and replaying the plan at the end: the plan's replay and the
+    # check on writing (about one and a half replays) follow the search, plus a margin,
+    # at the seconds per op this run's first replay took (the machine's load counts),
+    # else ~0.8 ms per op (paper setting at a load average of 10 on 2 cores)
     ops = sum(len(ops) for steps in greedy.values() for ops in steps) / k_greedy
     per_op = budget.replay_s_per_op or 8e-4
-    budget.reserve = max(budget.reserve, 2.0 + 3 * per_op * ops * max(k_greedy, opts.refresh_steps or 1, 2))
+    budget.reserve = max(budget.reserve, 2.0 + 2 * per_op * ops * max(k_greedy, opts.refresh_steps or 1, 2))
     k_lb, target = 1, None
     if cfg.kfac:
         target = opts.first_order_step_ms
@@ -428,35 +434,42 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "fell_back_to_greedy": False,
     }
     with budget.stage("replay"):
-        t_replay = time.monotonic()
         result = assemble.finish(plan, profile, stats)
-        t_replay = time.monotonic() - t_replay
-        # a fixed k keeps its k
-        if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
-            # the limit is hard: the greedy's replay (about as long as this one) and the
-            # check before writing (about as long again) must fit in what is left
-            if budget.deadline is not None and budget.deadline - time.monotonic() < 2.5 * t_replay:
-                plan.stats["greedy_compared"] = False  # the time limit left no time to replay the greedy's plan
-            else:
-                plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy, tried, opts)
+        if greedy_replayed is not None:
+            plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy_replayed, tried, opts)
+    if plan.stats.get("fell_back_to_greedy") and plan.stats.get("gap") is None and budget.left() + budget.reserve > \
+            2 * python_per_k:
+        # the greedy's k was not searched: its gap against the bounds of its own cycle (a
+        # graph and bounds, no search), when the time left holds them
+        with budget.stage("graph"):
+            _greedy_gap(profile, cfg, plan, opts)
     plan.stats["stage_seconds"] = budget.report()
     if progress:
         progress(len(ks), len(ks))
     return plan, result
 
 
-def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, replayed: ReplayResult,
-                          greedy: dict, tried: list, opts: SolverOptions) -> tuple[Plan, ReplayResult]:
-    """The greedy's plan, replayed, if it is faster than what the solver found in its time
-    (grouped curvature cannot take the greedy's split placement as a warm start): the
-    planner then never returns worse than the baseline it is compared with."""
+def _replay_greedy(profile: Profile, cfg: PipelineConfig, tg, greedy: dict,
+                   opts: SolverOptions) -> tuple[Plan, ReplayResult] | None:
+    """The greedy's op lists as a plan (the solver's method and order), replayed; None if
+    over the memory limit (the greedy has no memory model)."""
     k = len(next(iter(greedy.values())))
-    tg = replace(tried[0].cm.tg, cfg=replace(cfg, refresh_steps=k))
-    other = assemble.assemble(profile, tg, greedy, "cpsat", fixed_order=opts.fixed_order)
+    other = assemble.assemble(profile, replace(tg, cfg=replace(cfg, refresh_steps=k)), greedy, "cpsat",
+                              fixed_order=opts.fixed_order)
     try:
-        result = replay(other, profile)
-    except ReplayError:  # over the memory limit: the greedy has no memory model
-        return plan, replayed
+        return other, replay(other, profile)
+    except ReplayError:
+        return None
+
+
+def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, replayed: ReplayResult,
+                          greedy_replayed: tuple[Plan, ReplayResult], tried: list,
+                          opts: SolverOptions) -> tuple[Plan, ReplayResult]:
+    """The greedy's plan (`_replay_greedy`) if it is faster than what the solver found in
+    its time (grouped curvature cannot take the greedy's split placement as a warm start):
+    the planner then never returns worse than the baseline it is compared with."""
+    other, result = greedy_replayed
+    k = other.refresh_steps
     ours = plan.stats["step_time_ms"]
     faster = result.step_time_ms < ours - 1e-9
     as_fast_fewer_steps = result.step_time_ms <= ours * (1 + 1e-6) and k < plan.refresh_steps
@@ -479,10 +492,23 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, rep
     return other, assemble.finish(other, profile, stats, replayed=result)
 
 
+def _greedy_gap(profile: Profile, cfg: PipelineConfig, plan: Plan, opts: SolverOptions) -> None:
+    """The greedy's plan's gap against pfcompile.place.bounds' lower bounds of its k's cycle
+    (set in its stats: gap, best_bound_step_time_ms, lower_bounds_ms)."""
+    k = plan.refresh_steps
+    cm = cycle_from_graph(cycle_graph(profile, cfg, k), fixed_order=opts.fixed_order,
+                          group_curvature=_group(profile, cfg, opts), choose_inverter=cfg.inversion == "balanced",
+                          periodic=opts.steady_state)
+    lower = lower_bounds(cm.problem)
+    mk = plan.stats["step_time_ms"] * k * 1000
+    plan.stats["gap"] = round(max(0.0, (mk - lower.makespan) / mk), 6) if mk else 0.0
+    plan.stats["best_bound_step_time_ms"] = round(lower.makespan / k / 1000, 6)
+    plan.stats["lower_bounds_ms"] = lower.as_dict(1 / 1000 / k)
+
+
 def _greedy(profile: Profile, cfg: PipelineConfig):
-    """PipeFisher's greedy op lists and its info (k, bubbles, K-FAC work): the warm start
-    and the bar to beat."""
+    """PipeFisher's greedy: (its one-step graph, op lists, info: k, bubbles, K-FAC work):
+    the warm start and the bar to beat."""
     from pfcompile.place.greedy import greedy_steps
 
-    _, steps, info = greedy_steps(profile, cfg)
-    return steps, info
+    return greedy_steps(profile, cfg)
