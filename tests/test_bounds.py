@@ -109,3 +109,30 @@ def test_bounds_are_below_cpsat_optima_of_small_cycles_and_rank_span_is_tighter(
         assert b.makespan <= res.objective, (family, kw, refresh, b, res.objective)
         tighter += b.rank_span > max(b.device_work, b.shared_work)
     assert tighter >= 1
+
+
+def test_balanced_inverters_take_one_option_per_choice_and_share_the_inversions():
+    """The balanced warm start (pfcompile.place.solver.balanced_options): exactly one
+    inverting replica per factor, the inversion work of a stage's replicas within one
+    inversion of each other, and a list schedule with that choice that breaks nothing."""
+    from pfcompile.place.list_schedule import list_schedule
+    from pfcompile.place.problem import violations
+    from pfcompile.place.solver import balanced_options
+
+    prof = uniform_profile(blocks=4, latency_ms=0.05, out_bytes=100, curv=0.3, inv=0.7)
+    tg = cycle_graph(prof, PipelineConfig(schedule="chimera", stages=4, micro_batches=4), 2)
+    p = cycle_from_graph(tg, fixed_order=True, choose_inverter=True, periodic=True).problem
+    taken = balanced_options(p)
+    assert p.choices and all(len(taken & set(c)) == 1 for c in p.choices)
+    by_opt = p.option_tasks()
+    inv = {}
+    for o in taken:
+        for i in by_opt[o]:
+            if p.key[i].op.kind == "inv":
+                inv[p.resource[i][0]] = inv.get(p.resource[i][0], 0) + p.dur[i]
+    longest = max(p.dur[i] for ts in by_opt.values() for i in ts if p.key[i].op.kind == "inv")
+    for s in range(4):  # chimera: stage s on ranks s and 3 - s
+        assert abs(inv.get(s, 0) - inv.get(3 - s, 0)) <= longest
+    s = list_schedule(p, options=taken)
+    assert violations(p, s) == []
+    assert s.makespan >= lower_bounds(p).makespan
