@@ -642,27 +642,30 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     load_before = _load_average()
 
     parts, layers, spread = [], [], {}
-    with neighbours, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=not progress) as bar:
         task = bar.add_task(f"profiling {model}", total=len(spec.part_names) + int(comm))
-        for name in spec.part_names:
-            bar.update(task, description=f"{name}: fwd/bwd")
-            bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
-            part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, timer))
-            parts.append(part)
-            spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
-            bar.advance(task)
-            if not bench.kfac:
-                continue
-            bar.update(task, total=bar.tasks[0].total + len(bench.kfac))
-            captured = capture_layer_tensors(bench)
-            for layer in bench.kfac:
-                bar.update(task, description=f"{layer.name}: K-FAC")
-                x, gy = captured[layer.name]
-                entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, timer))
-                layers.append(entry)
-                spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+        # the R - 1 neighbours share the CPU while the ops are timed; the two-rank message
+        # benchmark and the runtime probe are R processes of their own, so they run alone
+        with neighbours:
+            for name in spec.part_names:
+                bar.update(task, description=f"{name}: fwd/bwd")
+                bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
+                part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, timer))
+                parts.append(part)
+                spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
                 bar.advance(task)
+                if not bench.kfac:
+                    continue
+                bar.update(task, total=bar.tasks[0].total + len(bench.kfac))
+                captured = capture_layer_tensors(bench)
+                for layer in bench.kfac:
+                    bar.update(task, description=f"{layer.name}: K-FAC")
+                    x, gy = captured[layer.name]
+                    entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, timer))
+                    layers.append(entry)
+                    spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+                    bar.advance(task)
         act_bytes = micro_batch * seq_len * cfg.hidden * DTYPES[dtype].itemsize
         if comm:
             bar.update(task, description="communication (2 ranks)")
