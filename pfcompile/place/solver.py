@@ -377,10 +377,13 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
     tried: list[CycleSolution] = []
     accepted = False
     python_per_k = 0.0  # the most seconds of graph and warm start one k took (the next k's estimate)
+    graph_per_k = 0.0  # of which the graph and model
+    kept_for_greedy_gap = False
     for n, k in enumerate(ks):
         if progress:
             progress(n, len(ks))
         python_s = budget.seconds["graph"] + budget.seconds["warm start"]
+        graph_s = budget.seconds["graph"]
         if tried and budget.deadline is not None and budget.left() < 1.2 * python_per_k:
             break  # the next k's graph and warm start alone would not fit in what is left
         try:
@@ -391,6 +394,12 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             continue
         tried.append(sol)
         python_per_k = max(python_per_k, budget.seconds["graph"] + budget.seconds["warm start"] - python_s)
+        graph_per_k = max(graph_per_k, budget.seconds["graph"] - graph_s)
+        if greedy_replayed is not None and not kept_for_greedy_gap and budget.deadline is not None:
+            # should the plan fall back to the greedy's k without it being searched, its gap
+            # needs that k's graph and bounds after the search: keep the time for them
+            budget.reserve += 1.3 * graph_per_k
+            kept_for_greedy_gap = True
         if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
             accepted = True
             break
@@ -434,11 +443,14 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "fell_back_to_greedy": False,
     }
     with budget.stage("replay"):
+        t_replay = time.monotonic()
         result = assemble.finish(plan, profile, stats)
+        t_replay = time.monotonic() - t_replay
         if greedy_replayed is not None:
             plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy_replayed, tried, opts)
-    if plan.stats.get("fell_back_to_greedy") and plan.stats.get("gap") is None and budget.left() + budget.reserve > \
-            2 * python_per_k:
+    # (the check on writing that follows takes about a replay)
+    if plan.stats.get("fell_back_to_greedy") and plan.stats.get("gap") is None and \
+            budget.left() + budget.reserve > 1.3 * graph_per_k + 1.2 * t_replay:
         # the greedy's k was not searched: its gap against the bounds of its own cycle (a
         # graph and bounds, no search), when the time left holds them
         with budget.stage("graph"):
