@@ -21,7 +21,10 @@ then costs nothing); if no k up to max(k_lb + `extra_steps`, the greedy's k) get
 the k with the least step time (ties: the smaller k). A k whose lower bound is already
 beyond that tolerance cannot be accepted: it gets its warm starts only and its search time
 goes to the ks after it; if none is accepted, the best of them is searched with the time
-left. With `total_time_limit`, each k gets what is left of it over the ks left.
+left. With `total_time_limit`, each k gets what is left of it over the ks left. Under a
+wall-clock limit (a Budget with a deadline) every k but the last gets its warm starts only
+(the first k whose warm start is within the tolerance is accepted), then the best k is
+searched with the time left.
 
 The solution becomes per-rank op lists (sorted by model start), is assembled with
 pfcompile.place.assemble and replayed by pfcompile.check.replay like every plan.
@@ -112,14 +115,16 @@ class CycleSolution:
 
 
 def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
-                greedy_steps: dict | None = None, describe=None, unless_out_of_reach: bool = False) -> CycleSolution:
+                greedy_steps: dict | None = None, describe=None, unless_out_of_reach: bool = False,
+                warm_only: bool = False) -> CycleSolution:
     """Three stages, each warm-starting the next, each stopping early at a proven optimum:
     (1) the pipeline timeline: the k steps without refresh work, on their own model (its
     bound is a lower bound of the whole cycle); (2) the refresh work packed into that
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
     make room. `time_limit` is shared 20/30/50 between them. `unless_out_of_reach`: no
     search past the warm starts when the bound already puts this k's step time beyond the
-    k rule's tolerance of its timeline (the k cannot be the one accepted; `searched` False)."""
+    k rule's tolerance of its timeline (the k cannot be the one accepted; `searched` False).
+    `warm_only`: no search past the warm starts whatever the bound says."""
     budget = opts.budget or Budget()
     with budget.stage("graph"):
         tg = cycle_graph(profile, cfg, k)
@@ -187,7 +192,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         cands.append(("timeline+first-fit", packed))
     ok = [c for c in cands if not violations(p, c[1])]
     stages = ["pipeline timeline", "refresh packed into it"]
-    if ok and unless_out_of_reach and bound > ref_sched.makespan * (1 + opts.tolerance):
+    if ok and (warm_only or unless_out_of_reach and bound > ref_sched.makespan * (1 + opts.tolerance)):
         source, best = min(ok, key=lambda c: c[1].makespan)
         status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
         return CycleSolution(k, cm, Result(status, best, best.makespan, bound, 0.0), best, bound,
@@ -374,6 +379,11 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             o = replace(o, time_limit=min(o.time_limit, max(0.0, budget.left()) / n_left))
         return o
 
+    # under a wall-clock limit the ks cannot all be searched (at 32 x 128 the graph and warm
+    # starts of one k take ~40 s): every k but the last gets its warm starts only (which
+    # often meet the bound: the k is then accepted at once), and if none is accepted the
+    # best of them is searched with the time left (the second pass)
+    warm_first = budget.deadline is not None
     tried: list[CycleSolution] = []
     accepted = False
     python_per_k = 0.0  # the most seconds of graph and warm start one k took (the next k's estimate)
@@ -388,7 +398,8 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
             break  # the next k's graph and warm start alone would not fit in what is left
         try:
             sol = solve_cycle(profile, cfg, k, share(len(ks) - n), greedy_steps=greedy if k == k_greedy else None,
-                              describe=describe, unless_out_of_reach=n + 1 < len(ks))
+                              describe=describe, unless_out_of_reach=n + 1 < len(ks),
+                              warm_only=warm_first and n + 1 < len(ks))
         except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
             failure = e
             continue
