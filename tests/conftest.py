@@ -5,3 +5,23 @@ import os
 # One intra-op thread per test process: numbers do not depend on the machine's core count
 # and parallel test jobs do not oversubscribe the CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ops_only_tiny(tmp_path_factory):
+    """The committed bert-tiny profile without its runtime overheads (`runtime`: 0), for tests
+    that need a plan shaped by the ops alone: the measured ~1.8 ms of runtime work per step
+    fills most of a 4-stage Chimera's bubble on bert-tiny, and its K-FAC work would then need
+    a refresh cycle over the planner's limit."""
+    from pathlib import Path
+
+    from pfcompile.formats.profile import RuntimeOverheads, load_profile
+
+    prof = load_profile(str(Path(__file__).resolve().parents[1] / "profiles" / "bert-tiny-cpu.json"))
+    prof.runtime = RuntimeOverheads()
+    path = tmp_path_factory.mktemp("profiles") / "bert-tiny-ops-only.json"
+    prof.save(str(path))
+    return path

@@ -21,9 +21,9 @@ PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
 HAS_CUDA = torch.cuda.is_available()
 
 
-def plan_from_profile(tmp_path, schedule: str, stages: int, *extra: str):
+def plan_from_profile(tmp_path, schedule: str, stages: int, *extra: str, profile=PROFILE):
     out = tmp_path / f"{schedule}.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(PROFILE), "--schedule", schedule,
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(profile), "--schedule", schedule,
                            "--stages", str(stages), "--micro-batches", "4", "--method", "greedy", *extra,
                            "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
@@ -89,14 +89,14 @@ def test_one_stage_plan_on_cuda_matches_single_process(tmp_path):
 MEMORY_CASES = [("gpipe", 2), ("1f1b", 2), ("chimera", 4), ("zb-h1", 2)]
 
 
-def test_measured_peak_memory_matches_the_plan(tmp_path, capsys):
+def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
     """On CPU the runtime counts what the planner models; after a full refresh cycle (every
     buffer allocated: optimizer state, factors, spare inverse slots) each rank's measured peak
     is within 10% of the plan's prediction. The GPipe plan is run with a memory limit below
     what it needs (edited into the plan): the run says so."""
     table = []
     for schedule, stages in MEMORY_CASES:
-        plan, obj = plan_from_profile(tmp_path, schedule, stages)
+        plan, obj = plan_from_profile(tmp_path, schedule, stages, profile=ops_only_tiny)  # memory: the ops'
         k = obj["config"]["refresh_steps"]
         predicted = obj["stats"]["peak_memory_bytes"]
         if schedule == "gpipe":

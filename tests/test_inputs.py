@@ -73,14 +73,14 @@ def test_runaway_sizes_are_refused_before_the_profile_is_read(capsys):
         assert f"{flag}: {value} is over the limit" in err, err
 
 
-def test_task_count_over_the_limit_is_refused_up_front(capsys):
+def test_task_count_over_the_limit_is_refused_up_front(capsys, ops_only_tiny):
     # each size within its own bound, the ops of one step over the task limit
     big = str(ROOT / "profiles" / "bert-large-p100-ref.json")
     argv = ["plan", big, "--schedule", "gpipe", "--stages", "8", "--micro-batches", "16384", "--method", "greedy"]
     assert pfcompile_main(argv) == 2
     assert "tasks per step, over the limit" in _one_line(capsys.readouterr().err)
     # a cycle the bubbles would need too many steps for: refused before placing anything
-    argv = ["plan", str(TINY), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1024", "--method", "greedy"]
+    argv = ["plan", str(ops_only_tiny), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1024", "--method", "greedy"]
     assert pfcompile_main(argv) == 2
     assert "refresh cycle of at least" in _one_line(capsys.readouterr().err)
 

@@ -399,12 +399,12 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     assert {"train.toml", "metrics.jsonl"} <= {d.name for d in ckpt.iterdir()}
 
 
-def test_planner_output_matches_single_process(tmp_path):
+def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):
     """A real `pfcompile plan` output (Chimera, greedy placement, from the committed bert-tiny
-    profile) runs one whole refresh cycle and one step with the new inverses in force, and
-    ends equal to the single-process run."""
+    profile's op costs) runs one whole refresh cycle and one step with the new inverses in
+    force, and ends equal to the single-process run."""
     plan = tmp_path / "chimera.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ops_only_tiny),
                            "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--method", "greedy",
                            "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
