@@ -11,12 +11,14 @@
 #
 # Each piece says so and carries on (or stops) if a command it needs is missing.
 # Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 40),
-# PROFILE=fresh|committed (default fresh: measure; committed: reuse profiles/bert-tiny-cpu.json).
+# PROFILE=fresh|committed (default fresh: measure; committed: reuse profiles/bert-tiny-cpu.json),
+# PROFILE_FLAGS (more flags for pfcompile profile).
 set -euo pipefail
 PY=${PY:-python}
 OUT=${OUT:-out}
 STEPS=${STEPS:-40}
 PROFILE=${PROFILE:-fresh}
+PROFILE_FLAGS=${PROFILE_FLAGS:-}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 
@@ -27,9 +29,10 @@ say "1/5 profile bert-tiny (micro-batch 8 x 64 tokens, one thread) as the plan w
 if [ "$PROFILE" = fresh ] && has_command profile; then
   # A short budget per entry keeps this under a minute; the committed profile used more.
   # --ranks 2: the ops are timed while a second process works, as the 2-rank plan runs;
-  # the profile ends with a short run of the runtime itself (its costs around the ops).
+  # --cold-cache: each from cold caches, as in a run where other ops ran in between; the
+  # profile ends with a short run of the runtime itself (its costs around the ops).
   "$PY" -m pfcompile profile --model bert-tiny --repeats 10 --warmup 3 --entry-budget 0.5 \
-        --ranks 2 -o "$OUT/bert-tiny.json" --quiet \
+        --ranks 2 --cold-cache $PROFILE_FLAGS -o "$OUT/bert-tiny.json" --quiet \
     || { echo "profiling failed; using the committed profile"; cp profiles/bert-tiny-cpu.json "$OUT/bert-tiny.json"; }
 else
   [ "$PROFILE" = fresh ] && echo "pfcompile profile is not available; using the committed profile"

@@ -328,3 +328,19 @@ def test_profile_under_the_runs_conditions_records_its_ranks():
     assert prof.provenance["ranks"] == 2 and all(p.fwd_ms > 0 for p in prof.parts)
     with pytest.raises(InputError, match="--ranks: must be >= 1"):
         profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, progress=False, ranks=0)
+
+
+def test_cold_cache_sweeps_before_every_repeat():
+    """--cold-cache: an untimed sweep of a buffer larger than the caches before each repeat
+    (the sweep writes the repeat's index: after the last repeat it holds the last index)."""
+    import torch
+
+    from pfcompile.profiler import COLD_SWEEP_BYTES, Clock, profile_model
+
+    clock = Clock(torch.device("cpu"), repeats=3, warmup=1, cold=True)
+    t = clock.time(lambda: torch.ones(8) @ torch.ones(8))
+    assert t.samples == 3 and clock._sweep.numel() * 4 == COLD_SWEEP_BYTES and float(clock._sweep[-1]) == 3.0
+    assert Clock(torch.device("cpu"), 1, 0)._sweep is None  # off by default
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
+                         progress=False, cold=True)
+    assert prof.provenance["cold_cache"] is True and all(p.fwd_ms > 0 for p in prof.parts)

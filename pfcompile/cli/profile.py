@@ -44,6 +44,9 @@ def register(sub) -> None:
                         "(R - 1 others run the model's forward/backward meanwhile; CPU; default 1)")
     p.add_argument("--no-comm", action="store_true",
                    help="skip the 2-rank communication measurement; state a latency/bandwidth model instead")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="CPU: before each timed repeat, sweep a 64 MiB buffer so every op starts with cold caches, "
+                        "as in a run where other ops ran in between (default: back-to-back repeats, warm caches)")
     p.add_argument("--no-runtime-probe", action="store_true",
                    help="skip the short 2-rank GPipe run that measures the runtime's own costs around the ops "
                         "(per-op dispatch, work between steps, sends, receives); costed from the message "
@@ -85,7 +88,7 @@ def run(args) -> int:
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
                              entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json,
-                             ranks=args.ranks, probe=not args.no_runtime_probe)
+                             ranks=args.ranks, probe=not args.no_runtime_probe, cold=args.cold_cache)
     if args.output:
         prof.save(args.output)
     else:

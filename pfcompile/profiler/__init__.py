@@ -48,12 +48,19 @@ class Timing:
     samples: int
 
 
+COLD_SWEEP_BYTES = 64 << 20  # above the last-level cache of the CPUs we profile on
+
+
 class Clock:
     """Times a callable on one device: warm-up, then repeats, each optionally after an untimed setup."""
 
     def __init__(self, device: torch.device, repeats: int, warmup: int, entry_budget_s: float = 2.0,
-                 kind: str = "wall"):
+                 kind: str = "wall", cold: bool = False):
         self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, entry_budget_s
+        # cold: before each repeat, untimed, sweep a buffer larger than the CPU's caches, so an
+        # op starts from memory as it does in a run, where other ops ran in between (a repeat
+        # right after the last one finds its weights and inputs in cache)
+        self._sweep = torch.empty(COLD_SWEEP_BYTES // 4, dtype=torch.float32) if cold and device.type == "cpu" else None
         # "thread": CPU time of this thread (time.thread_time). With one torch thread all the
         # work runs on it, so time spent descheduled by other processes is not counted.
         self.now = time.thread_time if kind == "thread" else time.perf_counter
@@ -79,6 +86,8 @@ class Clock:
         for i in range(self.warmup + self.repeats):
             if setup is not None:
                 setup()
+            if self._sweep is not None:
+                self._sweep.fill_(float(i))
             self._sync()
             ms = self._once(fn)
             if i >= self.warmup:
@@ -610,7 +619,7 @@ def _model_json(model: str, cfg, micro_batch: int, seq_len: int, dtype: str) -> 
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
                   entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True,
-                  ranks: int = 1, probe: bool = True) -> Profile:
+                  ranks: int = 1, probe: bool = True, cold: bool = False) -> Profile:
     """Measure every part and K-FAC layer of `model`, and the links between two ranks.
 
     `ranks` > 1: measure under the run's conditions, with ranks - 1 other processes working
@@ -631,7 +640,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     spec = resolve_spec(model, seq_len)
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
-    timer = Clock(dev, repeats, warmup, entry_budget_s, clock)
+    timer = Clock(dev, repeats, warmup, entry_budget_s, clock, cold=cold)
     cfg = spec.cfg
     if ranks < 1:
         raise InputError("--ranks", None, f"must be >= 1, got {ranks}")
@@ -687,7 +696,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
         "cuda": torch.version.cuda, "dtype": dtype, "threads": threads,
         "micro_batch": micro_batch, "seq_len": seq_len, "repeats": repeats, "warmup": warmup,
-        "entry_budget_s": entry_budget_s, "ranks": ranks,
+        "entry_budget_s": entry_budget_s, "ranks": ranks, "cold_cache": cold,
         "clock": {"wall": "cuda events" if dev.type == "cuda" else "time.perf_counter",
                   "thread": "time.thread_time (CPU time of the one torch thread)"}[clock],
         "host": socket.gethostname(),
