@@ -22,7 +22,8 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   max(recv_ms, latency + bytes/bandwidth - gap) (the pair meets, then the data moves:
   Costs.message_ms). `runtime.recv_ms` is the statistic of the receives posted after their
   send ended; the p2p link is fitted to (receive end - send end) of those posted before:
-  with two message sizes or more, latency and bandwidth (least squares on relative error);
+  with two message sizes or more, latency and bandwidth (formats.profile.fit_link, as the
+  profiler's message benchmark fits them);
   with one, the latency, the bandwidth staying the profile's (its message benchmark spans
   sizes). Ranks share a clock origin (runtime.measure.align).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
@@ -46,7 +47,7 @@ import statistics
 from collections import defaultdict
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
-from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads
+from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads, fit_link
 
 PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv")
@@ -134,25 +135,9 @@ def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statisti
         return old, recv
     pts = sorted((n, statistic(v)) for n, v in by_size.items())
     if len(pts) >= 2 and pts[-1][0] > pts[0][0]:  # two sizes or more: latency and bandwidth
-        link = _line(pts)
-        if link is not None:
-            return link, recv
+        return fit_link(pts), recv
     lat = statistic([max(0.0, x - n / old.bytes_per_ms) for n, v in by_size.items() for x in v])
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
-
-
-def _line(pts: list[tuple[int, float]]) -> LinkModel | None:
-    """ms = latency + bytes/bandwidth by least squares on relative error; None if not physical."""
-    w = [1.0 / max(ms, 1e-9) ** 2 for _, ms in pts]
-    sw = sum(w)
-    mx = sum(wi * n for wi, (n, _) in zip(w, pts)) / sw
-    my = sum(wi * ms for wi, (_, ms) in zip(w, pts)) / sw
-    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, pts))
-    slope = sum(wi * (n - mx) * (ms - my) for wi, (n, ms) in zip(w, pts)) / sxx if sxx > 0 else 0.0
-    latency = my - slope * mx
-    if slope <= 0 or latency < 0:
-        return None
-    return LinkModel(latency_ms=latency, bytes_per_ms=1.0 / slope)
 
 
 def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "mean") -> tuple[Profile, dict]:

@@ -166,6 +166,28 @@ class LinkModel:
         return self.latency_ms + nbytes / self.bytes_per_ms
 
 
+def fit_link(points: list[tuple[int, float]]) -> LinkModel:
+    """Fit time = latency + bytes / bandwidth to (bytes, ms) points, minimising RELATIVE error
+    (plain least squares would let the largest message decide alone and push the latency to
+    noise), kept physical: latency >= 0 (else refitted through the origin), bandwidth > 0
+    (else the largest message's average rate). Used by the profiler's message benchmark and
+    by `pfcompile calibrate`."""
+    w = [1.0 / max(ms, 1e-12) ** 2 for _, ms in points]  # squared residual / ms^2
+    sw = sum(w)
+    mx = sum(wi * n for wi, (n, _) in zip(w, points)) / sw
+    my = sum(wi * ms for wi, (_, ms) in zip(w, points)) / sw
+    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, points))
+    slope = sum(wi * (n - mx) * (ms - my) for wi, (n, ms) in zip(w, points)) / sxx if sxx > 0 else 0.0
+    latency = my - slope * mx
+    if latency < 0:  # through the origin, same weights
+        latency = 0.0
+        slope = sum(wi * n * ms for wi, (n, ms) in zip(w, points)) / sum(wi * n * n for wi, (n, _) in zip(w, points))
+    if slope <= 0:  # flat or noisy: the largest message's average rate
+        n, ms = max(points)
+        slope = ms / n
+    return LinkModel(latency_ms=float(latency), bytes_per_ms=float(1.0 / slope))
+
+
 @dataclass
 class RuntimeOverheads:
     """What the runtime costs a rank around the ops (module doc), ms."""

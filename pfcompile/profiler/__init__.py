@@ -31,7 +31,7 @@ import torch
 
 from pfcompile import __version__
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile, RuntimeOverheads
+from pfcompile.formats.profile import Comm, KfacLayer, Part, Profile, RuntimeOverheads, fit_link
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from runtime.comm import free_port
 
@@ -335,21 +335,6 @@ def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
 
 
 # --- communication ---------------------------------------------------------------------------------
-def fit_link(points: list[tuple[int, float]]) -> LinkModel:
-    """Fit time = latency + bytes / bandwidth, minimising RELATIVE error (plain least squares
-    would let the largest message decide alone and push the latency to noise), kept physical:
-    latency >= 0, bandwidth > 0."""
-    n = np.array([p[0] for p in points], dtype=float)
-    ms = np.array([p[1] for p in points], dtype=float)
-    slope, latency = np.polyfit(n, ms, 1, w=1.0 / ms)
-    if latency < 0:  # refit through the origin, same weights
-        w2 = 1.0 / ms**2
-        latency, slope = 0.0, float((w2 * n) @ ms / ((w2 * n) @ n))
-    if slope <= 0:  # flat or noisy: the largest message's average rate
-        slope = ms[-1] / n[-1]
-    return LinkModel(latency_ms=float(latency), bytes_per_ms=float(1.0 / slope))
-
-
 def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue,
                  device_type: str = "cpu") -> None:
     """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size.
