@@ -45,6 +45,7 @@ import copy
 import datetime as _dt
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
 from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads, fit_link
@@ -140,15 +141,42 @@ def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statisti
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
 
 
+@dataclass
+class RuntimeFit:
+    entries: dict[tuple, float]      # samples() keys -> the statistic, less op_ms (>= 0)
+    overheads: RuntimeOverheads
+    link: LinkModel                  # the p2p link (the profile's when no receive was traced)
+    receives: int                    # receives the link and recv_ms were fitted from
+    overhead_entries: int            # of the four overheads, how many the traces gave
+
+
+def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = "mean") -> RuntimeFit:
+    """The per-op samples' statistic and the runtime's overheads and link from traces (module
+    doc); `pfcompile calibrate` and the profiler's runtime probe both fit with it. Overheads
+    the traces do not show keep the profile's."""
+    stat = STATISTICS[statistic]
+    gaps = dispatch_gaps(traces)
+    op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    entries = {key: max(0.0, stat(v)) for key, v in samples(traces, op_ms).items()}
+    old = profile.runtime
+    link, recv_ms = profile.comm.p2p, old.recv_ms
+    recvs = [r for tr in traces for r in receives(tr, profile)]
+    if recvs:
+        link, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
+    overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
+                                 send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms)
+    given = sum(1 for key in (("between steps",), ("send",)) if key in entries) + bool(gaps) + bool(recvs)
+    return RuntimeFit(entries, overheads, link, len(recvs), given)
+
+
 def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "mean") -> tuple[Profile, dict]:
     """A new profile with entries fitted to the traces (module doc); returns (profile, counts per kind)."""
     for tr in traces:
         check_against_profile(tr, profile)
     stat = STATISTICS[statistic]
     new = copy.deepcopy(profile)
-    gaps = dispatch_gaps(traces)
-    op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    fitted = {key: max(0.0, stat(v)) for key, v in samples(traces, op_ms).items()}
+    fit = fit_runtime(traces, profile, statistic)
+    fitted = fit.entries
     counts: dict[str, int] = defaultdict(int)
 
     # per K-FAC layer: direct
@@ -194,15 +222,10 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
             part.bwd_weight_ms = w if part.bwd_weight_ms is None else part.bwd_weight_ms
 
     # the runtime around the ops, and the messages' lag
-    old_rt = profile.runtime
-    recv_ms = old_rt.recv_ms
-    recvs = [r for tr in traces for r in receives(tr, profile)]
-    if recvs:
-        new.comm.p2p, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
-        counts["p2p messages"] = len(recvs)
-    new.runtime = RuntimeOverheads(op_ms=op_ms, step_ms=fitted.get(("between steps",), old_rt.step_ms),
-                                   send_ms=fitted.get(("send",), old_rt.send_ms), recv_ms=recv_ms)
-    counts["runtime overheads"] = sum(1 for key in (("between steps",), ("send",)) if key in fitted) + bool(gaps) + bool(recvs)
+    new.runtime, new.comm.p2p = fit.overheads, fit.link
+    if fit.receives:
+        counts["p2p messages"] = fit.receives
+    counts["runtime overheads"] = fit.overhead_entries
 
     new.spread = {}  # the measured spreads belonged to the parent's samples
     new.schema_version = SCHEMA_VERSION

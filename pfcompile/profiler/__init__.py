@@ -457,7 +457,7 @@ def measure_runtime(profile: Profile, device: torch.device, steps: int = 8) -> t
     import subprocess
     import tempfile
 
-    from pfcompile.calibrate.fit import dispatch_gaps, fit_receives, receives, samples
+    from pfcompile.calibrate.fit import fit_runtime
     from pfcompile.calibrate.measured import load_measured
     from pfcompile.graph.schedules import PipelineConfig
     from pfcompile.place.build import build_plan
@@ -475,13 +475,7 @@ def measure_runtime(profile: Profile, device: torch.device, steps: int = 8) -> t
             return RuntimeOverheads(), {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads from the "
                                                         f"message benchmark only"}
         trace = load_measured(trace_path)
-    gaps = dispatch_gaps([trace])
-    op_ms = float(np.median(gaps)) if gaps else 0.0
-    got = samples([trace], op_ms)
-    mean = lambda v: float(np.mean(v)) if v else 0.0  # noqa: E731 - sums of op times add means
-    _, recv_ms = fit_receives(receives(trace, profile), profile.comm.p2p, lambda v: float(np.mean(v)))
-    overheads = RuntimeOverheads(op_ms=op_ms, step_ms=max(0.0, mean(got[("between steps",)])),
-                                 send_ms=max(0.0, mean(got[("send",)])), recv_ms=recv_ms)
+    overheads = fit_runtime([trace], profile, "mean").overheads  # sums of op times add means
     return overheads, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}
