@@ -17,9 +17,12 @@
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
-disturbed by other processes on a shared CPU) and the median. Usage:
+disturbed by other processes on a shared CPU) and the median. Each run times 28 steps after
+2 of warm-up by default (a bert-mini step is ~0.3 s on 2 CPU cores: 8 timed steps, the old
+default, left the round-to-round spread at ~10%, larger than the differences measured).
+Usage:
 
-    .venv/bin/python benchmarks/runtime.py [--steps 10] [--rounds 3] [--out bench-out]
+    .venv/bin/python benchmarks/runtime.py [--steps 30] [--rounds 5] [--out bench-out]
 
 The same file is the torch.distributed.pipelining worker (`--pipelining-worker`), run by
 torchrun like the runtime.
@@ -201,9 +204,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="profiles/bert-mini-cpu.json")
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
+    ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from timing (raised to one refresh cycle)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per k")
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--only-zero-bubble", action="store_true", help="only part (d) and its 1f1b reference")

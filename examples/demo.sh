@@ -10,13 +10,13 @@
 #      the calibrated profile, run again; both predictions against their measurements
 #
 # Each piece says so and carries on (or stops) if a command it needs is missing.
-# Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 40),
+# Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 120),
 # PROFILE=fresh|committed (default fresh: measure; committed: reuse profiles/bert-tiny-cpu.json),
 # PROFILE_FLAGS (more flags for pfcompile profile).
 set -euo pipefail
 PY=${PY:-python}
 OUT=${OUT:-out}
-STEPS=${STEPS:-40}
+STEPS=${STEPS:-120}
 PROFILE=${PROFILE:-fresh}
 PROFILE_FLAGS=${PROFILE_FLAGS:-}
 mkdir -p "$OUT"
