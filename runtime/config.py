@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p-tags", choices=("on", "off"), default=None,
                    help="match messages by tag (gloo only) or by per-pair issue order as NCCL does; "
                         "default: on for cpu, off for cuda")
+    p.add_argument("--recv-ahead", type=int, default=None, metavar="R",
+                   help="receives posted ahead of the op that needs them (gloo; NCCL runs them in issue order "
+                        "per peer, where posting ahead can deadlock: 0); default: 1 on cpu, 0 on cuda")
     p.add_argument("--checkpoint-dir", default=None, help="write per-rank checkpoints (and the effective config) here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="C", help="checkpoint every C steps")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
@@ -178,6 +181,11 @@ def _check_flags(args) -> None:
         raise InputError("--lr", None, f"must be a positive finite number, got {args.lr}")
     if args.warmup is not None and args.warmup < 0:
         raise InputError("--warmup", None, f"must be >= 0, got {args.warmup}")
+    if args.recv_ahead is not None and not 0 <= args.recv_ahead <= 64:
+        raise InputError("--recv-ahead", None, f"must be in 0..64, got {args.recv_ahead}")
+    if args.recv_ahead and args.device == "cuda":
+        raise InputError("--recv-ahead", None, "must be 0 on cuda (NCCL runs a peer's messages in issue order: "
+                                               "a receive posted ahead of a send can deadlock the pair)")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise InputError("--seed", None, f"must be in 0..2**63-1, got {args.seed}")
     if args.keep < 1:

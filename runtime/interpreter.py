@@ -63,7 +63,7 @@ class StageReplica:
 class Interpreter:
     def __init__(self, plan: Plan, world: comm.World, stages: dict[int, StageReplica],
                  act_shape: tuple[int, ...], dtype: torch.dtype | Precision, update, timeline: Timeline,
-                 tags: bool | None = None):
+                 tags: bool | None = None, recv_ahead: int | None = None):
         self.plan, self.world, self.stages = plan, world, stages
         # float32/float64 throughout, or bf16 autocast with float32 state (runtime.precision)
         self.precision = dtype if isinstance(dtype, Precision) else precision(str(dtype).removeprefix("torch."))
@@ -75,6 +75,9 @@ class Interpreter:
         self.N = int(plan.config["micro_batches"])
         self.k = plan.refresh_steps
         self.mailbox = comm.Mailbox(world, tags)  # tags None: on for gloo, off for NCCL
+        # receives posted ahead of the op that completes them (runtime.comm): gloo only
+        self.recv_ahead = (0 if world.backend == "nccl" else 1) if recv_ahead is None else recv_ahead
+        self.upcoming: list[Op] = []  # this step's receive ops not yet posted, in order
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, stage, mb) -> tensor
         self.tokens: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
@@ -114,8 +117,11 @@ class Interpreter:
         # Marks are host instants on CPU, CUDA events on the current stream on CUDA (read by
         # end_step, never a synchronise per op: see runtime.measure).
         step_start = tl.mark()
+        ops = self.plan.ops(self.world.rank, step)
+        self.upcoming = [op for op in ops if op.kind in ("recv_act", "recv_grad")] if self.recv_ahead else []
+        self._post_ahead()
         try:
-            for op in self.plan.ops(self.world.rank, step):
+            for op in ops:
                 start = tl.mark()
                 self.handlers[op.kind](op)
                 tl.record(step, str(op), op.kind, start, tl.mark())
@@ -124,6 +130,7 @@ class Interpreter:
             self._check_finite(step)  # names the first stage whose forward went non-finite
             raise NonFiniteError(f"step {step}: rank {self.world.rank}: {e}") from None
         self.mailbox.drain()
+        self.upcoming = []
         tl.end_step(step, step_start, tl.mark(), mem.end_step())
         self._check_finite(step)
         return float(self.loss_sum)
@@ -222,6 +229,15 @@ class Interpreter:
         kind, stage, m = op.message_key()
         self.received[(kind, stage, m)] = self.mailbox.recv(
             str(op), self.act_shape, self.dtype, op.peer, comm.message_tag(kind, stage, m, self.N))
+        self._post_ahead()
+
+    def _post_ahead(self) -> None:
+        """Keep the next `recv_ahead` receives of the step posted (in op order: the order
+        of receives per pair is the plan's, whatever is posted ahead)."""
+        while self.upcoming and len(self.mailbox.posted) < self.recv_ahead:
+            op = self.upcoming.pop(0)
+            kind, stage, m = op.message_key()
+            self.mailbox.post(self.act_shape, self.dtype, op.peer, comm.message_tag(kind, stage, m, self.N))
 
     def _take(self, key: tuple[str, int, int]) -> torch.Tensor:
         """A received message, or the local producer's tensor when both stages are on this rank."""

@@ -40,7 +40,7 @@ def run(job, args) -> measure.Summary | None:
         timeline = measure.Timeline(world.rank, device_type=world.device.type)
         update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
         interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision, update, timeline,
-                             tags=job.p2p_tags)
+                             tags=job.p2p_tags, recv_ahead=args.recv_ahead)
 
         if args.checkpoint_dir:
             checkpoint.clean_temporary(args.checkpoint_dir, world.rank)  # a killed write's leftovers

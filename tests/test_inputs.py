@@ -123,6 +123,8 @@ def test_render_refuses_an_absurd_time_and_a_rank_the_plan_lacks(tmp_path, capsy
     (["--lr", "nan"], "--lr: must be a positive finite number"),
     (["--lr", "inf"], "--lr: must be a positive finite number"),
     (["--keep", "0"], "--keep: must be >= 1"),
+    (["--recv-ahead", "-1"], "--recv-ahead: must be in 0..64"),
+    (["--recv-ahead", "1", "--device", "cuda"], "--recv-ahead: must be 0 on cuda"),
     (["--checkpoint-dir", "{file}"], "--checkpoint-dir: '{file}' is a file, expected a directory"),
     (["--trace", "{dir}"], "--trace: '{dir}' is a directory"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)

@@ -266,24 +266,27 @@ def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5)
 
 
 # --- tests ---------------------------------------------------------------------------------
-# (schedule, stages, replicas, model, p2p tags): one case runs the user's model through
-# --model-code. Tags off: messages matched per pair in issue order, NCCL's rule, on gloo.
-CASES = [("gpipe", 2, 1, USER_MODEL, "on"), ("1f1b", 2, 1, MODEL, "off"), ("gpipe", 4, 1, MODEL, "off"),
-         ("1f1b", 2, 2, MODEL, "on"), ("chimera", 4, 2, MODEL, "off")]
+# (schedule, stages, replicas, model, p2p tags, receives posted ahead): one case runs the
+# user's model through --model-code. Tags off: messages matched per pair in issue order,
+# NCCL's rule, on gloo. Receives ahead: 1 is gloo's default, 0 NCCL's; 8 posts most of a
+# Chimera step's receives (both directions) before their sends.
+CASES = [("gpipe", 2, 1, USER_MODEL, "on", 1), ("1f1b", 2, 1, MODEL, "off", 1), ("gpipe", 4, 1, MODEL, "off", 0),
+         ("1f1b", 2, 2, MODEL, "on", 1), ("chimera", 4, 2, MODEL, "off", 8)]
 
 
 ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test
 
 
-@pytest.mark.parametrize("schedule,D,R,model,tags", CASES,
-                         ids=[f"{s}-{D}x{R}-{m}-tags-{t}" for s, D, R, m, t in CASES])
-def test_matches_single_process(tmp_path, schedule, D, R, model, tags):
+@pytest.mark.parametrize("schedule,D,R,model,tags,ahead", CASES,
+                         ids=[f"{s}-{D}x{R}-{m}-tags-{t}-ahead-{a}" for s, D, R, m, t, a in CASES])
+def test_matches_single_process(tmp_path, schedule, D, R, model, tags, ahead):
     plan = make_plan(tmp_path, schedule, D, R, name=model)
     W = D if schedule == "chimera" else D * R
     trace = tmp_path / "trace.json"
     user = ["--model-code", model] if model == USER_MODEL else []
     r = torchrun(plan, W, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", "3", "--trace", str(trace), "--p2p-tags", tags, *user)
+                 "--checkpoint-every", "3", "--trace", str(trace), "--p2p-tags", tags,
+                 "--recv-ahead", str(ahead), *user)
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
     got = distributed_params(tmp_path / "ckpt", 3, plan)
