@@ -153,6 +153,9 @@ def _device_and_precision(args, plan, where: str):
     device_type = args.device or plan.profile.get("device_type") or "cpu"
     if device_type not in ("cpu", "cuda"):
         raise InputError(where, "profile.device_type", f"{device_type!r}: pass --device cpu or --device cuda")
+    if args.recv_ahead and device_type == "cuda":
+        raise InputError("--recv-ahead", None, "must be 0 on cuda (NCCL runs a peer's messages in issue order: "
+                                               "a receive posted ahead of a send can deadlock the pair)")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device" if args.device else where, None if args.device else "profile.device_type",
                          f"cuda, but torch sees no CUDA device here (torch {torch.__version__}); pass --device cpu")
@@ -183,9 +186,6 @@ def _check_flags(args) -> None:
         raise InputError("--warmup", None, f"must be >= 0, got {args.warmup}")
     if args.recv_ahead is not None and not 0 <= args.recv_ahead <= 64:
         raise InputError("--recv-ahead", None, f"must be in 0..64, got {args.recv_ahead}")
-    if args.recv_ahead and args.device == "cuda":
-        raise InputError("--recv-ahead", None, "must be 0 on cuda (NCCL runs a peer's messages in issue order: "
-                                               "a receive posted ahead of a send can deadlock the pair)")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise InputError("--seed", None, f"must be in 0..2**63-1, got {args.seed}")
     if args.keep < 1:
