@@ -477,7 +477,8 @@ def measure_runtime(profile: Profile, device: torch.device, steps: int = 8) -> t
         trace = load_measured(trace_path)
     overheads = fit_runtime([trace], profile, "mean").overheads  # sums of op times add means
     return overheads, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
-                                       f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each; "
+                                       f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
+                                       f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}
 
 
