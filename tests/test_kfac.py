@@ -249,3 +249,35 @@ def test_state_dict_round_trips_through_weights_only_load():
 def test_plain_damping_needs_eigen():
     with pytest.raises(ValueError, match="eigen"):
         KfacConfig(damping_mode="plain", inverse="cholesky")
+
+
+@pytest.mark.parametrize("order", [("A", "B"), ("B", "A")])
+def test_each_inversion_updates_only_its_factor_in_either_order(order):
+    """The planner costs each inversion as a fixed op, its factor's EMA included, whichever
+    of a layer's two it places first: an inversion updates only its own factor, and the
+    other factor's π term comes from its would-be diagonal. Both orders give the dense
+    float64 damped inverses of the EMA'd factors."""
+    ema, lam = 0.8, 1e-2
+    cfg = KfacConfig(damping=lam, ema=ema)
+    model = SoftmaxModel(seed=3)
+    [layer] = make_layers([("out", model.out)], cfg)
+    capture_step(model, [layer], softmax_batch(4, seed=1), 1)  # cycle 0: factors = F0
+    F0 = {f: layer.factors[f].clone() for f in ("A", "B")}
+    layer.activate()
+    model.zero_grad()
+    with capturing([layer], 0):
+        (model(*softmax_batch(3, seed=2)) / 1).backward()
+    layer.curv_a(0)
+    layer.curv_b(0)
+    A1, B1 = explicit_factors(model, softmax_batch(3, seed=2))
+    want = {"A": ema * F0["A"] + (1 - ema) * A1, "B": ema * F0["B"] + (1 - ema) * B1}
+    first, second = order
+    layer.invert(first)
+    torch.testing.assert_close(layer.factors[second], F0[second])  # untouched until its own inversion
+    layer.invert(second)
+    pi = math.sqrt((want["A"].trace() / 7) / (want["B"].trace() / 5))
+    damp = {"A": math.sqrt(lam) * pi, "B": math.sqrt(lam) / pi}
+    for f, d in (("A", 7), ("B", 5)):
+        torch.testing.assert_close(layer.factors[f], want[f], rtol=1e-12, atol=1e-14)
+        dense = torch.linalg.inv(want[f] + damp[f] * torch.eye(d, dtype=D64))
+        torch.testing.assert_close(layer.pending(f), dense, rtol=1e-9, atol=1e-11)
