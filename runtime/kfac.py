@@ -99,11 +99,15 @@ class KfacLayer:
         self._hooks = []
 
     # --- capture ----------------------------------------------------------------------------
+    # Captures are kept as the tensors autograd hands over, not reshaped: a reshape of a
+    # non-contiguous one (the attention's k projection's output gradient) would copy it,
+    # and the split backward's W keeps these very tensors (runtime.split_backward): one
+    # storage, counted once by the planner and runtime.memory. curv_* flattens them.
     def save_input(self, mb: int, x: torch.Tensor) -> None:
-        self._saved["A"][mb] = x.detach().reshape(-1, x.shape[-1])
+        self._saved["A"][mb] = x.detach()
 
     def save_grad(self, mb: int, gy: torch.Tensor) -> None:
-        self._saved["B"][mb] = gy.detach().reshape(-1, gy.shape[-1])
+        self._saved["B"][mb] = gy.detach()
 
     def _forward_hook(self, module, inputs, output):
         if not self.capturing or not torch.is_grad_enabled():
@@ -127,7 +131,8 @@ class KfacLayer:
     # --- curvature ----------------------------------------------------------------------------
     def _take(self, factor: str, mb: int) -> torch.Tensor:
         try:
-            return self._saved[factor].pop(mb)
+            t = self._saved[factor].pop(mb)
+            return t.reshape(-1, t.shape[-1])
         except KeyError:
             what = "input" if factor == "A" else "output gradient"
             raise RuntimeError(f"K-FAC layer {self.name}: no saved {what} for micro-batch {mb} "
