@@ -13,11 +13,14 @@ planner's memory model holds (pfcompile.graph.costs), from its own tensors:
 - kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`;
 - split backward (zero-bubble families): the output gradients B keeps for W, until W ends;
   the activations stay until W too. A K-FAC output gradient that IS one of W's tensors
-  counts once (the planner's rule).
+  counts once (the planner's rule), and so does a K-FAC kept input that IS the layer input
+  W keeps (same storage): it is inside the activations while W holds it, and counts on its
+  own only from W's end to its curv_a.
 
 The count is taken after every op; a `bwd` (`bwd_weight`) is sampled before its activations
 are released (the model frees them at the op's end, after the op allocated the kept output
-gradients).
+gradients); a `bwd_weight` with the kept tensors as they were while it ran (the model's
+kept inputs leave the activations at its end), then again after the release.
 """
 
 from __future__ import annotations
@@ -115,11 +118,14 @@ class MemoryMeter:
                     "rs_grad", "ag_grad"):
             # gradients, factors, inverses or (a step) the optimizer state changed
             self.resident = self._resident(optimizer=kind == "step")
-        if kind in ("fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b"):
+        if kind in ("fwd", "bwd", "bwd_input", "curv_a", "curv_b"):
             self.kept = self._kept()
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
             self.held_acts -= self.acts.pop((stage, mb), 0)
+        if kind == "bwd_weight":  # its output gradients are gone; its kept inputs stand alone now
+            self.kept = self._kept()
+            self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
 
     # --- counting -------------------------------------------------------------------------------
     def _resident(self, optimizer: bool = True) -> int:
@@ -131,9 +137,17 @@ class MemoryMeter:
         return self._param_bytes + grads + self._opt_bytes + sum(layer.state_bytes() for layer in self.layers)
 
     def _kept(self) -> int:
-        kept = sum(layer.kept_bytes() for layer in self.layers)
-        if self.split:
-            shared = {t.untyped_storage().data_ptr() for layer in self.layers for t in layer.kept_tensors("B")}
-            kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
-                        for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
+        if not self.split:
+            return sum(layer.kept_bytes() for layer in self.layers)
+        # W's layer inputs (before B: `saved`, after: `kept`) are inside the activations
+        held_inputs = {x.untyped_storage().data_ptr() for wp in self.split.values()
+                       for slots in wp.saved.values() for s in slots if s is not None for x in s[:1]}
+        held_inputs |= {x.untyped_storage().data_ptr() for wp in self.split.values()
+                        for entries in wp.kept.values() for _, x, _ in entries}
+        kept = sum(nbytes(t) for layer in self.layers for t in layer.kept_tensors("A")
+                   if t.untyped_storage().data_ptr() not in held_inputs)
+        kept += sum(nbytes(t) for layer in self.layers for t in layer.kept_tensors("B"))
+        shared = {t.untyped_storage().data_ptr() for layer in self.layers for t in layer.kept_tensors("B")}
+        kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
+                    for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
         return kept

@@ -56,3 +56,46 @@ def test_weight_pass_from_kept_tensors_equals_autograd():
     split.backward_weight(0)
     for n, p in net.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-12, atol=1e-12)
+
+
+def test_kfac_kept_input_is_the_weight_pass_input_and_counts_once():
+    """K-FAC's captured layer input is the very tensor W keeps (same storage, no copy), so
+    the memory meter counts it inside the activations while W holds it, and on its own from
+    W's end to its curv_a (the planner's model: pfcompile.graph.costs)."""
+    from types import SimpleNamespace
+
+    from runtime import kfac
+    from runtime.memory import MemoryMeter, nbytes
+    from runtime.models import build_stage, kfac_linears, resolve_config, resolve_model
+    from runtime.split_backward import WeightPasses
+
+    torch.manual_seed(0)
+    cfg = resolve_config("bert-tiny", seq_len=8)
+    stage = build_stage(resolve_model(cfg), ["block0"], seed=0)
+    layers = kfac.make_layers(kfac_linears(stage), kfac.KfacConfig())
+    split = WeightPasses(stage)
+    meter = MemoryMeter({0: SimpleNamespace(module=stage, kfac={l.name: l for l in layers})}, torch.device("cpu"))
+    meter.split = {0: split}
+    x = torch.randn(2, 8, cfg.hidden, requires_grad=True)
+    with kfac.capturing(layers, 0), split.recording(0):
+        out = stage(x)
+    w_inputs = {id(lin): saved[0] for lin, saved in zip(split.linears, split.saved[0]) if saved is not None}
+    for l in layers:
+        (a,) = l.kept_tensors("A")
+        assert a.untyped_storage().data_ptr() == w_inputs[id(l.module)].untyped_storage().data_ptr()
+    a_bytes = sum(nbytes(t) for l in layers for t in l.kept_tensors("A"))
+    assert a_bytes > 0 and meter._kept() == 0  # inside the activations
+    with kfac.capturing(layers, 0):
+        split.backward_input(0, out, torch.randn_like(out), x)
+    w_grads = {id(lin): g for lin, _, g in split.kept[0]}
+    for l in layers:  # the output gradients too (the k projection's is not contiguous: no reshape copy)
+        (b,) = l.kept_tensors("B")
+        assert b.untyped_storage().data_ptr() == w_grads[id(l.module)].untyped_storage().data_ptr()
+    b_bytes = sum(nbytes(t) for l in layers for t in l.kept_tensors("B"))
+    assert b_bytes > 0 and meter._kept() == b_bytes  # every Linear of the block is a K-FAC layer
+    split.backward_weight(0)
+    assert meter._kept() == b_bytes + a_bytes  # W is done: the inputs are K-FAC's alone
+    for l in layers:
+        l.curv_a(0)
+    assert meter._kept() == b_bytes
+    split.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,8 @@ def tiny_problems(draw):
     if draw(st.booleans()) and n >= 2:  # two buffers on rank 0 competing for memory
         p.buffers.append((0, 2, 0, 0))
         p.buffers.append((0, 2, 1, 1))
+        if draw(st.booleans()):  # and one left by task 0 at its end, held until task 1's end if later
+            p.late_buffers.append((0, 2, 0, 1))
         p.capacity[0] = draw(st.sampled_from([2, 4]))
     if draw(st.booleans()) and n >= 3 and p.resource[1] != p.resource[2]:
         p.rendezvous.append([1, 2])
@@ -48,6 +51,9 @@ def level_ok(p: Problem, start, end) -> bool:
             continue
         events = [(start[a], nb) for r, nb, a, f in p.buffers if r == rank] + \
                  [(end[f], -nb) for r, nb, a, f in p.buffers if r == rank]
+        # a late buffer: [end of its holder, the later of both ends]
+        events += [e for r, nb, h, f in p.late_buffers if r == rank
+                   for e in ((end[h], nb), (max(end[h], end[f]), -nb))]
         for t, _ in events:
             if not 0 <= sum(c for u, c in events if u <= t) <= cap:
                 return False
@@ -93,12 +99,36 @@ def test_optimal_on_tiny_instances_matches_exhaustive_search(p):
     assert lower_bounds(p).makespan <= want
 
 
+@pytest.mark.parametrize("order,late,want", [
+    ("HXU", True, None),   # the late buffer (H's end to U's) overlaps X's: 4 bytes > 2
+    ("HXU", False, 4),
+    ("UHX", True, 4),      # U ended before H: nothing held
+    ("HUX", True, 4)])     # held [2, 3], freed as X allocates at 3
+def test_late_buffer_is_held_from_its_holders_end_to_the_later_end(order, late, want):
+    """A buffer left by H at its end and freed by U (a split backward's K-FAC kept input):
+    CP-SAT's max-equality reservoir against exhaustive search, on one rank of capacity 2
+    where H holds 2 bytes while it runs and X 2 bytes while it runs."""
+    p = Problem()
+    ids = {name: p.add(name, d, (0, "compute")) for name, d in (("H", 2), ("U", 1), ("X", 1))}
+    p.edges += [(ids[a], ids[b], 0) for a, b in zip(order, order[1:])]
+    p.buffers += [(0, 2, ids["H"], ids["H"]), (0, 2, ids["X"], ids["X"])]
+    if late:
+        p.late_buffers.append((0, 2, ids["H"], ids["U"]))
+    p.capacity[0] = 2
+    assert brute_force(p) == want
+    res = solve(p, time_limit=10, workers=1)
+    if want is None:
+        assert res.status == "INFEASIBLE"
+    else:
+        assert res.status == "OPTIMAL" and res.objective == want and violations(p, res.schedule) == []
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tiny_problems())
 def test_list_schedule_is_feasible_and_never_below_the_optimum(p):
     from pfcompile.place.list_schedule import list_schedule
 
-    want = brute_force(replace(p, buffers=[], capacity={}, phases=[]))
+    want = brute_force(replace(p, buffers=[], late_buffers=[], capacity={}, phases=[]))
     assume(want is not None)  # a collective whose members depend on each other: no schedule
     s = list_schedule(p)
     assert violations(p, s, memory=False) == []
@@ -112,7 +142,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import pytest  # noqa: E402
 
 from pfcompile.formats.errors import InputError  # noqa: E402
 from pfcompile.formats.ops import Op  # noqa: E402

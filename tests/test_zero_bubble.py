@@ -166,6 +166,101 @@ def test_cpsat_moves_weight_passes_to_fit_the_memory_limit():
         build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=4 * 10**6), "cpsat", time_limit=5)
 
 
+# --- K-FAC's kept input shares what W keeps ----------------------------------------------------
+def kept_input_profile(kept_a: int):
+    """2 blocks of 2 K-FAC layers; act 1000 per block, kept_b 10 per layer (so W keeps
+    nothing beyond the K-FAC output gradients: wgrad falls back to the kept_b sum)."""
+    prof = uniform_profile(blocks=2, act_bytes=1000)
+    for l in prof.kfac_layers:
+        l.kept_a_bytes, l.kept_b_bytes = kept_a, 10
+    prof.to_json()  # the hash
+    return prof
+
+
+def brute_force_peaks(plan, prof) -> list[int]:
+    """Each rank's peak from the plan's (replayed) op times and the memory model's intervals
+    alone, buffer by buffer, half-open [alloc, free) (a free at an instant before an
+    allocation): act [F start, W end), W's output gradients [B start, W end) beyond the
+    K-FAC ones, kept_b [B start, curv_b end), kept_a [W end, max(W end, curv_a end)).
+    Cycle 0 (k = 1; the plans here start the next cycle after the last op)."""
+    from pfcompile.graph.costs import Costs
+
+    costs = Costs(prof, plan.partition, 1)
+    at = {(q, p.op): (p.start, p.end) for q, steps in enumerate(plan.ranks) for ops in steps for p in ops}
+    out = []
+    for q, steps in enumerate(plan.ranks):
+        iv = []  # (from, to, bytes)
+        for p in (p for ops in steps for p in ops):
+            s, m = p.op.stage, p.op.mb
+            if p.op.kind == "fwd":
+                iv.append((p.start, at[(q, Op("bwd_weight", stage=s, mb=m))][1], costs.act_bytes(s)))
+            elif p.op.kind == "bwd_input":
+                w_end = at[(q, Op("bwd_weight", stage=s, mb=m))][1]
+                kept_b = 0
+                for l in costs.stage_layers[s]:
+                    kept_b += prof.kfac_layers[l].kept_b_bytes
+                    iv.append((p.start, at[(q, Op("curv_b", layer=l, mb=m))][1], prof.kfac_layers[l].kept_b_bytes))
+                    ca_end = at[(q, Op("curv_a", layer=l, mb=m))][1]
+                    iv.append((w_end, max(w_end, ca_end), prof.kfac_layers[l].kept_a_bytes))
+                iv.append((p.start, w_end, max(0, costs.wgrad_bytes(s) - kept_b)))
+        level = max(sum(n for a, f, n in iv if a <= t < f) for t in {a for a, _, _ in iv})
+        held = sorted({p.op.stage for ops in steps for p in ops if p.op.kind == "fwd"})
+        out.append(costs.resident_bytes(held) + level)
+    return out
+
+
+def test_kfac_kept_input_is_counted_from_the_weight_pass_on():
+    """zb-h1, D = 2, N = 2, k = 1, the K-FAC work after the step (every curv_a after its W):
+    the kept inputs (100 bytes a layer, 2 layers a stage) are inside the activations until W
+    ends, then held alone until their curv_a. Each rank's peak is resident + 2 activations
+    (1000 each) + the output gradients (10 a layer) of what has passed B by then; the old
+    model held every kept input from its forward on: 2 x 200 more on both ranks."""
+    from pfcompile.place.assemble import appended_steps, assemble, finish
+
+    prof = kept_input_profile(kept_a=100)
+    tg = build_task_graph(prof, PipelineConfig("zb-h1", 2, 2))
+    kept_a = next(b for b in tg.buffers if b.key == ("kept_a", 2, 1))
+    assert kept_a.at_end and kept_a.alloc == Task(0, 1, Op("bwd_weight", stage=1, mb=1))
+    assert kept_a.free == Task(None, 1, Op("curv_a", layer=2, mb=1))
+    # curv_a still follows only the forward: the planner may run it before or after W
+    assert tg.g.has_edge(Task(0, 1, Op("fwd", stage=1, mb=1)), kept_a.free)
+    assert not tg.g.has_edge(kept_a.alloc, kept_a.free)
+    plan = assemble(prof, tg, appended_steps(tg), "none")
+    result = finish(plan, prof)
+    resident = result.resident_bytes
+    # rank 0: F0 F1 B0 ...: at B0 both activations and B0's output gradients (2 x 10);
+    # rank 1: F0 B0 F1 B1 W0 W1: at B1 both activations and both micro-batches' (4 x 10)
+    assert result.peak_memory_bytes == [resident[0] + 2000 + 20, resident[1] + 2000 + 40]
+    old = [p + 2 * 200 for p in result.peak_memory_bytes]  # every kept input held from its forward
+    assert all(new < o for new, o in zip(result.peak_memory_bytes, old))
+    # after rank 1's W0 (ends at 6 ms): activation 1 + 40 of output gradients + W0's kept inputs
+    assert (6.0, resident[1] + 1000 + 40 + 200) in result.memory_trace[1]
+    assert brute_force_peaks(plan, prof) == result.peak_memory_bytes
+
+
+def test_cpsat_fits_a_limit_only_the_shared_kept_input_allows():
+    """Kept inputs of 500 a layer (1000 a stage): counted from the forward, the family's order
+    needs resident + 2 activations + the second forward's kept inputs on rank 0 (3464 bytes);
+    shared with W, 2484. A limit of 3000 between them is now planned by CP-SAT and accepted by
+    the replay; below 2484 it is refused naming the rank."""
+    from pfcompile.formats.errors import InputError
+
+    prof = kept_input_profile(kept_a=500)
+    resident = build_task_graph(prof, PipelineConfig("zb-h1", 2, 4)).resident_bytes[0]
+    assert resident + 2 * 1000 + 1000 == 3464 and resident + 2 * 1000 + 20 == 2484
+    cfg = PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=3000)
+    plan, result, _ = build_plan(prof, cfg, "cpsat", time_limit=5)
+    assert max(result.peak_memory_bytes) <= 3000
+    assert replay(plan, prof).peak_memory_bytes == result.peak_memory_bytes  # the limit is in the plan
+    with pytest.raises(InputError, match="rank 0 needs 2484 bytes, over the limit of 2400"):
+        build_plan(prof, PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=2400), "cpsat", time_limit=5)
+    # and a plan whose curv_a run after W with the limit below its peak: the replay names the rank
+    plan.config["memory_limit_bytes"] = max(result.peak_memory_bytes) - 1
+    q = result.peak_memory_bytes.index(max(result.peak_memory_bytes))
+    with pytest.raises(ReplayError, match=f"rank {q} needs {max(result.peak_memory_bytes)} bytes"):
+        replay(plan, prof)
+
+
 def canonical_ops(prof, cfg, q):
     plan, _ = baseline_plan(prof, cfg, check_memory=False)
     return plan.ranks[q][0]

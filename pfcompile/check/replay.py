@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from dataclasses import dataclass, field
 
-from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, Op
+from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Cluster, Profile
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops
@@ -92,7 +92,8 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
     costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
                   cluster=Cluster.from_json(cluster) if cluster else None,
-                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner)
+                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
+                  split_backward=plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES)
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     check_ops(plan, L, where)
@@ -230,25 +231,35 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, X: CycleIndex, start: list[
     peaks, traces = [], []
     limit = plan.config.get("memory_limit_bytes")
     allocs = [costs.allocates(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]
+    late = [costs.allocates_at_end(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]
     frees = [costs.frees(op) for op in ops]
     for q in range(L.W):
-        events = []  # (time, order, delta, op text): frees (order 0) before allocations at a tie
+        # (time, order, bytes, key, op): frees (order 0) before allocations at a tie; an
+        # allocation at an op's end (order 2: a tensor leaving another buffer, costs.
+        # allocates_at_end) is skipped when its freeing op has already ended
+        events = []
         live: dict[tuple, int] = {}
+        freed: set[tuple] = set()
         for c in range(cycles):
             for j in range(X.first[q], X.first[q + 1]):
                 x = c * M + j
                 for bkey, nbytes in allocs[j]:
                     events.append((start[x], 1, nbytes, (c,) + bkey, j))
+                for bkey, nbytes in late[j]:
+                    events.append((end[x], 2, nbytes, (c,) + bkey, j))
                 for bkey in frees[j]:
                     events.append((end[x], 0, None, (c,) + bkey, j))
         events.sort(key=lambda e: (e[0], e[1]))
         cur, peak, peak_at, trace = resident[q], resident[q], "start", [(0.0, resident[q])]
         for at, order, nbytes, bkey, who in events:
-            if order == 1:
+            if order == 2 and bkey in freed:
+                continue
+            if order:
                 live[bkey] = nbytes
                 cur += nbytes
             else:
                 cur -= live.pop(bkey, 0)
+                freed.add(bkey)
             if bkey[0] == 0:
                 trace.append((at, cur))
             if cur > peak:

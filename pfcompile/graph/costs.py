@@ -18,6 +18,13 @@ Memory model (DESIGN.md, plan semantics):
   freed at the end of `bwd_weight(s, m)`. On the refresh step with K-FAC, the kept output
   gradients of the K-FAC layers ARE those tensors: bwd_input allocates them as kept_b
   (freed by curv_b, which runs with or after W), and the W buffer holds only the rest.
+  Likewise a K-FAC layer's kept input IS the layer input W keeps (runtime.split_backward
+  and runtime.kfac hold the same storage), inside the activations until W ends: `fwd`
+  allocates no kept_a; `bwd_weight` allocates it at its END (`allocates_at_end`) unless its
+  `curv_a` has already ended, and `curv_a` frees it. So kept_a is held over
+  [end of W, max(end of W, end of curv_a)]: nothing when curv_a runs before W ends.
+  (Non-split families hold the same tensor in `act` until `bwd` too; they still count
+  kept_a from `fwd` to `curv_a`.)
 Buffers are named by keys: ("act", stage, mb), ("wgrad", stage, mb), ("kept_a", layer, mb),
 ("kept_b", layer, mb).
 """
@@ -101,6 +108,7 @@ class Costs:
     cluster: Cluster | None = None
     stage_ranks: list[list[int]] | None = None
     precond_owner: list | None = None  # split preconditioning: replica per layer (None: replica_share)
+    split_backward: bool = False  # a zero-bubble family: kept_a shares W's kept input (module doc)
 
     def __post_init__(self):
         part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
@@ -261,7 +269,7 @@ class Costs:
         layers = self.profile.kfac_layers
         if op.kind == "fwd":
             out.append((("act", op.stage, op.mb), self.act_bytes(op.stage)))
-            if refresh and self.kfac:
+            if refresh and self.kfac and not self.split_backward:
                 out += [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
         elif op.kind in ("bwd", "bwd_input") and refresh and self.kfac:
             out += [(("kept_b", l, op.mb), layers[l].kept_b_bytes) for l in self.stage_layers[op.stage]]
@@ -269,6 +277,16 @@ class Costs:
             shared = sum(n for key, n in out if key[0] == "kept_b")
             out.append((("wgrad", op.stage, op.mb), max(0, self.wgrad_bytes(op.stage) - shared)))
         return out
+
+    def allocates_at_end(self, op: Op, refresh: bool) -> list[tuple[tuple, int]]:
+        """Buffers the op allocates at its END, each only if the op that frees it has not
+        ended by then (held over [this end, max(this end, the freeing op's end)]): with a
+        split backward, the K-FAC layers' inputs W kept inside the activations, which
+        outlive W until their curv_a."""
+        if op.kind == "bwd_weight" and refresh and self.kfac and self.split_backward:
+            layers = self.profile.kfac_layers
+            return [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
+        return []
 
     def frees(self, op: Op) -> list[tuple]:
         """Buffer keys the op frees at its end."""

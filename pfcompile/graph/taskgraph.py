@@ -28,7 +28,11 @@
 - `buffers`: [Buffer(rank, nbytes, alloc, free, key)]: allocated at the start of `alloc`,
   freed at the end of `free` (activations fwd -> bwd; K-FAC kept input fwd@0 -> curv_a;
   kept output gradient bwd@0 -> curv_b; split backward: activations fwd -> bwd_weight,
-  output gradients bwd_input -> bwd_weight, kept_b bwd_input@0 -> curv_b). `resident_bytes[rank]`: always held.
+  output gradients bwd_input -> bwd_weight, kept_b bwd_input@0 -> curv_b). A buffer with
+  `at_end` is allocated at the END of `alloc` and held until the later of the two ends
+  (nothing held if `free` ends first): a split backward's K-FAC kept input, inside the
+  activations until W, bwd_weight@0 -> curv_a (pfcompile.graph.costs, memory model).
+  `resident_bytes[rank]`: always held.
 - `canonical[rank][step]`: the schedule family's order of the per-step tasks of the rank
   (fwd/bwd/send/recv, then sync_grad, precond, step): the bubble baseline's op list.
 - `inv_candidates[(layer, factor)]`: the ranks that could invert it (one per replica of
@@ -61,6 +65,10 @@ class Buffer:
     alloc: Task
     free: Task
     key: tuple
+    # allocated at the end of `alloc` instead of its start, and held over
+    # [end(alloc), max(end(alloc), end(free))]: the tensor lives inside another buffer until
+    # `alloc` ends (costs.Costs.allocates_at_end)
+    at_end: bool = False
 
 
 @dataclass
@@ -189,7 +197,8 @@ def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str
     partition = (check_partition(cfg.partition, profile, cfg.num_stages)
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac, cluster=cfg.cluster,
-                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)])
+                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
+                  split_backward=cfg.split_backward)
     tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
     if cfg.kfac and cfg.replicas > 1 and cfg.precond != "all":
         tg.precond_owner = costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
@@ -317,15 +326,24 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
             for f, kind, after in (("A", "curv_a", "fwd"), ("B", "curv_b", "bwd")):
                 c = tg.add_task(Task(None, q, O(kind, layer=l, mb=m)))
                 made_by = Task(0, q, O(after, stage=s, mb=m))
+                key = (f"kept_{f.lower()}", l, m)
                 if kind == "curv_b" and cfg.split_backward:
                     # the output gradient is made by B and shared with W: curv_b runs with
                     # or after W (they read the same tensors; B -> W implies B -> curv_b),
                     # the buffer lives from B on
                     made_by = Task(0, q, O("bwd_input", stage=s, mb=m))
                     tg.add_edge(Task(0, q, O("bwd_weight", stage=s, mb=m)), c)
+                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
+                elif kind == "curv_a" and cfg.split_backward:
+                    # the input is W's kept input, inside the activations until W ends:
+                    # curv_a runs before or after W (the planner chooses) and holds it on
+                    # its own only from W's end to its own
+                    tg.add_edge(made_by, c)
+                    w = Task(0, q, O("bwd_weight", stage=s, mb=m))
+                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), w, c, key, at_end=True))
                 else:
                     tg.add_edge(made_by, c)
-                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, (f"kept_{f.lower()}", l, m)))
+                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
                 curv[f].append(c)
         ready_for_inv: dict[int, list[Task]] = {}
         for r in range(R):

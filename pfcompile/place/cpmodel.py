@@ -13,7 +13,9 @@ One function per constraint family, objective last; `build_model` reads like the
 
 Memory is a reservoir (+bytes at the allocating task's start, -bytes at the freeing task's
 end) solved with `expand_reservoir_constraints=False`: expanded into Booleans per pair of
-events it does not finish on real instances.
+events it does not finish on real instances. A late buffer (Problem.late_buffers) adds
++bytes at its holder's end and -bytes at max(holder's end, free task's end), a variable
+tied by a max equality: an empty interval when the free task ends first.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Vars:
     makespan: object = None  # the objective: the makespan, or the period (Problem.periodic)
     boundary: list = field(default_factory=list)  # (var, tasks before it)
     window: dict = field(default_factory=dict)  # periodic: rank -> (lo, hi), its first start and last end
+    later_end: list = field(default_factory=list)  # (var, a, b): var = max(end_a, end_b), late buffers
 
     def present(self, p: Problem, i: int) -> list:
         """Literals under which task i exists (empty: always)."""
@@ -49,7 +52,7 @@ def build_model(p: Problem, horizon: int | None = None) -> tuple[cp_model.CpMode
     add_dependencies(m, p, v)
     add_rendezvous(m, p, v)
     add_choices(m, p, v)
-    add_memory(m, p, v)
+    add_memory(m, p, v, horizon or p.horizon())
     add_fixed_order(m, p, v)
     add_phases(m, p, v, horizon or p.horizon())
     add_makespan_objective(m, p, v, horizon or p.horizon())
@@ -96,17 +99,28 @@ def add_choices(m, p: Problem, v: Vars) -> None:
         m.add_exactly_one(v.option[o] for o in options)
 
 
-def add_memory(m, p: Problem, v: Vars) -> None:
+def add_memory(m, p: Problem, v: Vars, horizon: int) -> None:
     by_rank: dict[int, list] = {}
     for rank, nbytes, alloc, free in p.buffers:
-        by_rank.setdefault(rank, []).append((nbytes, alloc, free))
+        by_rank.setdefault(rank, []).append((nbytes, alloc, free, False))
+    for rank, nbytes, holder, free in p.late_buffers:
+        by_rank.setdefault(rank, []).append((nbytes, holder, free, True))
     for rank, bufs in by_rank.items():
         cap = p.capacity.get(rank)
         if cap is None:
             continue
         times, changes = [], []
-        for nbytes, alloc, free in bufs:
-            times += [v.start[alloc], v.end[free]]
+        for nbytes, alloc, free, late in bufs:
+            if late:
+                # held from the holder's end to the later end: a max equality, so that a free
+                # task that ends first leaves an empty interval (+bytes and -bytes at once)
+                assert p.option[alloc] is None and p.option[free] is None, "a late buffer's tasks always run"
+                freed = m.new_int_var(0, horizon, "")
+                m.add_max_equality(freed, [v.end[alloc], v.end[free]])
+                v.later_end.append((freed, alloc, free))
+                times += [v.end[alloc], freed]
+            else:
+                times += [v.start[alloc], v.end[free]]
             changes += [nbytes, -nbytes]
         m.add_reservoir_constraint(times, changes, 0, cap)
 
@@ -171,6 +185,8 @@ def add_hint(m, p: Problem, v: Vars, hint: Schedule) -> None:
     m.add_hint(v.makespan, hint.makespan)
     for b, before in v.boundary:
         m.add_hint(b, max((hint.start[i] + p.dur[i] for i in before), default=0))
+    for e, a, b in v.later_end:
+        m.add_hint(e, max(hint.start[a] + p.dur[a], hint.start[b] + p.dur[b]))
     # every variable hinted: an incomplete hint is only a search preference, and CP-SAT
     # may not complete it into a solution for minutes on a large periodic model
     lo: dict = {}

@@ -7,7 +7,9 @@ What the model adds to the graph (pfcompile.graph.taskgraph) and why:
   the runtime runs step t with list t): a boundary per rank and step;
 - `fixed_order`: the family's forward/backward order per rank as a chain; the K-FAC work,
   sync_grad, precond and step are placed freely either way;
-- memory: capacity = memory limit - resident bytes per rank (a reservoir in the model);
+- memory: capacity = memory limit - resident bytes per rank (a reservoir in the model;
+  a split backward's K-FAC kept input a late buffer: from W's end to the later of W's and
+  curv_a's ends);
 - sends and receives glued to the op they follow / precede (their message an edge with
   the transfer time as lag): moving them gains nothing, and it halves the tasks;
 - optionally, the curvature ops one forward/backward enables as one task (its layers back
@@ -110,7 +112,8 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
             p.rendezvous.append(members)
     for b in tg.buffers:
         if b.alloc in host and b.free in host:
-            p.buffers.append((b.rank, b.nbytes, index[host[b.alloc]], index[host[b.free]]))
+            (p.late_buffers if b.at_end else p.buffers).append(
+                (b.rank, b.nbytes, index[host[b.alloc]], index[host[b.free]]))
     limit = cfg.memory_limit_bytes
     p.capacity = {q: (None if limit is None else limit - tg.resident_bytes[q]) for q in tg.ranks}
     for q, steps in tg.canonical.items():

@@ -13,6 +13,10 @@ exhaustive search work on tiny hand-made instances as well as on real task graph
   broadcasts from it).
 - `buffers`: (rank, bytes, alloc task, free task): allocated at the start of the first,
   freed at the end of the second.
+- `late_buffers`: (rank, bytes, holder task, free task): allocated at the END of the holder
+  and freed at the later of the two ends (held over [end(holder), max(end(holder),
+  end(free))], nothing if the free task ends first): a tensor that lives inside the
+  holder's buffers until the holder ends (a split backward's K-FAC kept input, W's).
 - `capacity[rank]`: bytes available for buffers (memory limit minus resident), or None.
 - `chains`: sequences of tasks that must run in this order (`--fixed-order`).
 - `phases`: per rank, groups of tasks that run one group after another (the steps of the
@@ -55,6 +59,7 @@ class Problem:
     rendezvous: list[list[int]] = field(default_factory=list)
     choices: list[list[int]] = field(default_factory=list)
     buffers: list[tuple[int, int, int, int]] = field(default_factory=list)
+    late_buffers: list[tuple[int, int, int, int]] = field(default_factory=list)
     capacity: dict[int, int | None] = field(default_factory=dict)
     chains: list[list[int]] = field(default_factory=list)
     phases: list[list[list[int]]] = field(default_factory=list)
@@ -169,6 +174,10 @@ def peak_levels(p: Problem, s: Schedule) -> dict[int, int]:
     events: dict[int, list[tuple[int, int]]] = {}
     for rank, nbytes, a, f in p.buffers:
         events.setdefault(rank, []).extend([(s.start[a], nbytes), (s.start[f] + p.dur[f], -nbytes)])
+    for rank, nbytes, h, f in p.late_buffers:
+        held = s.start[h] + p.dur[h]
+        freed = max(held, s.start[f] + p.dur[f])
+        events.setdefault(rank, []).extend([(held, nbytes), (freed, -nbytes)])
     peaks = {}
     for rank, ev in events.items():
         level = peak = 0
