@@ -92,7 +92,10 @@ MEMORY_CASES = [("gpipe", 2), ("1f1b", 2), ("chimera", 4), ("zb-h1", 2)]
 def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
     """On CPU the runtime counts what the planner models; after a full refresh cycle (every
     buffer allocated: optimizer state, factors, spare inverse slots) each rank's measured peak
-    is within 10% of the plan's prediction. The GPipe plan is run with a memory limit below
+    is within 10% of the plan's prediction. The run covers a whole cycle after two (3k
+    steps): a plan's peak may fall in any step of the cycle (step 0's kept tensors wait for
+    curvature ops placed in later steps), and only from the third cycle on does every step
+    find that state allocated. The GPipe plan is run with a memory limit below
     what it needs (edited into the plan): the run says so."""
     table = []
     for schedule, stages in MEMORY_CASES:
@@ -102,7 +105,7 @@ def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
         if schedule == "gpipe":
             obj["config"]["memory_limit_bytes"] = int(0.9 * max(predicted))
             plan.write_text(json.dumps(obj))
-        r = torchrun(plan, obj["config"]["world_size"], "--steps", str(2 * k + 1), "--dtype", "float32",
+        r = torchrun(plan, obj["config"]["world_size"], "--steps", str(3 * k), "--dtype", "float32",
                      "--data", "synthetic", "--p2p-tags", "off", "--json")
         assert r.returncode == 0, r.stdout[-3000:]
         summary = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("{")))
