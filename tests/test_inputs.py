@@ -82,7 +82,8 @@ def test_task_count_over_the_limit_is_refused_up_front(capsys, ops_only_tiny):
     # a cycle the bubbles would need too many steps for: refused before placing anything
     argv = ["plan", str(ops_only_tiny), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1024", "--method", "greedy"]
     assert pfcompile_main(argv) == 2
-    assert "refresh cycle of at least" in _one_line(capsys.readouterr().err)
+    err = _one_line(capsys.readouterr().err)
+    assert "refresh cycle of at least" in err and "ms of bubble per step" in err and "--method none" in err
 
 
 def test_plan_output_path_is_checked_before_planning(tmp_path, capsys):
