@@ -142,13 +142,12 @@ def _check_cycle_size(tg: TaskGraph, floating: list[Task], bubble: dict[int, flo
     work: dict[int, float] = {}
     for t in floating:
         work[t.rank] = work.get(t.rank, 0.0) + tg.duration(t)
-    need = {q: math.ceil(w / bubble[q] - 1e-9) if bubble.get(q, 0.0) > 1e-9 else math.inf
-            for q, w in work.items() if w > 0}
+    # (a rank without any bubble, one stage alone, gets its K-FAC work after its pipeline work)
+    need = {q: math.ceil(w / bubble[q] - 1e-9) for q, w in work.items() if bubble.get(q, 0.0) > 1e-9}
     k = max([*need.values(), 1])
     if k > MAX_REFRESH_STEPS:
         q = max(need, key=need.get)
-        cycle = "no refresh cycle" if k == math.inf else f"a refresh cycle of at least {k} steps"
-        raise InputError("--micro-batches", None, f"the K-FAC work needs {cycle} to fit "
+        raise InputError("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to fit "
                          f"the bubbles (rank {q}: {work[q]:.1f} ms of K-FAC work, {bubble[q]:.2f} ms of bubble per "
                          f"step), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or more stages give "
                          "more bubble per unit of work, or --method none appends the K-FAC work to every step")
