@@ -5,6 +5,7 @@ evaluate, checkpoint, and at the end gather the trained model and the measured t
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -20,6 +21,13 @@ from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
 from runtime.interpreter import Interpreter
 from runtime.metrics import Metrics
+
+# Python's cyclic garbage collector runs when a rank has allocated enough container
+# objects: at a different moment on each rank, and a full collection walks every object
+# torch made (tens of ms), so the other ranks wait for it. Like torchtitan, the loop turns
+# automatic collection off and collects the young generations every GC_EVERY steps on all
+# ranks at once.
+GC_EVERY = 50
 
 
 def run(job, args) -> measure.Summary | None:
@@ -61,7 +69,10 @@ def run(job, args) -> measure.Summary | None:
         every, log_every = train["eval.every"], train["log.every"]
         dist.barrier()
         timeline.start()  # all ranks measure from (about) the same instant
+        gc.disable()  # collections at chosen steps, not whenever a rank allocates (a straggler)
         for step in range(first, steps):
+            if (step - first) % GC_EVERY == 0:
+                gc.collect(1)
             before_step(step)
             poison(step)
             started = time.perf_counter()
@@ -94,6 +105,7 @@ def run(job, args) -> measure.Summary | None:
         metrics.close()
         return _summary(job, args, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
     finally:
+        gc.enable()
         comm.shutdown(clean)
 
 
