@@ -249,6 +249,9 @@ def _run(args) -> int:
                                             placement=args.placement, precond=args.precond)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
+    if "bubbles_too_small" in plan.stats:
+        print(f"note: the bubbles cannot hold the K-FAC work ({plan.stats['bubbles_too_small']}): CP-SAT stretched "
+              f"the step, starting from the work appended to it", file=sys.stderr)
     # what is written is what every reader will verify: check the file's form, not the object
     with budget.stage("verify"):
         verify_plan(plan_from_json(plan.to_json(), args.output or "<plan>"), args.output or "<plan>",
@@ -261,7 +264,7 @@ def _run(args) -> int:
             "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
-            "peak_memory_bytes", "refresh_steps_note", "placement")
+            "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
            **{k: plan.stats.get(k) for k in keys}, "stage_seconds": seconds, "peak_rss_mib": peak_rss_mib()}
     if args.json:

@@ -88,6 +88,19 @@ def time_fixed_order(tg: TaskGraph, orders: dict[int, list[Task]]) -> dict[Task,
     return {t: (start[unit_of[t]], start[unit_of[t]] + tg.duration(t)) for t in in_order}
 
 
+class CycleTooLong(InputError):
+    """The bubbles would need a refresh cycle over the limit to hold the K-FAC work."""
+
+    def __init__(self, k: int, rank: int, work_ms: float, bubble_ms: float):
+        self.short = (f"rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble per step; "
+                      f"bubbles alone need a refresh cycle of at least {k} steps")
+        super().__init__("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to "
+                         f"fit the bubbles (rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble "
+                         f"per step), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or more stages give "
+                         "more bubble per unit of work; --method cpsat stretches the step to hold it, --method none "
+                         "appends it to every step")
+
+
 class _Gaps:
     """Idle intervals of one rank over the cycle's steps: the step's gaps shifted by t·T.
     Kept sorted and disjoint as two parallel lists (starts, ends), so every query is a
@@ -147,18 +160,17 @@ def _check_cycle_size(tg: TaskGraph, floating: list[Task], bubble: dict[int, flo
     k = max([*need.values(), 1])
     if k > MAX_REFRESH_STEPS:
         q = max(need, key=need.get)
-        raise InputError("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to fit "
-                         f"the bubbles (rank {q}: {work[q]:.1f} ms of K-FAC work, {bubble[q]:.2f} ms of bubble per "
-                         f"step), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or more stages give "
-                         "more bubble per unit of work, or --method none appends the K-FAC work to every step")
+        raise CycleTooLong(k, q, work[q], bubble[q])
     if k * per_step > MAX_TASKS:
         raise InputError("--micro-batches", None, f"a refresh cycle of at least {k} steps of {per_step} ops is over "
                          f"the limit of {MAX_TASKS} tasks (the greedy's state would not fit in memory; see "
                          "pfcompile/formats/limits.py)")
 
 
-def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
-    """-> (graph of one step, steps[rank][step] op lists, info dict)."""
+def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None, bubbles: bool = True):
+    """-> (graph of one step, steps[rank][step] op lists, info dict). `bubbles` False: no
+    first fit, every K-FAC unit after the step's pipeline work (k = 1), the start CP-SAT
+    stretches from when the bubbles cannot hold the work (CycleTooLong)."""
     tg = build_task_graph(profile, replace(cfg, refresh_steps=1))
     orders = {q: steps[0] for q, steps in tg.canonical.items()}
     base = time_fixed_order(tg, orders)
@@ -170,7 +182,8 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
         gaps_of[q] = [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
     gaps = {q: _Gaps(g, T) for q, g in gaps_of.items()}
     bubble = {q: sum(b - a for a, b in g) for q, g in gaps_of.items()}
-    _check_cycle_size(tg, floating, bubble, sum(len(ts) for ts in orders.values()))
+    if bubbles:
+        _check_cycle_size(tg, floating, bubble, sum(len(ts) for ts in orders.values()))
 
     # a collective is placed as one unit: all members start together
     units = tg.unit_graph(floating)
@@ -184,7 +197,7 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None):
         d = tg.duration(group[0])
         preds = [(p, u) for u in group for p in tg.g.predecessors(u)]
         at = None
-        if not any(p in tail_tasks for p, _ in preds):
+        if bubbles and not any(p in tail_tasks for p, _ in preds):
             ready = max([0.0] + [(base[p] if p in base else placed[p])[1] + tg.g.edges[p, u]["lag"] for p, u in preds])
             # bubbles repeat every step: a unit that fits in no fresh step never fits
             at = _first_fit(group, ready, d, gaps, max(last_step, int(ready // T)) + 2)

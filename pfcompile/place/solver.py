@@ -452,6 +452,8 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         "workers": opts.workers, "time_limit_s": opts.time_limit, "total_time_limit_s": opts.total_time_limit,
         "tasks_model": best.cm.problem.n,
         "fell_back_to_greedy": False,
+        # why the search started from the K-FAC work appended to the step, not in bubbles
+        **({"bubbles_too_small": greedy_info["bubbles_too_small"]} if "bubbles_too_small" in greedy_info else {}),
     }
     with budget.stage("replay"):
         t_replay = time.monotonic()
@@ -532,6 +534,12 @@ def _greedy_gap(profile: Profile, cfg: PipelineConfig, plan: Plan, opts: SolverO
 def _greedy(profile: Profile, cfg: PipelineConfig):
     """PipeFisher's greedy: (its one-step graph, op lists, info: k, bubbles, K-FAC work):
     the warm start and the bar to beat."""
-    from pfcompile.place.greedy import greedy_steps
+    from pfcompile.place.greedy import CycleTooLong, greedy_steps
 
-    return greedy_steps(profile, cfg)
+    try:
+        return greedy_steps(profile, cfg)
+    except CycleTooLong as e:
+        # bubbles too small for the K-FAC work (a zero-bubble pipeline, a short one): start
+        # from it appended to the step; CP-SAT then stretches the step, k from the k rule
+        tg, steps, info = greedy_steps(profile, cfg, bubbles=False)
+        return tg, steps, {**info, "bubbles_too_small": e.short}
