@@ -63,13 +63,16 @@ OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2
       --steps "$STEPS" --trace "$OUT/measured.trace.json" 2>&1 | grep -v '^W[0-9]' | tee "$OUT/run1.txt" || exit 1
 
 say "5/5 where the time went, then calibrate the profile from this run, re-plan and run again"
-"$PY" -m pfcompile inspect "$OUT/measured.trace.json" --against "$OUT/plan.json"
+"$PY" -m pfcompile inspect "$OUT/measured.trace.json" --against "$OUT/plan.json" --profile "$OUT/bert-tiny.json"
 "$PY" -m pfcompile calibrate "$OUT/bert-tiny.json" "$OUT/measured.trace.json" -o "$OUT/bert-tiny.calibrated.json"
 "$PY" -m pfcompile plan "$OUT/bert-tiny.calibrated.json" --schedule 1f1b --stages 2 --micro-batches 4 \
       --method cpsat --time-limit 10 --workers 2 -o "$OUT/plan.calibrated.json" > /dev/null
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
       "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" 2>&1 \
   | grep -v '^W[0-9]' | tee "$OUT/run2.txt" > /dev/null || exit 1
+echo "the second run, replayed with its own op times:"
+"$PY" -m pfcompile inspect "$OUT/measured.calibrated.trace.json" --against "$OUT/plan.calibrated.json" \
+      --profile "$OUT/bert-tiny.calibrated.json" | sed -n '/replayed with/,$p' | tail -n +2
 echo "before calibration: $(grep '^runtime: [0-9]* steps' "$OUT/run1.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')"
 echo "after calibration:  $(grep '^runtime: [0-9]* steps' "$OUT/run2.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')  (a second run, seed 1)"
 

@@ -180,6 +180,46 @@ def test_calibration_recovers_known_costs(tmp_path):
     assert json.loads(replanned.read_text())["profile"]["hash"] == again.hash
 
 
+def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
+    """`pfcompile inspect TRACE --against PLAN --profile P` replays the plan with the run's
+    own op times, messages as P models them. On runs written from the cost model with known
+    costs (not the plan's profile's) every step's ops take the same time, so mean and own
+    op times replay alike and give the truth's replay: the plan's prediction is off by the
+    op times' level. With the profile's messages the replay is the run's step time; with
+    another message latency and receive completion the difference is the messages'."""
+    prof = load_profile(str(PROFILE))
+    plan_path = make_plan(tmp_path, prof, "gpipe4")
+    prof_path = tmp_path / "prof.json"
+    prof.save(str(prof_path))
+    plan = load_plan(str(plan_path))
+    k = plan.refresh_steps
+    truth = true_profile(prof)  # another link latency and receive completion than prof's
+    same_messages = copy.deepcopy(truth)
+    same_messages.comm = copy.deepcopy(prof.comm)
+    same_messages.runtime.recv_ms, same_messages.runtime.op_ms = prof.runtime.recv_ms, prof.runtime.op_ms
+    got = {}
+    for name, machine in (("same", same_messages), ("other", truth)):
+        trace = synthetic_trace(tmp_path, plan_path, machine, steps=8 * k + 1)
+        r = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(prof_path), "--json")
+        assert r.returncode == 0, r.stderr
+        got[name] = json.loads(r.stdout)["replayed"]
+        assert got[name]["cycles"] == (8 * k + 1) // k - 1  # whole cycles after the 1 warm-up step
+        assert got[name]["mean_ops_step_ms"] == pytest.approx(got[name]["own_ops_step_ms"], rel=1e-9)
+    same = got["same"]
+    # the run's op times and the profile's messages are the machine's: the truth's replay
+    assert same["own_ops_step_ms"] == pytest.approx(replay(plan, same_messages).step_time_ms, rel=1e-6)
+    # (the trace writer's steady state runs 1.6% under the replay's on this plan)
+    assert same["own_ops_step_ms"] == pytest.approx(same["measured_step_ms"], rel=0.03)
+    assert abs(plan.stats["step_time_ms"] / same["mean_ops_step_ms"] - 1) > 0.05  # the level: profile vs truth
+    other = got["other"]
+    assert other["own_ops_step_ms"] / other["measured_step_ms"] > 1.05  # the profile's messages are slower
+    text = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(prof_path)).stdout
+    assert "their spread from step to step" in text and "messages and collectives beyond the model" in text
+    truth.save(str(tmp_path / "truth.json"))  # not the profile the plan was made from
+    r = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(tmp_path / "truth.json"))
+    assert r.returncode == 2 and "plan_profile.hash" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_calibration_recovers_a_split_backward(tmp_path):
     """A zero-bubble run (zb-h1, one part per stage): B and W are fitted per part, apart
     from each other and from the whole backward the plan does not run."""

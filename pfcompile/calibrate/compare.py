@@ -73,3 +73,79 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan) -> str:
     lines.append(f"step: measured {total['measured_step_ms']:.2f} ms (median), predicted {total['predicted_step_ms']:.2f} ms, "
                  f"measured/predicted {ratio:.3f}, error {total['error_ms']:+.2f} ms")
     return "\n".join(lines)
+
+
+def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | None:
+    """The plan replayed with this run's own op times, to split a prediction's error in
+    three. Each op's time is its occupancy (its start to its rank's next op start: the op,
+    the runtime's gap after it and, for a step's last op, the work between steps); receives
+    and collectives stay as the cost model has them (their measured time is mostly waiting,
+    which the replay must produce itself). Over the run's whole refresh cycles after
+    warm-up:
+    - `mean_ops_step_ms`: every op at its mean occupancy in this run: the prediction's
+      error up to here is the op times' level (the profile against this run);
+    - `own_ops_step_ms`: every op instance at its own occupancy: the difference to the
+      previous is the op times' spread from step to step (a late op delays its peers; a
+      prediction from means cannot have it);
+    - `measured_step_ms` against `own_ops_step_ms`: what the message and collective model
+      misses.
+    None when the run has fewer than two whole cycles after warm-up."""
+    from pfcompile.check.replay import replay
+    from pfcompile.formats.ops import COLLECTIVE_KINDS
+    from pfcompile.formats.rules import CycleIndex, PlanLayout
+
+    k = plan.refresh_steps
+    steps = sorted({o.step for o in trace.ops})
+    if not steps:
+        return None
+    c0 = -(-steps[0] // k)  # the first whole cycle
+    cycles = (steps[-1] + 1) // k - c0
+    if cycles < 2:
+        return None
+    X = CycleIndex(plan, PlanLayout(plan))
+    lo, hi = c0 * k, (c0 + cycles) * k
+    by_rank: dict[int, list] = defaultdict(list)
+    for o in trace.ops:
+        by_rank[o.rank].append(o)
+    own: dict[int, float] = {}
+    for q, ops in by_rank.items():
+        ops.sort(key=lambda o: o.start_ms)
+        for o, nxt in zip(ops, ops[1:] + [None]):
+            if not lo <= o.step < hi or o.op.kind.startswith("recv_") or o.op.kind in COLLECTIVE_KINDS:
+                continue
+            j = X.find(o.step % k, q, o.op)
+            if j >= 0:
+                own[(o.step // k - c0) * X.M + j] = (nxt.start_ms if nxt is not None else o.end_ms) - o.start_ms
+    sums: dict[int, list[float]] = defaultdict(list)
+    for x, ms in own.items():
+        sums[x % X.M].append(ms)
+    mean = {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
+    # steady state on both sides: the spacing of the cycles' ends (cycle 0 of the replay
+    # starts from idle, the run's first whole cycle from the previous one's tail)
+    ends: dict[int, float] = {}
+    for o in trace.ops:
+        if lo <= o.step < hi:
+            c = o.step // k - c0
+            ends[c] = max(ends.get(c, o.end_ms), o.end_ms)
+    out = {"measured_step_ms": (ends[cycles - 1] - ends[0]) / ((cycles - 1) * k), "cycles": cycles}
+    for key, durations in (("mean_ops_step_ms", mean), ("own_ops_step_ms", own)):
+        r = replay(plan, profile, cycles=cycles, check_memory=False, durations=durations)
+        out[key] = r.step_time_ms  # the spacing of its cycle ends over k
+    return out
+
+
+def format_replayed(r: dict | None, predicted_ms: float) -> str:
+    if r is None:
+        return "replayed with the run's op times: n/a (fewer than two whole refresh cycles after warm-up)"
+    rows = [("predicted (the profile's op times)", predicted_ms, ""),
+            ("this run's mean op times", r["mean_ops_step_ms"], "the op times' level"),
+            ("each step's own op times", r["own_ops_step_ms"], "their spread from step to step"),
+            ("measured", r["measured_step_ms"], "messages and collectives beyond the model")]
+    lines = [f"the plan replayed with this run's op times (receives and collectives as modelled), "
+             f"{r['cycles']} refresh cycles:"]
+    prev = None
+    for name, ms, why in rows:
+        delta = f"  {ms - prev:+7.2f}  {why}" if prev is not None else ""
+        lines.append(f"  {name:<36} {ms:8.2f} ms/step{delta}")
+        prev = ms
+    return "\n".join(lines)

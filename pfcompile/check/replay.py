@@ -84,7 +84,10 @@ def _where(q: int, t: int, i: int, op: Op) -> str:
 
 
 def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool = True,
-           where: str = "<plan>") -> ReplayResult:
+           where: str = "<plan>", durations: dict[int, float] | None = None) -> ReplayResult:
+    """The plan run by the cost model, `cycles` cycles from an idle start. `durations`:
+    instance (cycle * ops per cycle + listing id of CycleIndex) -> ms, in place of the
+    profile's duration (a measured run's ops: `pfcompile inspect --against --profile`)."""
     if len(profile.kfac_layers) != len(plan.layers) or any(
             l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
@@ -97,14 +100,15 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     check_ops(plan, L, where)
-    result = _simulate(plan, L, costs, cycles, check_memory, where)
+    result = _simulate(plan, L, costs, cycles, check_memory, where, durations)
     check_pair_order(plan, L, where)  # after: a missing message is named by its consumer first
     return result
 
 
 # --- the simulation --------------------------------------------------------------------------
 
-def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory: bool, where: str) -> ReplayResult:
+def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory: bool, where: str,
+              durations: dict[int, float] | None = None) -> ReplayResult:
     """Run each rank's lists in order, cycle after cycle, over the integer ids of
     CycleIndex (instance c * M + j: listing j in cycle c): an op starts when its rank is
     free and the sends it receives have arrived; a collective when every member is at it."""
@@ -155,7 +159,7 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     def run(q: int, c: int, j: int, at: float) -> None:
         x = c * M + j
         start[x] = at
-        end[x] = clock[q] = at + dur[j]
+        end[x] = clock[q] = at + (dur[j] if durations is None else durations.get(x, dur[j]))
         done[x] = 1
         pos[q] += 1
 

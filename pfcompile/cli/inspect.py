@@ -23,10 +23,16 @@ def register(sub) -> None:
     p.add_argument("--against", default=None, metavar="PLAN",
                    help="FILE is a measured trace (torchrun -m runtime --trace): per op kind, predicted against "
                         "measured (median, p90) and the step-time error each kind explains")
+    p.add_argument("--profile", default=None, metavar="PROFILE",
+                   help="with --against: the profile the plan was made from; adds the plan replayed with the "
+                        "run's own op times, splitting the step-time error into the op times' level, their "
+                        "spread from step to step, and the messages")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.profile and not args.against:
+        raise InputError("--profile", None, "needs --against PLAN (FILE a measured trace)")
     if args.against:
         return _against(args)
     obj = read_json(args.file)
@@ -57,16 +63,26 @@ def run(args) -> int:
 
 
 def _against(args) -> int:
-    from pfcompile.calibrate.compare import format_against, per_kind_rows
-    from pfcompile.calibrate.measured import check_against_plan, load_measured
+    from pfcompile.calibrate.compare import format_against, format_replayed, per_kind_rows, replayed_with_measured
+    from pfcompile.calibrate.measured import check_against_plan, check_against_profile, load_measured
     from pfcompile.formats.plan import load_plan
 
     trace = load_measured(args.file)
     plan = load_plan(args.against)
+    replayed = None
+    if args.profile:
+        from pfcompile.formats.profile import load_profile
+
+        check_against_plan(trace, args.against)
+        profile = load_profile(args.profile)
+        check_against_profile(trace, profile)
+        replayed = replayed_with_measured(trace, plan, profile)
     if args.json:
         check_against_plan(trace, args.against)
         rows, total = per_kind_rows(trace, plan)
-        print(json.dumps({"kinds": rows, **total}))
+        print(json.dumps({"kinds": rows, **total, **({"replayed": replayed} if args.profile else {})}))
     else:
         print(format_against(trace, args.against, plan))
+        if args.profile:
+            print(format_replayed(replayed, float(plan.stats.get("step_time_ms") or 0.0)))
     return 0
