@@ -175,15 +175,18 @@ class KfacLayer:
                                f"(no curv_{factor.lower()} ran)")
         new = acc[: d * d].view(d, d)
         if not bool(torch.isfinite(new.sum(dtype=torch.float64))):  # a NaN/inf anywhere makes the sum one
-            raise NonFiniteFactorError(f"K-FAC layer {self.name}: factor {factor} has non-finite values (NaN/Inf in the "
-                                       f"captured {'inputs' if factor == 'A' else 'output gradients'}); lower the "
-                                       f"learning rate or raise damping")
+            raise self._non_finite(factor)
         old = self.factors.get(factor)
         if old is None:
             self.factors[factor] = new / count
         else:
             old.mul_(self.cfg.ema).add_(new, alpha=(1 - self.cfg.ema) / count)
         self._ema_done.add(factor)
+
+    def _non_finite(self, factor: str) -> NonFiniteFactorError:
+        what = "inputs" if factor == "A" else "output gradients"
+        return NonFiniteFactorError(f"K-FAC layer {self.name}: factor {factor} has non-finite values (NaN/Inf in the "
+                                    f"captured {what}); lower the learning rate or raise damping")
 
     def undo_update_mark(self, factor: str) -> None:
         """Let the next inversion of `factor` EMA-update it again (the profiler times an
@@ -206,9 +209,7 @@ class KfacLayer:
         old = self.factors.get(factor)
         value = new if old is None else self.cfg.ema * float(old.diagonal().mean()) + (1 - self.cfg.ema) * new
         if not math.isfinite(value):
-            raise NonFiniteFactorError(f"K-FAC layer {self.name}: factor {factor} has non-finite values (NaN/Inf in the "
-                                       f"captured {'inputs' if factor == 'A' else 'output gradients'}); lower the "
-                                       f"learning rate or raise damping")
+            raise self._non_finite(factor)
         return value
 
     # --- inversion ----------------------------------------------------------------------------

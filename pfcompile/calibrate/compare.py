@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from pfcompile.calibrate.measured import MeasuredTrace, check_against_plan
+from pfcompile.calibrate.measured import MeasuredTrace
 from pfcompile.formats.plan import Plan
 
 
@@ -60,7 +60,8 @@ def per_kind_rows(trace: MeasuredTrace, plan: Plan) -> tuple[list[dict], dict]:
 
 
 def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan) -> str:
-    check_against_plan(trace, plan_path)
+    """The per-op-kind table (the caller has checked the trace is a run of the plan:
+    measured.check_against_plan)."""
     rows, total = per_kind_rows(trace, plan)
     head = f"{'op kind':<11} {'count':>6} {'predicted ms':>13} {'measured median':>16} {'p90':>9} {'ratio':>7} {'step error ms':>14}"
     lines = [f"measured {trace.path} against {plan_path}: {total['steps']} steps after warm-up", head, "-" * len(head)]

@@ -92,13 +92,12 @@ class CycleTooLong(InputError):
     """The bubbles would need a refresh cycle over the limit to hold the K-FAC work."""
 
     def __init__(self, k: int, rank: int, work_ms: float, bubble_ms: float):
-        self.short = (f"rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble per step; "
-                      f"bubbles alone need a refresh cycle of at least {k} steps")
+        where = f"rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble per step"
+        self.short = f"{where}; bubbles alone need a refresh cycle of at least {k} steps"
         super().__init__("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to "
-                         f"fit the bubbles (rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble "
-                         f"per step), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or more stages give "
-                         "more bubble per unit of work; --method cpsat stretches the step to hold it, --method none "
-                         "appends it to every step")
+                         f"fit the bubbles ({where}), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or "
+                         "more stages give more bubble per unit of work; --method cpsat stretches the step to hold "
+                         "it, --method none appends it to every step")
 
 
 class _Gaps:
