@@ -179,7 +179,8 @@ def calibration_tables(a, out: Path, console) -> None:
             with console.status(f"({phase}) running {name}, seed {seed}, {steps} steps"):
                 ms = run_traced(p, steps, warmup, seed, trace)
             traces.append(str(trace))
-            rows.setdefault(name, {})[phase] = (cfg["stats"]["step_time_ms"], ms, k)
+            rows.setdefault(name, {})[phase] = (cfg["stats"]["step_time_ms"], ms, k,
+                                                cfg["stats"].get("expected_step_time_ms"))
             console.print(f"({phase}) {name}: predicted {cfg['stats']['step_time_ms']:.1f}, measured {ms:.1f} ms/step")
         if phase == "profile":
             calibrated = out / "calibrated.profile.json"
@@ -192,12 +193,17 @@ def calibration_tables(a, out: Path, console) -> None:
           f"{a.micro_batches} micro-batches); load average at the end {os.getloadavg()[0]:.1f}")
     print("before: planned from the profile, measured with seed 0; after: planned from the profile calibrated on "
           "the four seed-0 runs, measured with seed 1\n")
-    print("| run | k | predicted | measured (seed 0) | measured / predicted | k | predicted (calibrated) "
-          "| measured (seed 1) | measured / predicted |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("predicted: the plan's step from the profile's op times; with spread: the plan replayed with each op's "
+          "time varying as the profile's runtime.op_spread says (pfcompile.check.replay.expected_step_time)\n")
+    print("| run | k | predicted | with spread | measured (seed 0) | measured / predicted | measured / with spread "
+          "| k | predicted (calibrated) | with spread | measured (seed 1) | measured / predicted | measured / with spread |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cells(p, m, k, e):
+        return (f"{k} | {p:.1f} | {e:.1f} | {m:.1f} | {m / p:.3f} | {m / e:.3f}" if e else
+                f"{k} | {p:.1f} | - | {m:.1f} | {m / p:.3f} | -")
     for name, r in rows.items():
-        (p0, m0, k0), (p1, m1, k1) = r["profile"], r["calibrated"]
-        print(f"| {name} | {k0} | {p0:.1f} | {m0:.1f} | {m0 / p0:.3f} | {k1} | {p1:.1f} | {m1:.1f} | {m1 / p1:.3f} |")
+        print(f"| {name} | {cells(*r['profile'])} | {cells(*r['calibrated'])} |")
 
 
 def main() -> None:
@@ -267,14 +273,15 @@ def main() -> None:
     best_ops = {name: op_ratio[name][times[name].index(best[name])] for name in times}
     med = {name: statistics.median(v) for name, v in times.items()}
     predicted = {name: json.loads(p.read_text())["stats"].get("step_time_ms") for name, p in plans.items()}
+    expected = {name: json.loads(p.read_text())["stats"].get("expected_step_time_ms") for name, p in plans.items()}
 
     print(f"\nbert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches of "
           f"{json.loads(plans['1f1b, no K-FAC'].read_text())['model']['micro_batch']}, {steps} steps "
           f"({warmup} warm-up), {a.rounds} rounds; load average at the end {os.getloadavg()[0]:.1f}")
     print("best = the least disturbed round (other processes share the 2 cores); ratios of best and of median\n")
     print("| run | best ms/step | median ms/step | ratio (best) | ratio (median) | predicted ms/step "
-          "| best / predicted | ops measured / profiled | schedule alone |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| best / predicted | ops measured / profiled | schedule alone | median / predicted with spread |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def row(name: str, ref: str) -> None:
         pred = predicted.get(name)
@@ -285,21 +292,22 @@ def main() -> None:
         ops = best_ops[name]
         opr = f"{ops:.3f}" if ops else "-"
         alone = f"{best[name] / pred / ops:.3f}" if pred and ops else "-"
-        print(f"| {name} | {best[name]:.1f} | {med[name]:.1f} | {rb} | {rm} | {pr} | {mp} | {opr} | {alone} |")
+        ex = f"{med[name] / expected[name]:.3f} ({expected[name]:.1f})" if expected.get(name) else "-"
+        print(f"| {name} | {best[name]:.1f} | {med[name]:.1f} | {rb} | {rm} | {pr} | {mp} | {opr} | {alone} | {ex} |")
 
     if not a.only_zero_bubble:
-        print("| **(a) ours vs torch.distributed.pipelining** (ratio vs the torch row above) | | | | | | | | |")
+        print("| **(a) ours vs torch.distributed.pipelining** (ratio vs the torch row above) | | | | | | | | | |")
         row("torch ScheduleGPipe", "torch ScheduleGPipe")
         row("gpipe, no K-FAC", "torch ScheduleGPipe")
         row("torch Schedule1F1B", "torch Schedule1F1B")
         row("1f1b, no K-FAC", "torch Schedule1F1B")
     if not a.only_zero_bubble and not a.only_torch:
-        print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | |")
+        print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | | |")
         row("1f1b, no K-FAC", "1f1b, no K-FAC")
         row("1f1b, K-FAC appended", "1f1b, no K-FAC")
         row("1f1b, K-FAC in bubbles (cpsat)", "1f1b, no K-FAC")
     if not a.only_torch:
-        print("| **(d) zero bubble, no K-FAC** (ratio vs the torch row above; last: vs our 1f1b) | | | | | | | | |")
+        print("| **(d) zero bubble, no K-FAC** (ratio vs the torch row above; last: vs our 1f1b) | | | | | | | | | |")
         row("torch ScheduleZBVZeroBubble", "torch ScheduleZBVZeroBubble")
         row("zb-v, no K-FAC", "torch ScheduleZBVZeroBubble")
         row("torch ScheduleInterleavedZeroBubble (ZB-H1)", "torch ScheduleInterleavedZeroBubble (ZB-H1)")
@@ -312,6 +320,11 @@ def main() -> None:
                   f"{predicted[f1b] - predicted[zbh1]:.1f} ({1 - predicted[zbh1] / predicted[f1b]:.1%}); measured best "
                   f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
                   f"({1 - med[zbh1] / med[f1b]:.1%})")
+    if not a.only_zero_bubble:  # the same comparison made round by round (both ran back to back in each)
+        for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B")):
+            per = [x / y for x, y in zip(times[ours], times[ref])]
+            print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in per)}; "
+                  f"median {statistics.median(per):.3f}")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "

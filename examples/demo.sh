@@ -24,6 +24,17 @@ cd "$(dirname "$0")/.."
 
 say() { printf '\n== %s\n' "$*"; }
 has_command() { "$PY" -m pfcompile "$1" --help >/dev/null 2>&1; }
+# A run's summary line, shortened: measured, predicted and their ratio, from the plan's op
+# means and (where the profile has the op times' spread) with that spread.
+ratios() {
+  grep '^runtime: [0-9]* steps' "$1" | "$PY" -c '
+import re, sys
+line = sys.stdin.read()
+m = re.search(r"measured ([0-9.]+ ms/step).*?predicted ([0-9.]+ ms/step), measured/predicted ([0-9.]+)", line)
+e = re.search(r"spread: predicted ([0-9.]+ ms/step), measured/predicted ([0-9.]+)", line)
+print(f"measured {m[1]}, predicted {m[2]}, measured/predicted {m[3]}" if m else "n/a", end="")
+print(f"; with the op times spread: predicted {e[1]}, measured/predicted {e[2]}" if e else "")'
+}
 
 say "1/5 profile bert-tiny (micro-batch 8 x 64 tokens, one thread) as the plan will run: 2 ranks"
 if [ "$PROFILE" = fresh ] && has_command profile; then
@@ -73,8 +84,8 @@ OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2
 echo "the second run, replayed with its own op times:"
 "$PY" -m pfcompile inspect "$OUT/measured.calibrated.trace.json" --against "$OUT/plan.calibrated.json" \
       --profile "$OUT/bert-tiny.calibrated.json" | sed -n '/replayed with/,$p' | tail -n +2
-echo "before calibration: $(grep '^runtime: [0-9]* steps' "$OUT/run1.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')"
-echo "after calibration:  $(grep '^runtime: [0-9]* steps' "$OUT/run2.txt" | sed 's/.*measured \([0-9.]* ms\/step\).*predicted \([0-9.]* ms\/step\), measured\/predicted \([0-9.]*\).*/measured \1, predicted \2, measured\/predicted \3/')  (a second run, seed 1)"
+echo "before calibration: $(ratios "$OUT/run1.txt")"
+echo "after calibration:  $(ratios "$OUT/run2.txt")  (a second run, seed 1)"
 
 say "outputs in $OUT"
 ls -1 "$OUT"

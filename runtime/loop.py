@@ -192,7 +192,8 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
                                     [[(str(po.op), po.end - po.start) for po in ops] for ops in steps_]
                                     for steps_ in plan.ranks],
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
-                                memory_limit=plan.config.get("memory_limit_bytes"))
+                                memory_limit=plan.config.get("memory_limit_bytes"),
+                                expected_ms=plan.stats.get("expected_step_time_ms"))
     if args.trace:
         measure.write_measured_trace(args.trace, timelines, {
             "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line(),

@@ -129,6 +129,9 @@ class Summary:
     peak_memory_bytes_measured: list[int] | None = None
     peak_memory_bytes_predicted: list[int] | None = None
     memory_limit_bytes: int | None = None
+    # The plan's step time with the profile's op-time spread (stats.expected_step_time_ms:
+    # pfcompile.check.replay.expected_step_time); None when the profile had no spread.
+    expected_ms: float | None = None
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -170,6 +173,9 @@ class Summary:
         if self.predicted_ms and self.op_ratio:
             pred += (f" (compute ops ran at {self.op_ratio:.2f}x their profiled time; schedule alone "
                      f"{self.step_ms / self.predicted_ms / self.op_ratio:.3f})")
+        if self.expected_ms:
+            pred += (f"; with the op times' spread: predicted {self.expected_ms:.2f} ms/step, measured/predicted "
+                     f"{self.step_ms / self.expected_ms:.3f}")
         resumed = f" (resumed at step {self.resumed_at})" if self.resumed_at else ""
         return (f"runtime: {self.steps} steps{resumed}, loss {loss}, measured {self.step_ms:.2f} ms/step, "
                 f"bubble {self.bubble:.1%}, {pred}")
@@ -178,7 +184,8 @@ class Summary:
 def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float | None,
               warmup_steps: int, total_steps: int, resumed_at: int = 0,
               losses: list[float] | None = None, predicted_ops=None,
-              predicted_peaks: list[int] | None = None, memory_limit: int | None = None) -> Summary:
+              predicted_peaks: list[int] | None = None, memory_limit: int | None = None,
+              expected_ms: float | None = None) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -194,7 +201,8 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     if all(tl.memory for tl in timelines):
         measured_peaks = [max(b for _, b in tl.memory) for tl in sorted(timelines, key=lambda t: t.rank)]
     return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
-                   op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit)
+                   op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit,
+                   expected_ms)
 
 
 def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+from collections import defaultdict
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from pfcompile.formats.plan import load_plan
 from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile, profile_from_json
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.check.replay import replay
+from pfcompile.check.replay import expected_step_time, replay
 from pfcompile.place.build import build_plan
 from runtime import measure
 
@@ -88,12 +89,13 @@ def true_profile(prof: Profile) -> Profile:
     return t
 
 
-def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int) -> Path:
+def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "") -> Path:
     """The run as the cost model says it goes, written from the model's definition (not with
     the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
     it, the runtime's step work follows the step; a send takes its posting time and its data
     reaches a waiting receiver one link time after it ends; a receive lasts at least its
-    completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank."""
+    completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank.
+    `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance."""
     plan = load_plan(str(plan_path))
     costs = Costs(truth, plan.partition, plan.config["replicas"], plan.config.get("inverse", "cholesky"),
                   plan.config["kfac"])
@@ -117,10 +119,11 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int)
                             break  # its send has not run yet
                         end = max(t + rt.recv_ms, at)
                     elif op.kind.startswith("send"):
-                        end = t + rt.send_ms
+                        end = t + rt.send_ms * (vary(op, step) if vary else 1.0)
                         arrival[op.message_key()] = end + costs.link_ms(op)
                     else:
-                        end = t + costs.work_ms(op) - (rt.step_ms / costs.stages_per_rank if op.kind == "step" else 0.0)
+                        own = costs.work_ms(op) - (rt.step_ms / costs.stages_per_rank if op.kind == "step" else 0.0)
+                        end = t + own * (vary(op, step) if vary else 1.0)
                     tl.record(step, str(op), op.kind, t, end)
                     clock[q] = end + rt.op_ms
                     pos[q] += 1
@@ -129,7 +132,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int)
         for q, tl in enumerate(timelines):
             tl.steps.append((step, starts[q], clock[q] - rt.op_ms))
             clock[q] += rt.step_ms
-    out = tmp_path / f"{plan_path.stem}.measured.json"
+    out = tmp_path / f"{plan_path.stem}{name}.measured.json"
     measure.write_measured_trace(str(out), timelines, {
         "plan": str(plan_path), "steps": steps, **measure.plan_identity(str(plan_path), plan), "warmup_steps": 1})
     return out
@@ -218,6 +221,65 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     truth.save(str(tmp_path / "truth.json"))  # not the profile the plan was made from
     r = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(tmp_path / "truth.json"))
     assert r.returncode == 2 and "plan_profile.hash" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_path):
+    """A run whose every compute op and send takes 0.5x its time in even refresh cycles and
+    1.5x in odd ones (after the warm-up step; known durations, written from the cost model's definition, not with the
+    replay): calibration gives back the entries (the means) and, per op kind, the spread as
+    20 quantile multipliers, ten 0.5 and ten 1.5. With the same two multipliers drawn at
+    random per op instance, the plan's expected step time with that spread
+    (expected_step_time, the replay with drawn op times) is checked against the independent
+    trace writer run with the same spread: each one's step time over its own time without
+    spread agree to 3%; a late op delays its peers, so both are well above 1."""
+    import random
+
+    prof = load_profile(str(PROFILE))
+    plan_path = make_plan(tmp_path, prof, "gpipe4")
+    plan = load_plan(str(plan_path))
+    k = plan.refresh_steps
+    truth = true_profile(prof)
+    rng = random.Random(7)
+    vary = lambda op, step: rng.choice((0.5, 1.5))  # noqa: E731
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=20 * k + 1, vary=lambda op, step: 0.5 + (step - 1) // k % 2,
+                            name=".spread")
+    fitted, _ = calibrate(prof, [load_measured(str(trace))])
+    spread = fitted.runtime.op_spread
+    assert set(spread) == {"fwd", "bwd", "step", "curv_a", "curv_b", "precond", "inv", "send"}
+    for kind, mult in spread.items():
+        assert mult == pytest.approx([0.5] * 10 + [1.5] * 10, abs=1e-6), kind
+        assert statistics.fmean(mult) == pytest.approx(1.0, abs=1e-5), kind
+    for got, want in zip(fitted.parts, truth.parts):  # the entries stay the means
+        assert got.fwd_ms == pytest.approx(want.fwd_ms, rel=0.1), got.name
+    # the spread goes through the file and into every plan made from the profile
+    path = tmp_path / "spread.json"
+    fitted.save(str(path))
+    again = load_profile(str(path))
+    assert again.runtime.op_spread == spread and "12.5% / 87.5%" in cli("inspect", str(path)).stdout
+
+    # the expected step time against the independent writer, both over their no-spread step time
+    truth_spread = copy.deepcopy(truth)
+    truth_spread.runtime.op_spread = {kind: [0.5] * 10 + [1.5] * 10 for kind in spread}
+    steps = 80 * k + 1
+    flat = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, name=".flat")))
+    varied = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, vary=vary, name=".varied")))
+
+    def writer_step_ms(tr) -> float:  # the steady spacing of step ends, after the first step
+        ends = defaultdict(float)
+        for o in tr.ops:
+            ends[o.step] = max(ends[o.step], o.end_ms)
+        return (ends[steps - 1] - ends[1]) / (steps - 2)
+    writer = writer_step_ms(varied) / writer_step_ms(flat)
+    model = expected_step_time(plan, truth_spread, steps=4000) / replay(plan, truth).step_time_ms
+    assert writer > 1.03 and model > 1.03
+    assert model == pytest.approx(writer, rel=0.03)
+    # a spread of 1s is no spread; no spread recorded, no expected step time
+    ones = copy.deepcopy(truth)
+    ones.runtime.op_spread = {kind: [1.0] * 20 for kind in spread}
+    assert expected_step_time(plan, ones) == pytest.approx(replay(plan, truth).step_time_ms, rel=1e-9)
+    assert expected_step_time(plan, truth) is None
+    made, _, _ = build_plan(again, PipelineConfig("gpipe", stages=4, micro_batches=4), "greedy")
+    assert made.stats["expected_step_time_ms"] > made.stats["step_time_ms"]
 
 
 def test_calibration_recovers_a_split_backward(tmp_path):

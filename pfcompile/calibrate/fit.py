@@ -26,6 +26,9 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   profiler's message benchmark fits them);
   with one, the latency, the bandwidth staying the profile's (its message benchmark spans
   sizes). Ranks share a clock origin (runtime.measure.align).
+- the op times' spread (`runtime.op_spread`, fit_spread): each sample over the mean of its
+  entry's samples, pooled per op kind, as 20 quantile midpoints scaled to mean 1 (a kind with
+  fewer than SPREAD_MIN_SAMPLES samples records none).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -48,13 +51,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
-from pfcompile.formats.profile import SCHEMA_VERSION, LinkModel, Profile, RuntimeOverheads, fit_link
+from pfcompile.formats.profile import SCHEMA_VERSION, SPREAD_KINDS, LinkModel, Profile, RuntimeOverheads, fit_link
 
 PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv")
 
 
 STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
+SPREAD_QUANTILES = 20
+SPREAD_MIN_SAMPLES = 20
 
 
 def _by_rank(trace: MeasuredTrace) -> dict[int, list]:
@@ -141,6 +146,29 @@ def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statisti
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
 
 
+def fit_spread(samples_by_key: dict[tuple, list[float]]) -> dict[str, list[float]]:
+    """Op kind -> SPREAD_QUANTILES multipliers: every sample over its entry's mean, pooled per
+    kind, at the quantile midpoints, scaled so they average exactly 1 (the spread moves an op
+    around its entry's time, never the entry itself)."""
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for key, values in samples_by_key.items():
+        kind = key[0]
+        mean = statistics.fmean(values)
+        if kind in SPREAD_KINDS and mean > 0:
+            pooled[kind] += [max(0.0, v) / mean for v in values]
+    out = {}
+    for kind in SPREAD_KINDS:
+        v = sorted(pooled.get(kind, []))
+        if len(v) < SPREAD_MIN_SAMPLES:
+            continue
+        Q = SPREAD_QUANTILES
+        q = [v[min(len(v) - 1, int((i + 0.5) / Q * len(v)))] for i in range(Q)]
+        scale = statistics.fmean(q)
+        if scale > 0:
+            out[kind] = [round(x / scale, 6) for x in q]
+    return out
+
+
 @dataclass
 class RuntimeFit:
     entries: dict[tuple, float]      # samples() keys -> the statistic, less op_ms (>= 0)
@@ -157,14 +185,16 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     stat = STATISTICS[statistic]
     gaps = dispatch_gaps(traces)
     op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    entries = {key: max(0.0, stat(v)) for key, v in samples(traces, op_ms).items()}
+    by_key = samples(traces, op_ms)
+    entries = {key: max(0.0, stat(v)) for key, v in by_key.items()}
     old = profile.runtime
     link, recv_ms = profile.comm.p2p, old.recv_ms
     recvs = [r for tr in traces for r in receives(tr, profile)]
     if recvs:
         link, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
-                                 send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms)
+                                 send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
+                                 op_spread={**old.op_spread, **fit_spread(by_key)})
     given = sum(1 for key in (("between steps",), ("send",)) if key in entries) + bool(gaps) + bool(recvs)
     return RuntimeFit(entries, overheads, link, len(recvs), given)
 

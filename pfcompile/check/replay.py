@@ -92,17 +92,53 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
             l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
     L = PlanLayout(plan)
-    cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
-    costs = Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
-                  cluster=Cluster.from_json(cluster) if cluster else None,
-                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
-                  split_backward=plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES)
+    costs = plan_costs(plan, profile, L)
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     check_ops(plan, L, where)
     result = _simulate(plan, L, costs, cycles, check_memory, where, durations)
     check_pair_order(plan, L, where)  # after: a missing message is named by its consumer first
     return result
+
+
+def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
+    """The cost model of this plan's layout (its cluster, replicas, split backward, owners)."""
+    cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
+    return Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
+                 cluster=Cluster.from_json(cluster) if cluster else None,
+                 stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
+                 split_backward=plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES)
+
+
+def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: int = 0,
+                       max_instances: int = 200_000) -> float | None:
+    """The step time a run sees when each op's time varies as the profile's
+    `runtime.op_spread` says (formats.profile): the plan replayed over about `steps` steps
+    (whole refresh cycles, at most `max_instances` op instances) with every instance's work
+    drawn independently from its kind's multipliers (kinds without a spread keep their
+    time; receives and collectives stay as modelled: their waiting comes out of the
+    replay). A late op delays whoever waits on it and an early one rarely lets them start
+    sooner, so the result is above the step of mean op times (the plan's step_time_ms) by
+    what the pipeline's dependencies make of the spread. None without a spread. The draws
+    are seeded: the same plan and profile give the same number."""
+    spread = profile.runtime.op_spread
+    if not spread:
+        return None
+    L = PlanLayout(plan)
+    X = CycleIndex(plan, L)
+    costs = plan_costs(plan, profile, L)
+    cycles = max(3, min(-(-steps // L.k), max_instances // max(1, X.M)))
+    rng = np.random.default_rng(seed)
+    op_ms = profile.runtime.op_ms
+    durations: dict[int, float] = {}
+    for j, op in enumerate(X.ops):
+        mult = spread.get("send" if op.kind in ("send_act", "send_grad") else op.kind)
+        if mult is None:
+            continue
+        work = costs.work_ms(op)
+        for c, m in enumerate(rng.choice(np.asarray(mult), size=cycles).tolist()):
+            durations[c * X.M + j] = work * m + op_ms
+    return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
 
 
 # --- the simulation --------------------------------------------------------------------------

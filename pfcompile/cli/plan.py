@@ -261,7 +261,7 @@ def _run(args) -> int:
     # where the command's time went (the plan's own stats stop at its replay) and its memory
     seconds = {**budget.report(), "total": round(budget.elapsed(), 3)}
     keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
-            "step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
+            "step_time_ms", "expected_step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement")

@@ -26,7 +26,8 @@ sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where
       "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
                "p2p": {"latency_ms", "bytes_per_ms"},
                "allreduce": {"latency_ms", "bytes_per_ms"}},
-      "runtime": {"op_ms", "step_ms", "send_ms", "recv_ms"},   # optional, see below
+      "runtime": {"op_ms", "step_ms", "send_ms", "recv_ms",    # optional, see below
+                  "op_spread": {"fwd": [m1, ..., m20], ...}},  # optional
       "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
       "hash": "sha256:..."                   # of everything above, canonical JSON
     }
@@ -47,6 +48,15 @@ steps (the next batch, bookkeeping, completing the step's sends), `send_ms` post
 point-to-point send, `recv_ms` completing a receive whose data is already there. The
 message's own lag (its send's end to its data at the receiver) is `comm.p2p`. `pfcompile
 profile` measures them where it can; `pfcompile calibrate` fits all four from measured runs.
+
+`runtime.op_spread` (optional) is how an op's time varies from one run of it to the next in
+the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
+inv, send): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
+97.5%) of the measured op's occupancy over its own mean, scaled to average exactly 1. A plan
+made from such a profile also predicts the step time a run sees when every op varies that
+way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
+so the expected step is longer than the step of mean op times). Fitted from a measured run
+(the profiler's runtime probe, `pfcompile calibrate`); absent, kinds missing: no spread.
 
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.split_backward runs them: B, the input gradient
@@ -80,6 +90,8 @@ from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_js
 
 SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 3
+# op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
+SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
 READS_VERSIONS = (1, 2, 3)
 INVERSE_METHODS = ("cholesky", "eigen")
 STEP_KINDS = ("kfac", "adamw")
@@ -196,9 +208,16 @@ class RuntimeOverheads:
     step_ms: float = 0.0
     send_ms: float = 0.0
     recv_ms: float = 0.0
+    op_spread: dict[str, list[float]] = field(default_factory=dict)  # op kind -> multipliers (module doc)
 
     def any(self) -> bool:
-        return any(v > 0 for v in asdict(self).values())
+        return any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms)) or bool(self.op_spread)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.op_spread:  # absent as written before it existed (the hash stays)
+            d.pop("op_spread")
+        return d
 
 
 @dataclass
@@ -287,7 +306,7 @@ class Profile:
             "parts": [self._part_json(p) for p in self.parts],
             "kfac_layers": [asdict(l) for l in self.kfac_layers],
             "comm": asdict(self.comm),
-            **({"runtime": asdict(self.runtime)} if self.runtime.any() else {}),  # absent: as before
+            **({"runtime": self.runtime.to_json()} if self.runtime.any() else {}),  # absent: as before
             "spread": self.spread,
         }
 
@@ -422,6 +441,14 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         rf = top.sub("runtime")
         runtime = RuntimeOverheads(**{k: rf.req(k, float, check=_pos, why="must be a finite number >= 0")
                                       for k in ("op_ms", "step_ms", "send_ms", "recv_ms")})
+        if rf.opt("op_spread", dict) is not None:
+            sf = rf.sub("op_spread")
+            for kind, mult in sf.obj.items():
+                if kind not in SPREAD_KINDS:
+                    raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
+                if not (isinstance(mult, list) and mult and all(_pos(m) and m > 0 for m in mult)):
+                    raise sf.fail(kind, "must be a non-empty list of positive finite numbers")
+                runtime.op_spread[kind] = [float(m) for m in mult]
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
                    kfac_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
@@ -515,6 +542,9 @@ def format_profile(profile: Profile) -> str:
     if r.any():
         comm += (f"\nruntime overheads per rank: {r.op_ms:.4f} ms per op, {r.step_ms:.3f} ms per step, "
                  f"{r.send_ms:.3f} ms per send, {r.recv_ms:.3f} ms per receive whose data is there")
+        if r.op_spread:
+            comm += ("\nop times from run to run (runtime.op_spread, 12.5% / 87.5% quantiles over the mean): "
+                     + ", ".join(f"{k} {v[2]:.2f}/{v[-3]:.2f}" if len(v) == 20 else k for k, v in r.op_spread.items()))
     else:
         comm += "\nruntime overheads: not in this profile (costed as 0)"
     spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult
+from pfcompile.check.replay import ReplayError, ReplayResult, expected_step_time
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
@@ -79,6 +79,15 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
             budget=budget)
     if placed is not None:
         plan.stats["placement"] = placed
+    # the step a run sees with the ops' measured spread; under a wall-clock limit only as many
+    # replayed ops as half the time left holds at this run's replay speed (at least 3 cycles)
+    cap = 200_000
+    if budget is not None and budget.replay_s_per_op:
+        cap = min(cap, int(0.5 * budget.left() / budget.replay_s_per_op))
+    if cap >= 3 * plan.stats.get("tasks", 0):
+        expected = expected_step_time(plan, profile, max_instances=cap)
+        if expected is not None:
+            plan.stats["expected_step_time_ms"] = round(expected, 6)
     return plan, result, baseline
 
 
