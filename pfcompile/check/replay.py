@@ -110,14 +110,18 @@ def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
                  split_backward=plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES)
 
 
+# the spread kind of an op kind, where they differ (formats.profile.SPREAD_KINDS)
+SPREAD_KIND = {"send_act": "send", "send_grad": "send", "recv_act": "recv", "recv_grad": "recv"}
+
+
 def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: int = 0,
                        max_instances: int = 200_000) -> float | None:
     """The step time a run sees when each op's time varies as the profile's
     `runtime.op_spread` says (formats.profile): the plan replayed over about `steps` steps
     (whole refresh cycles, at most `max_instances` op instances) with every instance's work
     drawn independently from its kind's multipliers (kinds without a spread keep their
-    time; receives and collectives stay as modelled: their waiting comes out of the
-    replay). A late op delays whoever waits on it and an early one rarely lets them start
+    time; a receive's completion varies as "recv" says, its message's transfer and every
+    wait are the replay's). A late op delays whoever waits on it and an early one rarely lets them start
     sooner, so the result is above the step of mean op times (the plan's step_time_ms) by
     what the pipeline's dependencies make of the spread. None without a spread. The draws
     are seeded: the same plan and profile give the same number."""
@@ -132,7 +136,8 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     op_ms = profile.runtime.op_ms
     durations: dict[int, float] = {}
     for j, op in enumerate(X.ops):
-        mult = spread.get("send" if op.kind in ("send_act", "send_grad") else op.kind)
+        kind = SPREAD_KIND.get(op.kind, op.kind)
+        mult = spread.get(kind)
         if mult is None:
             continue
         work = costs.work_ms(op)

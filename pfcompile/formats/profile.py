@@ -51,7 +51,7 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 
 `runtime.op_spread` (optional) is how an op's time varies from one run of it to the next in
 the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
-inv, send): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
+inv, send; `recv`: a receive's completion once its data is there): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
 97.5%) of the measured op's occupancy over its own mean, scaled to average exactly 1. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
 way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
@@ -91,7 +91,8 @@ from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_js
 SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 3
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
-SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
+SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send",
+                "recv")
 READS_VERSIONS = (1, 2, 3)
 INVERSE_METHODS = ("cholesky", "eigen")
 STEP_KINDS = ("kfac", "adamw")
@@ -446,8 +447,8 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
             for kind, mult in sf.obj.items():
                 if kind not in SPREAD_KINDS:
                     raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
-                if not (isinstance(mult, list) and mult and all(_pos(m) and m > 0 for m in mult)):
-                    raise sf.fail(kind, "must be a non-empty list of positive finite numbers")
+                if not (isinstance(mult, list) and mult and all(_pos(m) for m in mult)):
+                    raise sf.fail(kind, "must be a non-empty list of finite numbers >= 0")
                 runtime.op_spread[kind] = [float(m) for m in mult]
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,

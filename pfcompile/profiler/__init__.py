@@ -450,13 +450,14 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int,
                                             for (n, a, b), s, r in zip(samples, send_ms, recv_ms)]}, runtime
 
 
-def measure_runtime(profile: Profile, device: torch.device, steps: int = 8) -> tuple[RuntimeOverheads, dict]:
+def measure_runtime(profile: Profile, device: torch.device, steps: int = 24) -> tuple[RuntimeOverheads, dict]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
     (pfcompile.calibrate.fit): the dispatch gap per op, the work between steps, a send's
-    posting, a receive's completion. Kept only where the run worked; otherwise the message
-    benchmark's send/receive times stand (said in the provenance)."""
+    posting, a receive's completion, and the op times' spread (runtime.op_spread: 24 steps
+    give each stage's fwd and bwd ~90 samples). Kept only where the run worked; otherwise
+    the message benchmark's send/receive times stand (said in the provenance)."""
     import subprocess
     import tempfile
 
