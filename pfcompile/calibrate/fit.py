@@ -28,8 +28,8 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   sizes). Ranks share a clock origin (runtime.measure.align).
 - the op times' spread (`runtime.op_spread`, fit_spread): each sample over the mean of its
   entry's samples, pooled per op kind, as 20 quantile midpoints scaled to mean 1 (a kind with
-  fewer than SPREAD_MIN_SAMPLES samples records none); "recv" from the receives posted
-  after their send ended (their completion).
+  fewer than SPREAD_MIN_SAMPLES samples records none); receives have none (their waiting is
+  the message's lag, which the replay makes).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -193,10 +193,11 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     recvs = [r for tr in traces for r in receives(tr, profile)]
     if recvs:
         link, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
-    # a receive's completion varies too: those posted after their send ended. (The link's lag
-    # is not drawn: drawn independently, its tail (p90 2-3 ms against a 0.1 ms median: the
-    # receiver's gloo thread waiting for a core) over-predicted five demo runs by 4-8%.)
-    by_key[("recv",)] = [d for _, gap, d in recvs if gap >= 0]
+    # Receives have no spread of their own: a send ends when it is posted, so a receive posted
+    # after it may still wait for the data, and its duration's tail (p90 ~3 ms against a
+    # 0.1 ms median) is the message's lag, which the replay already makes; drawn as well, it
+    # over-predicted the demo's second runs by 5-7% (11:30 set, ratios 0.875-1.038, against
+    # 0.911-1.079 with compute ops and sends alone).
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
                                  op_spread={**old.op_spread, **fit_spread({k: v for k, v in by_key.items() if v})})

@@ -111,7 +111,7 @@ def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
 
 
 # the spread kind of an op kind, where they differ (formats.profile.SPREAD_KINDS)
-SPREAD_KIND = {"send_act": "send", "send_grad": "send", "recv_act": "recv", "recv_grad": "recv"}
+SPREAD_KIND = {"send_act": "send", "send_grad": "send"}
 
 
 def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: int = 0,
@@ -120,8 +120,7 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     `runtime.op_spread` says (formats.profile): the plan replayed over about `steps` steps
     (whole refresh cycles, at most `max_instances` op instances) with every instance's work
     drawn independently from its kind's multipliers (kinds without a spread keep their
-    time; a receive's completion varies as "recv" says, its message's transfer and every
-    wait are the replay's). A late op delays whoever waits on it and an early one rarely lets them start
+    time; receives, collectives and every wait are the replay's). A late op delays whoever waits on it and an early one rarely lets them start
     sooner, so the result is above the step of mean op times (the plan's step_time_ms) by
     what the pipeline's dependencies make of the spread. None without a spread. The draws
     are seeded: the same plan and profile give the same number."""

@@ -51,7 +51,7 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 
 `runtime.op_spread` (optional) is how an op's time varies from one run of it to the next in
 the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
-inv, send; `recv`: a receive's completion once its data is there): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
+inv, send; a receive's waiting is the message's lag, which the replay makes): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
 97.5%) of the measured op's occupancy over its own mean, scaled to average exactly 1. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
 way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
@@ -91,8 +91,7 @@ from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_js
 SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 3
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
-SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send",
-                "recv")
+SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
 READS_VERSIONS = (1, 2, 3)
 INVERSE_METHODS = ("cholesky", "eigen")
 STEP_KINDS = ("kfac", "adamw")
