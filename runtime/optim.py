@@ -124,13 +124,16 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 def raw_grad_norm_sq(module: nn.Module, kfac_layers) -> torch.Tensor:
     """Σ g² over the module's gradient as back-propagated, before K-FAC preconditioning:
     a K-FAC layer reports its own (its precondition() replaced the gradient), the other
-    parameters are read from .grad. Float64 accumulation, one reduction kernel per tensor
-    (vector_norm with dtype=float64 casts as it reads: no float64 copy of each gradient,
-    which cost as much as the optimizer step itself on bert-mini), one device->host copy."""
+    parameters are read from .grad. Each gradient's norm in its own dtype, all of them in
+    one multi-tensor kernel (torch._foreach_norm, as clip_grad_norm_ computes them), their
+    squares summed in float64, one device->host copy. (Per tensor in float64, the norm of
+    bert-mini's first stage cost 2.5 ms of every step, 0.8% of it, against 0.4 ms so; the
+    norm differs by ~1e-6 relative.)"""
     covered = {id(p) for l in kfac_layers for p in l.module.parameters()}
     parts = [l.raw_grad_sq.detach().double().reshape(()) for l in kfac_layers if l.raw_grad_sq is not None]
-    parts += [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).square()
-              for p in module.parameters() if id(p) not in covered and p.grad is not None]
+    grads = [p.grad.detach() for p in module.parameters() if id(p) not in covered and p.grad is not None]
+    if grads:
+        parts += [n.double().square() for n in torch._foreach_norm(grads)]
     if not parts:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack([t.to(parts[0].device) for t in parts]).sum().cpu()

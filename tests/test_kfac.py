@@ -281,3 +281,17 @@ def test_each_inversion_updates_only_its_factor_in_either_order(order):
         torch.testing.assert_close(layer.factors[f], want[f], rtol=1e-12, atol=1e-14)
         dense = torch.linalg.inv(want[f] + damp[f] * torch.eye(d, dtype=D64))
         torch.testing.assert_close(layer.pending(f), dense, rtol=1e-9, atol=1e-11)
+
+
+def test_raw_gradient_norm_equals_float64_sum_of_squares():
+    """The metric and clipping norm (runtime.optim.raw_grad_norm_sq): every gradient's norm in
+    one multi-tensor kernel, against the float64 sum of squares of the same gradients (K-FAC
+    layers' own raw terms: the pipeline-against-single-process tests)."""
+    from runtime.optim import raw_grad_norm_sq
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 3
+    want = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+    assert float(raw_grad_norm_sq(model, [])) == pytest.approx(want, rel=1e-6)
