@@ -200,7 +200,7 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     # 0.911-1.079 with compute ops and sends alone).
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
-                                 op_spread={**old.op_spread, **fit_spread({k: v for k, v in by_key.items() if v})})
+                                 op_spread={**old.op_spread, **fit_spread(by_key)})
     given = sum(1 for key in (("between steps",), ("send",)) if key in entries) + bool(gaps) + bool(recvs)
     return RuntimeFit(entries, overheads, link, len(recvs), given)
 

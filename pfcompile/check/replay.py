@@ -120,10 +120,11 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     `runtime.op_spread` says (formats.profile): the plan replayed over about `steps` steps
     (whole refresh cycles, at most `max_instances` op instances) with every instance's work
     drawn independently from its kind's multipliers (kinds without a spread keep their
-    time; receives, collectives and every wait are the replay's). A late op delays whoever waits on it and an early one rarely lets them start
-    sooner, so the result is above the step of mean op times (the plan's step_time_ms) by
-    what the pipeline's dependencies make of the spread. None without a spread. The draws
-    are seeded: the same plan and profile give the same number."""
+    time; receives, collectives and every wait are the replay's). A late op delays whoever
+    waits on it and an early one rarely lets them start sooner, so the result is above the
+    step of mean op times (the plan's step_time_ms) by what the pipeline's dependencies
+    make of the spread. None without a spread. The draws are seeded: the same plan and
+    profile give the same number."""
     spread = profile.runtime.op_spread
     if not spread:
         return None

@@ -51,8 +51,9 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 
 `runtime.op_spread` (optional) is how an op's time varies from one run of it to the next in
 the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
-inv, send; a receive's waiting is the message's lag, which the replay makes): 20 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ...,
-97.5%) of the measured op's occupancy over its own mean, scaled to average exactly 1. A plan
+inv, send; a receive's waiting is the message's lag, which the replay makes): 20
+multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ..., 97.5%) of the
+measured op's occupancy over its own mean, scaled to average exactly 1. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
 way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
 so the expected step is longer than the step of mean op times). Fitted from a measured run
