@@ -105,12 +105,8 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
         return None
     X = CycleIndex(plan, PlanLayout(plan))
     lo, hi = c0 * k, (c0 + cycles) * k
-    by_rank: dict[int, list] = defaultdict(list)
-    for o in trace.ops:
-        by_rank[o.rank].append(o)
     own: dict[int, float] = {}
-    for q, ops in by_rank.items():
-        ops.sort(key=lambda o: o.start_ms)
+    for q, ops in trace.by_rank().items():
         for o, nxt in zip(ops, ops[1:] + [None]):
             if not lo <= o.step < hi or o.op.kind.startswith("recv_") or o.op.kind in COLLECTIVE_KINDS:
                 continue

@@ -63,22 +63,13 @@ SPREAD_QUANTILES = 20
 SPREAD_MIN_SAMPLES = 20
 
 
-def _by_rank(trace: MeasuredTrace) -> dict[int, list]:
-    out: dict[int, list] = defaultdict(list)
-    for o in trace.ops:
-        out[o.rank].append(o)
-    for ops in out.values():
-        ops.sort(key=lambda o: o.start_ms)
-    return out
-
-
 def _sends(trace: MeasuredTrace) -> dict:
     return {(o.step, o.op.message_key()): o for o in trace.ops if o.op.kind in ("send_act", "send_grad")}
 
 
 def dispatch_gaps(traces: list[MeasuredTrace]) -> list[float]:
     """End of an op to the next op's start on its rank, within a step (every op kind)."""
-    return [b.start_ms - a.end_ms for tr in traces for ops in _by_rank(tr).values()
+    return [b.start_ms - a.end_ms for tr in traces for ops in tr.by_rank().values()
             for a, b in zip(ops, ops[1:]) if a.step == b.step]
 
 
@@ -90,7 +81,7 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
     first op, less op_ms (the runtime's work between steps)."""
     out: dict[tuple, list[float]] = defaultdict(list)
     for i, tr in enumerate(traces):
-        for ops in _by_rank(tr).values():
+        for ops in tr.by_rank().values():
             for a, b in zip(ops, ops[1:] + [None]):
                 if b is not None and b.step != a.step:
                     out[("between steps",)].append(b.start_ms - a.end_ms - op_ms)

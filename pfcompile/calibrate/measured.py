@@ -44,6 +44,15 @@ class MeasuredTrace:
     def profile_hash(self) -> str:
         return str(self.meta["plan_profile"].get("hash", ""))
 
+    def by_rank(self) -> dict[int, list[MeasuredOp]]:
+        """Each rank's ops in the order they started."""
+        out: dict[int, list[MeasuredOp]] = {}
+        for o in self.ops:
+            out.setdefault(o.rank, []).append(o)
+        for ops in out.values():
+            ops.sort(key=lambda o: o.start_ms)
+        return out
+
     def step_times_ms(self) -> list[float]:
         """Wall time of each measured step: first op start to last op end over all ranks."""
         spans: dict[int, list[float]] = {}

@@ -41,13 +41,40 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
     plan's stats["placement"] says what and why), "family" keeps the family's numbering.
     `precond` "auto" plans with split (PipeFisher's blocks), layers and every-replica
     preconditioning and keeps the fastest (then the smaller k); "all"/"split"/"layers" set
-    cfg.precond; None keeps it."""
+    cfg.precond; None keeps it. The plan returned also has the step time with the profile's
+    op-time spread (stats.expected_step_time_ms) where the profile has one."""
+    plan, result, baseline = _build_division(
+        profile, cfg, method, where=where, progress=progress, describe=describe, time_limit=time_limit,
+        workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state,
+        budget=budget, placement=placement, precond=precond)
+    _add_expected_step_time(plan, profile, budget)
+    return plan, result, baseline
+
+
+def _add_expected_step_time(plan: Plan, profile: Profile, budget: Budget | None) -> None:
+    """The step a run sees with the ops' measured spread (check.replay.expected_step_time);
+    under a wall-clock limit only as many replayed ops as half the time left holds at this
+    run's replay speed (at least 3 cycles)."""
+    cap = 200_000
+    if budget is not None and budget.replay_s_per_op:
+        cap = min(cap, int(0.5 * budget.left() / budget.replay_s_per_op))
+    if cap >= 3 * plan.stats.get("tasks", 0):
+        expected = expected_step_time(plan, profile, max_instances=cap)
+        if expected is not None:
+            plan.stats["expected_step_time_ms"] = round(expected, 6)
+
+
+def _build_division(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,
+                    time_limit: float, workers: int, fixed_order: bool, refresh_steps: int | None,
+                    steady_state: bool, budget: Budget | None, placement: str,
+                    precond: str | None) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """build_plan without the expected step time: "auto" tries each division through here."""
     if precond == "auto":
         kw = dict(where=where, progress=progress, describe=describe, time_limit=time_limit, workers=workers,
                   fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state, budget=budget,
                   placement=placement)
         if not (cfg.kfac and cfg.replicas > 1) or method == "none":
-            return build_plan(profile, cfg, method, precond="all", **kw)
+            return _build_division(profile, cfg, method, precond="all", **kw)
         tried, skipped, longest = [], [], 0.0
         for pc in ("all", "split", "layers"):
             # under a wall-clock limit, a division is tried only if the time left holds
@@ -56,7 +83,7 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
                 skipped.append(pc)
                 continue
             t0 = time.monotonic()
-            tried.append(build_plan(profile, cfg, method, precond=pc, **kw))
+            tried.append(_build_division(profile, cfg, method, precond=pc, **kw))
             longest = max(longest, time.monotonic() - t0)
         best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
         best[0].stats["precond_auto"] = {t[0].config["precond_division"]: round(t[0].stats["step_time_ms"], 3)
@@ -79,15 +106,6 @@ def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, 
             budget=budget)
     if placed is not None:
         plan.stats["placement"] = placed
-    # the step a run sees with the ops' measured spread; under a wall-clock limit only as many
-    # replayed ops as half the time left holds at this run's replay speed (at least 3 cycles)
-    cap = 200_000
-    if budget is not None and budget.replay_s_per_op:
-        cap = min(cap, int(0.5 * budget.left() / budget.replay_s_per_op))
-    if cap >= 3 * plan.stats.get("tasks", 0):
-        expected = expected_step_time(plan, profile, max_instances=cap)
-        if expected is not None:
-            plan.stats["expected_step_time_ms"] = round(expected, 6)
     return plan, result, baseline
 
 
