@@ -1,7 +1,9 @@
 """Runtime benchmark (not a test): CPU, 2 ranks, one thread each, bert-mini, 4 micro-batches.
 
   (a) our runtime without K-FAC against torch.distributed.pipelining's ScheduleGPipe and
-      Schedule1F1B on the same model, partition, micro-batches and optimizer (AdamW);
+      Schedule1F1B on the same model, partition, micro-batches and optimizer (AdamW); and
+      (a0) our 1f1b run twice per round, against itself: the ratios two identical runs give
+      on this machine (how far from 1 a ratio in (a) can lie by chance);
   (b) the compiled plan with K-FAC in the bubbles (CP-SAT) against K-FAC appended after
       each step's pipeline work (`--method none`) and against no K-FAC;
   (c) predicted (plan.stats.step_time_ms) against measured step time;
@@ -44,6 +46,9 @@ PY = sys.executable
 # Run as a script, this file's folder comes first on sys.path and its name would shadow
 # the `runtime` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+AGAIN = "1f1b, no K-FAC (again)"  # (a0): an identical run, for the ratio two equal runs give
 
 
 def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
@@ -255,6 +260,8 @@ def main() -> None:
     if not a.only_zero_bubble:
         runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
         runs["torch Schedule1F1B"] = lambda: run_pipelining("1f1b", plans["1f1b, no K-FAC"], steps, warmup)
+        # the same run once more: what ratio two identical runs give here (the noise floor of (a))
+        runs[AGAIN] = lambda: run_ours(plans["1f1b, no K-FAC"], steps, warmup)
     if not a.only_torch:
         runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
         runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
@@ -301,6 +308,8 @@ def main() -> None:
         row("gpipe, no K-FAC", "torch ScheduleGPipe")
         row("torch Schedule1F1B", "torch Schedule1F1B")
         row("1f1b, no K-FAC", "torch Schedule1F1B")
+        print("| **(a0) the noise floor: our 1f1b against itself** (ratio vs our 1f1b) | | | | | | | | | |")
+        row(AGAIN, "1f1b, no K-FAC")
     if not a.only_zero_bubble and not a.only_torch:
         print("| **(b) K-FAC placement** (ratio vs no K-FAC) | | | | | | | | | |")
         row("1f1b, no K-FAC", "1f1b, no K-FAC")
@@ -321,7 +330,8 @@ def main() -> None:
                   f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
                   f"({1 - med[zbh1] / med[f1b]:.1%})")
     if not a.only_zero_bubble:  # the same comparison made round by round (both ran back to back in each)
-        for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B")):
+        for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
+                          (AGAIN, "1f1b, no K-FAC")):
             per = [x / y for x, y in zip(times[ours], times[ref])]
             print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in per)}; "
                   f"median {statistics.median(per):.3f}")

@@ -7,7 +7,9 @@
 #   4. run the plan with torchrun on 2 ranks               -> loss, predicted vs measured step time,
 #                                                             $OUT/measured.trace.json
 #   5. where the time went (per op kind), calibrate the profile from the run, re-plan from
-#      the calibrated profile, run again; both predictions against their measurements
+#      the calibrated profile, run again; both predictions against their measurements, the
+#      calibrated profile against the run it was fitted on (the model's own error), and the
+#      first plan run once more (how far two runs of one plan lie apart on this machine)
 #
 # Each piece says so and carries on (or stops) if a command it needs is missing.
 # Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 120),
@@ -75,17 +77,29 @@ OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2
 
 say "5/5 where the time went, then calibrate the profile from this run, re-plan and run again"
 "$PY" -m pfcompile inspect "$OUT/measured.trace.json" --against "$OUT/plan.json" --profile "$OUT/bert-tiny.json"
-"$PY" -m pfcompile calibrate "$OUT/bert-tiny.json" "$OUT/measured.trace.json" -o "$OUT/bert-tiny.calibrated.json"
+"$PY" -m pfcompile calibrate "$OUT/bert-tiny.json" "$OUT/measured.trace.json" -o "$OUT/bert-tiny.calibrated.json" \
+  2> "$OUT/calibrate.txt" || { cat "$OUT/calibrate.txt" >&2; exit 1; }
+cat "$OUT/calibrate.txt" >&2
 "$PY" -m pfcompile plan "$OUT/bert-tiny.calibrated.json" --schedule 1f1b --stages 2 --micro-batches 4 \
       --method cpsat --time-limit 10 --workers 2 -o "$OUT/plan.calibrated.json" > /dev/null
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
       "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" 2>&1 \
   | grep -v '^W[0-9]' | tee "$OUT/run2.txt" > /dev/null || exit 1
+# The first plan once more, as a yardstick: how far two runs of one plan lie apart here.
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
+      "$OUT/plan.json" --steps "$STEPS" --seed 1 2>&1 | grep -v '^W[0-9]' > "$OUT/run3.txt" || exit 1
 echo "the second run, replayed with its own op times:"
 "$PY" -m pfcompile inspect "$OUT/measured.calibrated.trace.json" --against "$OUT/plan.calibrated.json" \
       --profile "$OUT/bert-tiny.calibrated.json" | sed -n '/replayed with/,$p' | tail -n +2
 echo "before calibration: $(ratios "$OUT/run1.txt")"
 echo "after calibration:  $(ratios "$OUT/run2.txt")  (a second run, seed 1)"
+# The model's own error: the calibrated profile against the run it was fitted on. The
+# second run's error beyond it is how that run differs from the first: the first plan run
+# again shows how far two runs of one plan lie apart on this machine.
+echo "the calibrated profile against the first run (the one it was fitted on): $(grep -o 'measured [0-9.]* ms/step, predicted.*' "$OUT/calibrate.txt" || echo n/a)"
+measured() { grep -o 'measured [0-9.]* ms/step' "$1" | head -n 1 | grep -o '[0-9.]*' || true; }
+a=$(measured "$OUT/run1.txt"); b=$(measured "$OUT/run3.txt")
+[ -n "$a" ] && [ -n "$b" ] && echo "the first plan run again (seed 1): measured $b ms/step, $("$PY" -c "print(f'{$b / $a:.3f}')") x the first run's (this machine's run-to-run variation)"
 
 say "outputs in $OUT"
 ls -1 "$OUT"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import statistics
 from collections import defaultdict
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pfcompile.calibrate.compare import against_fitted_run
 from pfcompile.calibrate.fit import calibrate
 from pfcompile.calibrate.measured import load_measured
 from pfcompile.formats.ops import Op
@@ -334,6 +336,34 @@ def test_cli_calibrate_inspect_and_refusals(tmp_path, ops_only_tiny):
     assert cli("render", str(plan_path), "--trace", str(not_measured)).returncode == 0
     r = cli("calibrate", str(PROFILE), str(not_measured), "-o", str(tmp_path / "cal3.json"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.source" in r.stderr
+
+
+def test_calibrate_checks_the_profile_against_the_run_it_was_fitted_on(tmp_path):
+    """`pfcompile calibrate` prints, per trace, the calibrated profile's prediction of the run
+    it was fitted on (the model's own error, apart from the machine's). A run written from
+    the TRUE costs (not with the replay) is reproduced to 1%, and its measured step is that
+    run's steady step; the parent profile, not fitted to it, is far off the same run; a trace
+    whose plan file has moved is named, and calibration still succeeds."""
+    prof = load_profile(str(PROFILE))
+    truth = true_profile(prof)
+    plan_path = make_plan(tmp_path, prof, "f1b", schedule="1f1b", stages=2)
+    plan = load_plan(str(plan_path))
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=6 * plan.refresh_steps + 1)
+    out = tmp_path / "cal.json"
+    r = cli("calibrate", str(PROFILE), str(trace), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"against the run it was fitted on: measured ([0-9.]+) ms/step, predicted ([0-9.]+), "
+                  r"measured/predicted ([0-9.]+)", r.stderr)
+    assert m, r.stderr
+    assert float(m[3]) == pytest.approx(1.0, abs=0.01)
+    assert float(m[1]) == pytest.approx(replay(plan, truth).step_time_ms, rel=0.01)
+    parent = against_fitted_run(load_measured(str(trace)), prof)
+    assert abs(parent["measured_step_ms"] / parent["predicted_step_ms"] - 1.0) > 0.05
+
+    plan_path.rename(tmp_path / "moved.json")
+    r = cli("calibrate", str(PROFILE), str(trace), "-o", str(tmp_path / "cal2.json"))
+    assert r.returncode == 0, r.stderr
+    assert "no check against the fitted run (the plan file the trace names is not there" in r.stderr
 
 
 def test_ranks_on_one_host_share_rank_0s_clock():

@@ -76,6 +76,27 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def whole_cycles(trace: MeasuredTrace, k: int) -> tuple[int, int, float] | None:
+    """(first whole refresh cycle after warm-up, how many, the measured step time in steady
+    state: the spacing of those cycles' ends over k). The replay's step is measured the same
+    way (cycle 0 of a replay starts from idle, the run's first whole cycle from the previous
+    one's tail). None with fewer than two whole cycles."""
+    steps = sorted({o.step for o in trace.ops})
+    if not steps:
+        return None
+    c0 = -(-steps[0] // k)
+    cycles = (steps[-1] + 1) // k - c0
+    if cycles < 2:
+        return None
+    lo, hi = c0 * k, (c0 + cycles) * k
+    ends: dict[int, float] = {}
+    for o in trace.ops:
+        if lo <= o.step < hi:
+            c = o.step // k - c0
+            ends[c] = max(ends.get(c, o.end_ms), o.end_ms)
+    return c0, cycles, (ends[cycles - 1] - ends[0]) / ((cycles - 1) * k)
+
+
 def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | None:
     """The plan replayed with this run's own op times, to split a prediction's error in
     three. Each op's time is its occupancy (its start to its rank's next op start: the op,
@@ -96,13 +117,10 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     from pfcompile.formats.rules import CycleIndex, PlanLayout
 
     k = plan.refresh_steps
-    steps = sorted({o.step for o in trace.ops})
-    if not steps:
+    window = whole_cycles(trace, k)
+    if window is None:
         return None
-    c0 = -(-steps[0] // k)  # the first whole cycle
-    cycles = (steps[-1] + 1) // k - c0
-    if cycles < 2:
-        return None
+    c0, cycles, measured = window
     X = CycleIndex(plan, PlanLayout(plan))
     lo, hi = c0 * k, (c0 + cycles) * k
     own: dict[int, float] = {}
@@ -117,14 +135,7 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     for x, ms in own.items():
         sums[x % X.M].append(ms)
     mean = {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
-    # steady state on both sides: the spacing of the cycles' ends (cycle 0 of the replay
-    # starts from idle, the run's first whole cycle from the previous one's tail)
-    ends: dict[int, float] = {}
-    for o in trace.ops:
-        if lo <= o.step < hi:
-            c = o.step // k - c0
-            ends[c] = max(ends.get(c, o.end_ms), o.end_ms)
-    out = {"measured_step_ms": (ends[cycles - 1] - ends[0]) / ((cycles - 1) * k), "cycles": cycles}
+    out = {"measured_step_ms": measured, "cycles": cycles}
     for key, durations in (("mean_ops_step_ms", mean), ("own_ops_step_ms", own)):
         r = replay(plan, profile, cycles=cycles, check_memory=False, durations=durations)
         out[key] = r.step_time_ms  # the spacing of its cycle ends over k
@@ -146,3 +157,44 @@ def format_replayed(r: dict | None, predicted_ms: float) -> str:
         lines.append(f"  {name:<36} {ms:8.2f} ms/step{delta}")
         prev = ms
     return "\n".join(lines)
+
+
+def against_fitted_run(trace: MeasuredTrace, profile) -> dict:
+    """A calibrated profile against the run it was fitted on: the traced plan (the file the
+    trace names, if it is still there unchanged) replayed with the profile, plain and with
+    the op times' spread, against the run's steady step time (whole_cycles). Close to 1 by
+    construction when the model holds; what it leaves is the model's own error, so the
+    error on a later run beyond it is that run's difference from this one (the machine's
+    run-to-run variation, or a plan the model transfers to less well).
+    {"plan": path, "measured_step_ms", "predicted_step_ms", "expected_step_ms" (None
+    without a spread)}, or {"plan": path, "skipped": why}."""
+    import os
+
+    from pfcompile.check.replay import expected_step_time, replay
+    from pfcompile.calibrate.measured import check_against_plan
+    from pfcompile.formats.errors import InputError
+    from pfcompile.formats.plan import load_plan
+
+    path = str(trace.meta.get("plan") or "")
+    if not path or not os.path.exists(path):
+        return {"plan": path, "skipped": "the plan file the trace names is not there"}
+    try:
+        check_against_plan(trace, path)
+        plan = load_plan(path)
+    except InputError:
+        return {"plan": path, "skipped": "the plan file the trace names has changed since the run"}
+    window = whole_cycles(trace, plan.refresh_steps)
+    if window is None:
+        return {"plan": path, "skipped": "fewer than two whole refresh cycles after warm-up"}
+    return {"plan": path, "measured_step_ms": window[2],
+            "predicted_step_ms": replay(plan, profile, check_memory=False).step_time_ms,
+            "expected_step_ms": expected_step_time(plan, profile)}
+
+
+def format_fitted_run(trace: MeasuredTrace, r: dict) -> str:
+    if "skipped" in r:
+        return f"{trace.path}: no check against the fitted run ({r['skipped']}: {r['plan'] or 'none named'})"
+    m, p, e = r["measured_step_ms"], r["predicted_step_ms"], r["expected_step_ms"]
+    line = (f"{trace.path}: the calibrated profile against the run it was fitted on: measured {m:.2f} ms/step, "
+            f"predicted {p:.2f}, measured/predicted {m / p:.3f}")
+    return line + (f"; with the op times' spread {e:.2f}, measured/predicted {m / e:.3f}" if e else "")

@@ -26,6 +26,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from pfcompile.calibrate.compare import against_fitted_run, format_fitted_run
     from pfcompile.calibrate.fit import calibrate
     from pfcompile.calibrate.measured import load_measured
     from pfcompile.formats.profile import load_profile
@@ -39,4 +40,8 @@ def run(args) -> int:
     fitted = ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
     print(f"wrote {args.output} ({new.hash}), calibrated from {len(traces)} trace(s) of {profile.hash[:19]}...: "
           f"{fitted}", file=sys.stderr)
+    # The model's own error, apart from the machine's: a later run's error beyond this is
+    # how that run differs from these.
+    for tr in traces:
+        print(format_fitted_run(tr, against_fitted_run(tr, new)), file=sys.stderr)
     return 0
