@@ -125,7 +125,7 @@ class Interpreter:
                 start = tl.mark()
                 self.handlers[op.kind](op)
                 tl.record(step, str(op), op.kind, start, tl.mark())
-                mem.after(op.kind, op.stage, op.mb)
+                mem.after(op.kind, op.stage, op.mb, op.layer)
         except kfac.NonFiniteFactorError as e:  # the divergence reached a factor first
             self._check_finite(step)  # names the first stage whose forward went non-finite
             raise NonFiniteError(f"step {step}: rank {self.world.rank}: {e}") from None

@@ -59,6 +59,10 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
+# ops that create or change gradients (a backward, or the gradient collectives)
+GRAD_KINDS = ("bwd", "bwd_input", "bwd_weight", "sync_grad", "rs_grad", "ag_grad")
+
+
 class MemoryMeter:
     """Peak bytes of one rank within the current step."""
 
@@ -73,6 +77,18 @@ class MemoryMeter:
         self._param_list = [p for sr in stages.values() for p in sr.module.parameters()]
         self._param_bytes = sum(nbytes(p) for p in self._param_list)
         self._opt_bytes = 0
+        self._grad_bytes = 0
+        self._kfac_bytes = 0
+        # kept K-FAC captures per layer, so an op recounts only the layers it touches
+        self._stage_layers = {s: list(sr.kfac.values()) for s, sr in stages.items()}
+        self._layer = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
+        self._kept_by: dict[int, int] = {}  # id(layer) -> its kept bytes (no split backward)
+        self._state_by: dict[int, int] = {}  # id(layer) -> its state bytes
+        # per stage: its parameters, their gradients' bytes, and whether every one has its
+        # gradient (then a backward adds into them in place: nothing to recount)
+        self._stage_params = {s: list(sr.module.parameters()) for s, sr in stages.items()}
+        self._stage_grads = {s: 0 for s in stages}
+        self._grads_whole = {s: False for s in stages}
         self.act_bytes: dict[int, int] = {}        # stage -> bytes one forward saves
         self.acts: dict[tuple[int, int], int] = {}  # (stage, mb) -> bytes held until its bwd ends
         self.resident = 0
@@ -109,17 +125,35 @@ class MemoryMeter:
         self.held_acts += self.act_bytes[stage]
         return out
 
-    def after(self, kind: str, stage: int | None = None, mb: int | None = None) -> None:
-        """Count after an op; `bwd` before releasing the activations of (stage, mb)."""
+    def after(self, kind: str, stage: int | None = None, mb: int | None = None, layer: int | None = None) -> None:
+        """Count after an op; `bwd` before releasing the activations of (stage, mb). `layer`:
+        a K-FAC op's layer."""
         if self.cuda:
             return
-        # Recount only what the op can change (this runs after every op: keep it cheap).
-        if kind in ("bwd", "bwd_input", "bwd_weight", "inv", "bcast_inv", "step", "sync_grad",
-                    "rs_grad", "ag_grad"):
-            # gradients, factors, inverses or (a step) the optimizer state changed
-            self.resident = self._resident(optimizer=kind == "step")
+        # Recount only what the op can change, and only where: this runs after every op (on
+        # bert-tiny with K-FAC, recounting everything cost ~2% of the step).
+        if kind == "step":  # zero_grad, the optimizer's state, the inverses coming into force
+            self.resident = self._resident()
+        elif kind in GRAD_KINDS:  # gradients appear
+            if stage not in self._stage_grads:
+                self._grad_bytes = self._grads()
+            elif not self._grads_whole[stage]:
+                self._recount_grads(stage)
+            self.resident = self._sum_resident()
+        elif kind in ("inv", "bcast_inv"):  # a pending inverse (and its spare slot)
+            if layer in self._layer:
+                x = self._layer[layer]
+                b = x.state_bytes()
+                self._kfac_bytes += b - self._state_by.get(id(x), 0)
+                self._state_by[id(x)] = b
+            else:
+                self._kfac_bytes = self._kfac_state()
+            self.resident = self._sum_resident()
         if kind in ("fwd", "bwd", "bwd_input", "curv_a", "curv_b"):
-            self.kept = self._kept()
+            if self.split or (kind.startswith("curv") and layer is None):
+                self.kept = self._kept()
+            else:  # a forward or backward captures for its stage's layers; a curv op frees its layer's
+                self._recount_kept([self._layer[layer]] if kind.startswith("curv") else self._stage_layers.get(stage, []))
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
             self.held_acts -= self.acts.pop((stage, mb), 0)
@@ -128,17 +162,43 @@ class MemoryMeter:
             self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
 
     # --- counting -------------------------------------------------------------------------------
-    def _resident(self, optimizer: bool = True) -> int:
-        """Parameters, their gradients, optimizer state (recounted if `optimizer`, else the
-        last count) and the K-FAC layers' state."""
-        if optimizer:
-            self._opt_bytes = sum(optimizer_state_bytes(sr.optimizer) for sr in self.stages.values())
-        grads = sum(nbytes(g) for g in (p.grad for p in self._param_list) if g is not None)
-        return self._param_bytes + grads + self._opt_bytes + sum(layer.state_bytes() for layer in self.layers)
+    def _resident(self) -> int:
+        """Parameters, their gradients, optimizer state and the K-FAC layers' state, all recounted."""
+        self._opt_bytes = sum(optimizer_state_bytes(sr.optimizer) for sr in self.stages.values())
+        self._grad_bytes = self._grads()
+        self._kfac_bytes = self._kfac_state()
+        return self._sum_resident()
+
+    def _grads(self) -> int:
+        for s in self._stage_params:
+            self._recount_grads(s, total=False)
+        return sum(self._stage_grads.values())
+
+    def _recount_grads(self, stage: int, total: bool = True) -> None:
+        grads = [p.grad for p in self._stage_params[stage]]
+        b = sum(nbytes(g) for g in grads if g is not None)
+        if total:
+            self._grad_bytes += b - self._stage_grads[stage]
+        self._stage_grads[stage] = b
+        self._grads_whole[stage] = all(g is not None for g in grads)
+
+    def _kfac_state(self) -> int:
+        self._state_by = {id(x): x.state_bytes() for x in self.layers}
+        return sum(self._state_by.values())
+
+    def _sum_resident(self) -> int:
+        return self._param_bytes + self._grad_bytes + self._opt_bytes + self._kfac_bytes
+
+    def _recount_kept(self, layers: list) -> None:
+        for layer in layers:
+            b = layer.kept_bytes()
+            self.kept += b - self._kept_by.get(id(layer), 0)
+            self._kept_by[id(layer)] = b
 
     def _kept(self) -> int:
         if not self.split:
-            return sum(layer.kept_bytes() for layer in self.layers)
+            self._kept_by = {id(layer): layer.kept_bytes() for layer in self.layers}
+            return sum(self._kept_by.values())
         # W's layer inputs (before B: `saved`, after: `kept`) are inside the activations
         held_inputs = {x.untyped_storage().data_ptr() for wp in self.split.values()
                        for slots in wp.saved.values() for s in slots if s is not None for x in s[:1]}
