@@ -194,6 +194,7 @@ def calibration_tables(a, out: Path, console) -> None:
             if r.returncode:
                 sys.exit(f"benchmark: calibrate failed:\n{r.stderr[-2000:]}")
             profiles["calibrated"] = str(calibrated)
+            fitted_on = [ln for ln in r.stderr.splitlines() if "against the run it was fitted on" in ln]
     print(f"\n(e) predicted against measured, {a.profile} (bert-mini, 2 ranks x 1 thread, gloo, CPU, "
           f"{a.micro_batches} micro-batches); load average at the end {os.getloadavg()[0]:.1f}")
     print("before: planned from the profile, measured with seed 0; after: planned from the profile calibrated on "
@@ -209,6 +210,12 @@ def calibration_tables(a, out: Path, console) -> None:
                 f"{k} | {p:.1f} | - | {m:.1f} | {m / p:.3f} | -")
     for name, r in rows.items():
         print(f"| {name} | {cells(*r['profile'])} | {cells(*r['calibrated'])} |")
+    # the model's own error, apart from the machine's: the calibrated profile against the
+    # four runs it was fitted on (pfcompile calibrate prints it)
+    print("\n(e) the calibrated profile against the seed-0 runs it was fitted on:")
+    for ln in fitted_on:
+        print("  " + ln.split(": the calibrated profile against the run it was fitted on: ", 1)[-1]
+              + f"  ({Path(ln.split(':', 1)[0]).name})")
 
 
 def main() -> None:
