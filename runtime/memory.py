@@ -63,6 +63,13 @@ def optimizer_state_bytes(optimizer) -> int:
 GRAD_KINDS = ("bwd", "bwd_input", "bwd_weight", "sync_grad", "rs_grad", "ag_grad")
 
 
+def _changed(counts: dict[int, int], layer, nbytes_now: int) -> int:
+    """Record one layer's count; returns how much it changed since the last."""
+    was = counts.get(id(layer), 0)
+    counts[id(layer)] = nbytes_now
+    return nbytes_now - was
+
+
 class MemoryMeter:
     """Peak bytes of one rank within the current step."""
 
@@ -74,8 +81,6 @@ class MemoryMeter:
                         for s, sr in stages.items()}
         # The resident count in parts, so an op recounts only what it can change (this runs
         # after every op): parameters never change size; the optimizer's state only at a step.
-        self._param_list = [p for sr in stages.values() for p in sr.module.parameters()]
-        self._param_bytes = sum(nbytes(p) for p in self._param_list)
         self._opt_bytes = 0
         self._grad_bytes = 0
         self._kfac_bytes = 0
@@ -87,6 +92,7 @@ class MemoryMeter:
         # per stage: its parameters, their gradients' bytes, and whether every one has its
         # gradient (then a backward adds into them in place: nothing to recount)
         self._stage_params = {s: list(sr.module.parameters()) for s, sr in stages.items()}
+        self._param_bytes = sum(nbytes(p) for params in self._stage_params.values() for p in params)
         self._stage_grads = {s: 0 for s in stages}
         self._grads_whole = {s: False for s in stages}
         self.act_bytes: dict[int, int] = {}        # stage -> bytes one forward saves
@@ -143,9 +149,7 @@ class MemoryMeter:
         elif kind in ("inv", "bcast_inv"):  # a pending inverse (and its spare slot)
             if layer in self._layer:
                 x = self._layer[layer]
-                b = x.state_bytes()
-                self._kfac_bytes += b - self._state_by.get(id(x), 0)
-                self._state_by[id(x)] = b
+                self._kfac_bytes += _changed(self._state_by, x, x.state_bytes())
             else:
                 self._kfac_bytes = self._kfac_state()
             self.resident = self._sum_resident()
@@ -191,9 +195,7 @@ class MemoryMeter:
 
     def _recount_kept(self, layers: list) -> None:
         for layer in layers:
-            b = layer.kept_bytes()
-            self.kept += b - self._kept_by.get(id(layer), 0)
-            self._kept_by[id(layer)] = b
+            self.kept += _changed(self._kept_by, layer, layer.kept_bytes())
 
     def _kept(self) -> int:
         if not self.split:
