@@ -137,27 +137,23 @@ class MemoryMeter:
         if self.cuda:
             return
         # Recount only what the op can change, and only where: this runs after every op (on
-        # bert-tiny with K-FAC, recounting everything cost ~2% of the step).
+        # bert-tiny with K-FAC, recounting everything cost ~2% of the step). An op's stage and
+        # layer are this rank's: its handler has already run on them.
         if kind == "step":  # zero_grad, the optimizer's state, the inverses coming into force
             self.resident = self._resident()
         elif kind in GRAD_KINDS:  # gradients appear
-            if stage not in self._stage_grads:
-                self._grad_bytes = self._grads()
-            elif not self._grads_whole[stage]:
+            if not self._grads_whole[stage]:
                 self._recount_grads(stage)
             self.resident = self._sum_resident()
         elif kind in ("inv", "bcast_inv"):  # a pending inverse (and its spare slot)
-            if layer in self._layer:
-                x = self._layer[layer]
-                self._kfac_bytes += _changed(self._state_by, x, x.state_bytes())
-            else:
-                self._kfac_bytes = self._kfac_state()
+            x = self._layer[layer]
+            self._kfac_bytes += _changed(self._state_by, x, x.state_bytes())
             self.resident = self._sum_resident()
         if kind in ("fwd", "bwd", "bwd_input", "curv_a", "curv_b"):
-            if self.split or (kind.startswith("curv") and layer is None):
+            if self.split:
                 self.kept = self._kept()
             else:  # a forward or backward captures for its stage's layers; a curv op frees its layer's
-                self._recount_kept([self._layer[layer]] if kind.startswith("curv") else self._stage_layers.get(stage, []))
+                self._recount_kept([self._layer[layer]] if kind.startswith("curv") else self._stage_layers[stage])
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
             self.held_acts -= self.acts.pop((stage, mb), 0)
