@@ -4,6 +4,13 @@
       Schedule1F1B on the same model, partition, micro-batches and optimizer (AdamW); and
       (a0) our 1f1b run twice per round, against itself: the ratios two identical runs give
       on this machine (how far from 1 a ratio in (a) can lie by chance);
+  (a-i) the same five variants in ONE torchrun job on one process group, alternating
+      blocks of `--block` steps (default 3) in an order rotated every round: a pair of
+      blocks lies seconds apart instead of a minute, and this VM's speed drifts on the scale
+      of a minute. Ours is stepped as runtime.loop steps it (train_step, the metrics
+      reduction every log.every steps); the runtime's GC policy (automatic collection off,
+      collect between blocks) applies to every variant alike. Reported beside (a), not
+      instead of it: (a) is each variant in its own job, the way a user launches it;
   (b) the compiled plan with K-FAC in the bubbles (CP-SAT) against K-FAC appended after
       each step's pipeline work (`--method none`) and against no K-FAC;
   (c) predicted (plan.stats.step_time_ms) against measured step time;
@@ -25,6 +32,7 @@ default, left the round-to-round spread at ~10%, larger than the differences mea
 Usage:
 
     .venv/bin/python benchmarks/runtime.py [--steps 30] [--rounds 5] [--out bench-out]
+        [--only-torch | --only-interleaved [--interleaved-rounds 30] [--block 3] | ...]
 
 The same file is the torch.distributed.pipelining worker (`--pipelining-worker`), run by
 torchrun like the runtime.
@@ -85,10 +93,10 @@ def run_pipelining(schedule: str, plan_path: Path, steps: int, warmup: int) -> t
 
 
 # --- the torch.distributed.pipelining worker ---------------------------------------------------
-def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) -> None:
-    """The same stages, data and AdamW as our runtime's no-K-FAC plan, under torch's schedules."""
+def torch_pipeline(schedule: str, plan_path: str, rank: int):
+    """The same stages, data and AdamW as our runtime's no-K-FAC plan, under torch's
+    schedule; returns one_step(step) (call after init_process_group)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
@@ -97,9 +105,6 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     from runtime.models import Stage, lm_loss, resolve_config
     from runtime.optim import build_optimizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     p = load_plan(plan_path)
     N = p.config["micro_batches"]
     cfg = resolve_config(p.model["name"], vocab=p.model.get("vocab"), seq_len=p.model["seq_len"])
@@ -119,10 +124,10 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
         sched = make(stages, n_microbatches=N, loss_fn=loss)
     opts = [build_optimizer(m, []) for m in modules]
     stream = make_stream(cfg.kind, b * N, T, seed=0, synthetic=True, vocab=cfg.vocab)
+    first, last = 0 in held, S - 1 in held
 
     def one_step(step: int) -> None:
         batch = stream.batch(step)
-        first, last = 0 in held, S - 1 in held
         if first and last:
             sched.step(batch.tokens, target=batch.targets)
         elif first:
@@ -135,6 +140,18 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
             opt.step()
             opt.zero_grad()
 
+    return one_step
+
+
+def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) -> None:
+    """One torchrun job of torch's schedule alone: warm-up steps, then the timed ones."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    one_step = torch_pipeline(schedule, plan_path, rank)
     for step in range(warmup):
         one_step(step)
     dist.barrier()
@@ -147,6 +164,86 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
         print(json.dumps({"step_ms": step_ms}), flush=True)
     dist.barrier()
     os._exit(0)  # like the runtime: no gloo teardown after the final barrier (it can abort a peer)
+
+
+# --- (a-i): every variant in one job, block after block ----------------------------------------
+INTERLEAVED = ("gpipe, no K-FAC", "torch ScheduleGPipe", "1f1b, no K-FAC", "torch Schedule1F1B", AGAIN)
+
+
+def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps: int):
+    """Our runtime on a plan, stepped as runtime.loop.run steps it (train_step, then the
+    metrics reduction every log.every steps); returns one_step(step)."""
+    from runtime import loop
+    from runtime.config import build_parser, prepare
+    from runtime.metrics import Metrics
+
+    args = build_parser().parse_args([plan_path, "--data", "synthetic", "--steps", "1000000"])
+    job = prepare(args, rank, world_size)
+    parts = loop.build_rank(job, args, world)
+    parts.timeline.start()
+    import torch
+    losses = torch.zeros(total_steps, dtype=torch.float64)
+    metrics = Metrics(None, total_steps, 0, 1) if rank == 0 else None
+    pending: list[tuple] = []
+    log_every = job.train["log.every"]
+
+    def one_step(step: int) -> None:
+        pending.append(loop.train_step(parts, step))
+        if len(pending) >= log_every:
+            loop.flush(world, pending, losses, metrics)
+
+    return one_step
+
+
+def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -> None:
+    """(a-i): ours and torch's in one job on the same process group, alternating blocks of
+    `block` steps, so a pair of blocks is seconds apart, not a minute (this VM's speed
+    drifts on the scale of a minute). Prints, on rank 0, each variant's ms/step per block."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from runtime import comm
+
+    torch.set_num_threads(1)
+    world = comm.init_world(60.0, "cpu")
+    rank, size = world.rank, world.world_size
+    gpipe, f1b = plans
+    total = warmup + rounds * block * 2  # the most steps one runtime object runs (1f1b runs twice a round)
+    ours_gpipe, ours_1f1b = (our_pipeline(gpipe, rank, size, world, total), our_pipeline(f1b, rank, size, world, total))
+    step_fns = {"gpipe, no K-FAC": ours_gpipe, "torch ScheduleGPipe": torch_pipeline("gpipe", gpipe, rank),
+                "1f1b, no K-FAC": ours_1f1b, "torch Schedule1F1B": torch_pipeline("1f1b", f1b, rank),
+                AGAIN: ours_1f1b}  # the same runtime object again: how far two blocks of one thing lie
+    next_step = {name: 0 for name in step_fns}
+    gc.disable()  # the runtime's policy (runtime.loop), for every variant alike: collect between blocks
+
+    def run_block(name: str, n: int) -> float:
+        fn, s0 = step_fns[name], next_step[name]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for step in range(s0, s0 + n):
+            fn(step)
+        dist.barrier()
+        next_step[name] = s0 + n
+        return (time.perf_counter() - t0) * 1000.0 / n
+
+    for name in INTERLEAVED:
+        run_block(name, warmup)
+    times: dict[str, list[float]] = {name: [] for name in INTERLEAVED}
+    for r in range(rounds):
+        order = list(INTERLEAVED[r % len(INTERLEAVED):] + INTERLEAVED[:r % len(INTERLEAVED)])
+        if r % 2:
+            order.reverse()  # every variant comes before and after every other equally often
+        for name in order:
+            gc.collect(1)
+            times[name].append(run_block(name, block))
+        if rank == 0:
+            print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(json.dumps({"times": times}), flush=True)
+    dist.barrier()
+    os._exit(0)
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -231,12 +328,19 @@ def main() -> None:
     ap.add_argument("--only-calibration", action="store_true",
                     help="only part (e): predicted vs measured before and after pfcompile calibrate")
     ap.add_argument("--only-torch", action="store_true",
-                    help="only part (a): our gpipe and 1f1b against torch's ScheduleGPipe and Schedule1F1B")
+                    help="only parts (a-i) and (a): our gpipe and 1f1b against torch's ScheduleGPipe and Schedule1F1B")
+    ap.add_argument("--only-interleaved", action="store_true",
+                    help="only part (a-i): (a) and (a0) in one job, variants alternating block by block")
+    ap.add_argument("--interleaved-rounds", type=int, default=30, help="(a-i) rounds (a block of every variant each)")
+    ap.add_argument("--block", type=int, default=3, help="(a-i) steps per block")
     ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b", "zbv", "zb1p"), help=argparse.SUPPRESS)
+    ap.add_argument("--interleaved-worker", nargs=2, metavar=("GPIPE_PLAN", "1F1B_PLAN"), help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.pipelining_worker:
         return pipelining_worker(a.pipelining_worker, a.plan, a.steps, a.warmup)
+    if a.interleaved_worker:
+        return interleaved_worker(a.interleaved_worker, a.interleaved_rounds, a.block, a.warmup)
 
     from rich.console import Console
     console = Console(stderr=True)
@@ -257,9 +361,18 @@ def main() -> None:
         }
         if a.only_zero_bubble:
             specs = {k: v for k, v in specs.items() if k in ("1f1b, no K-FAC", "zb-h1, no K-FAC", "zb-v, no K-FAC")}
-        if a.only_torch:
+        if a.only_torch or a.only_interleaved:
             specs = {k: v for k, v in specs.items() if k in ("gpipe, no K-FAC", "1f1b, no K-FAC")}
         plans = {name: plan(a.profile, out, *spec) for name, spec in specs.items()}
+    if not a.only_zero_bubble:
+        with console.status(f"(a-i): ours and torch's in one job, {a.interleaved_rounds} rounds of "
+                            f"{a.block}-step blocks..."):
+            interleaved = torchrun([__file__, "--interleaved-worker", str(plans["gpipe, no K-FAC"]),
+                                    str(plans["1f1b, no K-FAC"]), "--interleaved-rounds", str(a.interleaved_rounds),
+                                    "--block", str(a.block), "--warmup", str(max(a.warmup, 2))])["times"]
+        interleaved_table(interleaved, a)
+        if a.only_interleaved:
+            return
     k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
     warmup = max(a.warmup, k_max)
     steps = max(a.steps, warmup + k_max)  # at least one whole refresh cycle timed
@@ -347,6 +460,28 @@ def main() -> None:
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
           f"Refresh cycles k: {json.dumps(ks)}")
     print("Raw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
+
+
+def interleaved_table(times: dict[str, list[float]], a) -> None:
+    """(a-i): best and median block, their ratios, and the median of the per-round ratios."""
+    print(f"\n(a-i) bert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches: every variant in "
+          f"one torchrun job, {a.interleaved_rounds} rounds of one {a.block}-step block each, the order rotated "
+          f"every round; load average at the end {os.getloadavg()[0]:.1f}")
+    print("| run | best ms/step | median ms/step | ratio (best) | ratio (median) | per-round ratio: median "
+          "| per-round ratio: min–max |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    best = {n: min(v) for n, v in times.items()}
+    med = {n: statistics.median(v) for n, v in times.items()}
+    for name, ref in (("torch ScheduleGPipe", None), ("gpipe, no K-FAC", "torch ScheduleGPipe"),
+                      ("torch Schedule1F1B", None), ("1f1b, no K-FAC", "torch Schedule1F1B"),
+                      (AGAIN, "1f1b, no K-FAC")):
+        if ref is None:
+            print(f"| {name} | {best[name]:.1f} | {med[name]:.1f} | 1 | 1 | | |")
+            continue
+        per = [x / y for x, y in zip(times[name], times[ref])]
+        print(f"| {name} (vs {ref}) | {best[name]:.1f} | {med[name]:.1f} | {best[name] / best[ref]:.3f} | "
+              f"{med[name] / med[ref]:.3f} | {statistics.median(per):.3f} | {min(per):.3f}–{max(per):.3f} |")
+    print("Raw ms/step per block:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 
 if __name__ == "__main__":

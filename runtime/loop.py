@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,26 +31,62 @@ from runtime.metrics import Metrics
 GC_EVERY = 50
 
 
+@dataclass
+class RankParts:
+    """What one rank builds once and then steps with."""
+    world: object
+    stages: dict
+    interp: Interpreter
+    update: Update
+    stream: object                # the training batches
+    val_batches: list | None      # the fixed held-out batches (None: no evaluation)
+    timeline: measure.Timeline
+    optim_cfg: object
+    kfac: bool
+    N: int                        # micro-batches per step
+
+
+def build_rank(job, args, world) -> RankParts:
+    """This rank's stages, data, timeline, update and interpreter (after init_world)."""
+    plan, train = job.plan, job.train
+    N = int(plan.config["micro_batches"])
+    comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
+    kfac_cfg, optim_cfg = train.kfac_config(), train.optim_config()
+    stages = build_stages(job, world, kfac_cfg, optim_cfg)
+    mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
+    stream, val_batches = _data(job, args, mb_size * N, seq_len)
+    timeline = measure.Timeline(world.rank, device_type=world.device.type)
+    update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
+    interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
+                         timeline, tags=job.p2p_tags, recv_ahead=args.recv_ahead)
+    return RankParts(world, stages, interp, update, stream, val_batches, timeline, optim_cfg,
+                     bool(plan.config["kfac"]), N)
+
+
+def train_step(r: RankParts, step: int) -> tuple:
+    """One training step of this rank: its ops of the plan, then the (clipped) updates.
+    Returns the row the metrics flush reduces: (step, loss share, norm² share, ms, lr, refresh)."""
+    started = time.perf_counter()
+    lr = _lr(r.optim_cfg, step, r.kfac)
+    mbs = split_micro_batches(r.stream.batch(step), r.N)
+    device = r.world.device
+    loss = r.interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
+    norm_sq = r.update.finish_step()
+    return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr,
+            step % r.interp.k == 0 and r.kfac)
+
+
 def run(job, args) -> measure.Summary | None:
     """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
     plan, train = job.plan, job.train
-    N = int(plan.config["micro_batches"])
     steps = job.steps
     torch.set_num_threads(args.threads)
     world = comm.init_world(args.timeout, job.device_type)
     clean = False
     try:
-        comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-        kfac_cfg, optim_cfg = train.kfac_config(), train.optim_config()
-        stages = build_stages(job, world, kfac_cfg, optim_cfg)
-        cfg = job.spec.cfg
+        r = build_rank(job, args, world)
+        stages, interp, timeline, N = r.stages, r.interp, r.timeline, r.N
         mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
-        stream, val_batches = _data(job, args, mb_size * N, seq_len)
-        timeline = measure.Timeline(world.rank, device_type=world.device.type)
-        update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
-        interp = Interpreter(plan, world, stages, (mb_size, seq_len, cfg.hidden), job.precision, update, timeline,
-                             tags=job.p2p_tags, recv_ahead=args.recv_ahead)
-
         if args.checkpoint_dir:
             checkpoint.clean_temporary(args.checkpoint_dir, world.rank)  # a killed write's leftovers
         first = checkpoint.resume(args.checkpoint_dir, world, stages) if args.resume else 0
@@ -65,8 +102,9 @@ def run(job, args) -> measure.Summary | None:
         before_step = faults.crash_hook(world.rank)
         poison = faults.poison_hook(world.rank, stages)
         losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
-        pending: list[tuple] = []  # (step, loss share, norm² share, ms, lr, refresh) until the next reduction
+        pending: list[tuple] = []  # train_step's rows until the next reduction
         every, log_every = train["eval.every"], train["log.every"]
+        val_batches = r.val_batches
         dist.barrier()
         timeline.start()  # all ranks measure from (about) the same instant
         gc.disable()  # collections at chosen steps, not whenever a rank allocates (a straggler)
@@ -75,18 +113,11 @@ def run(job, args) -> measure.Summary | None:
                 gc.collect(1)
             before_step(step)
             poison(step)
-            started = time.perf_counter()
-            lr = _lr(optim_cfg, step, bool(plan.config["kfac"]))
-            mbs = split_micro_batches(stream.batch(step), N)
-            loss = interp.run_step(step, [b.tokens.to(world.device) for b in mbs],
-                                   [b.targets.to(world.device) for b in mbs])
-            norm_sq = update.finish_step()
-            pending.append((step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr,
-                            step % plan.refresh_steps == 0 and bool(plan.config["kfac"])))
+            pending.append(train_step(r, step))
             done = step + 1
             evaluate_now = val_batches and ((every and done % every == 0) or done == steps)
             if len(pending) >= log_every or done == steps or evaluate_now:
-                _flush(world, pending, losses, metrics)
+                flush(world, pending, losses, metrics)
             if evaluate_now:
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if args.checkpoint_every and done % args.checkpoint_every == 0:
@@ -129,7 +160,7 @@ def _lr(optim_cfg, step: int, kfac: bool) -> float:
     return (optim_cfg.lr if kfac else optim_cfg.adam_lr) * optim_cfg.lr_factor(step)
 
 
-def _flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
+def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
     """One all-reduce of the buffered steps' loss and squared-norm shares; rank 0 logs them."""
     if not pending:
         return
