@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import format_profile, load_profile, profile_from_json
+from pfcompile.formats.profile import fit_link, format_profile, load_profile, profile_from_json
 from pfcompile.profiler.reference import reference_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,19 @@ def test_measured_comm_is_a_real_two_rank_fit(measured):
     assert c.act_bytes in sizes and len(sizes) >= 4
     assert all(s["p2p_ms"] > 0 and s["allreduce_ms"] > 0 for s in measured.provenance["comm_samples"])
     assert all(s["send_ms"] > 0 and s["recv_ms"] > 0 for s in measured.provenance["comm_samples"])
+
+
+def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
+    """The plan's messages cost what the probe run's did: its receives posted before their
+    send ended (rank 1 waits for every activation of a GPipe step) give the latency at the
+    ping-pong's bandwidth; the ping-pong's own fit of its samples stays in the provenance."""
+    pv, c = measured.provenance, measured.comm
+    pong = pv["p2p_pingpong"]
+    refit = fit_link([(s["bytes"], s["p2p_ms"]) for s in pv["comm_samples"]])
+    assert pong["latency_ms"] == pytest.approx(refit.latency_ms)
+    assert pong["bytes_per_ms"] == pytest.approx(refit.bytes_per_ms) == pytest.approx(c.p2p.bytes_per_ms)
+    assert c.p2p.latency_ms >= 0 and c.p2p.latency_ms != pong["latency_ms"]
+    assert "runtime probe" in pv["comm_note"]
 
 
 def test_runtime_overheads_are_measured_by_running_the_runtime(measured):

@@ -31,7 +31,7 @@ import torch
 
 from pfcompile import __version__
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import Comm, KfacLayer, Part, Profile, RuntimeOverheads, fit_link
+from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile, RuntimeOverheads, fit_link
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from runtime.comm import free_port
 
@@ -450,14 +450,17 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int,
                                             for (n, a, b), s, r in zip(samples, send_ms, recv_ms)]}, runtime
 
 
-def measure_runtime(profile: Profile, device: torch.device, steps: int = 24) -> tuple[RuntimeOverheads, dict]:
+def measure_runtime(profile: Profile, device: torch.device,
+                    steps: int = 24) -> tuple[RuntimeOverheads, LinkModel | None, dict]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
     (pfcompile.calibrate.fit): the dispatch gap per op, the work between steps, a send's
     posting, a receive's completion, and the op times' spread (runtime.op_spread: 24 steps
-    give each stage's fwd and bwd ~90 samples). Kept only where the run worked; otherwise
-    the message benchmark's send/receive times stand (said in the provenance)."""
+    give each stage's fwd and bwd ~90 samples), and the p2p link as the run sees it: the
+    latency of its receives posted before their send ended, at the benchmark's bandwidth
+    (None when none was). Kept only where the run worked; otherwise the message benchmark's
+    link and send/receive times stand (said in the provenance)."""
     import subprocess
     import tempfile
 
@@ -476,11 +479,12 @@ def measure_runtime(profile: Profile, device: torch.device, steps: int = 24) -> 
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode or not os.path.exists(trace_path):
             tail = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-1:] or ["no output"]
-            return RuntimeOverheads(), {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads from the "
-                                                        f"message benchmark only"}
+            return RuntimeOverheads(), None, {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads "
+                                                              f"from the message benchmark only"}
         trace = load_measured(trace_path)
-    overheads = fit_runtime([trace], profile, "mean").overheads  # sums of op times add means
-    return overheads, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
+    fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
+    link = fit.link if fit.link is not profile.comm.p2p else None
+    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}
@@ -668,10 +672,21 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
                 draft = Profile(source="measured", provenance={}, model=_model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, kfac_layers=layers, comm=link)
-                measured_rt, note = measure_runtime(draft, dev)
+                measured_rt, probe_link, note = measure_runtime(draft, dev)
                 comm_prov.update(note)
                 if measured_rt.any():
                     runtime = measured_rt
+                if probe_link is not None:
+                    # A message in a running pipeline lags more than in a ping-pong between two
+                    # waiting ranks (the receiver is busy, then wakes; bert-tiny on this VM: 0.39-
+                    # 0.57 ms in runs against a 0.18-0.27 ms ping-pong): the plan's messages
+                    # cost what the probe's did, the ping-pong stays in the provenance.
+                    comm_prov["p2p_pingpong"] = {"latency_ms": link.p2p.latency_ms,
+                                                 "bytes_per_ms": link.p2p.bytes_per_ms}
+                    comm_prov["comm_note"] += ("; the p2p latency is the runtime probe's (its receives posted "
+                                               "before their send ended, at the ping-pong's bandwidth); the "
+                                               "ping-pong's fit is p2p_pingpong")
+                    link = Comm(link.method, link.act_bytes, probe_link, link.allreduce)
         else:
             link, runtime = Comm("model", act_bytes, MODEL_LINK, MODEL_LINK), RuntimeOverheads()
             comm_prov = {"comm_note": "model (not measured: --no-comm); latency/bandwidth of pfcompile.profiler.reference.LINK"}
