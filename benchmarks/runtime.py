@@ -173,15 +173,16 @@ INTERLEAVED = ("gpipe, no K-FAC", "torch ScheduleGPipe", "1f1b, no K-FAC", "torc
 def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps: int):
     """Our runtime on a plan, stepped as runtime.loop.run steps it (train_step, then the
     metrics reduction every log.every steps); returns one_step(step)."""
+    import torch
+
     from runtime import loop
     from runtime.config import build_parser, prepare
     from runtime.metrics import Metrics
 
-    args = build_parser().parse_args([plan_path, "--data", "synthetic", "--steps", "1000000"])
+    args = build_parser().parse_args([plan_path, "--data", "synthetic"])
     job = prepare(args, rank, world_size)
     parts = loop.build_rank(job, args, world)
     parts.timeline.start()
-    import torch
     losses = torch.zeros(total_steps, dtype=torch.float64)
     metrics = Metrics(None, total_steps, 0, 1) if rank == 0 else None
     pending: list[tuple] = []

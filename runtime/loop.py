@@ -33,8 +33,8 @@ GC_EVERY = 50
 
 @dataclass
 class RankParts:
-    """What one rank builds once and then steps with."""
-    world: object
+    """What one rank builds once and then steps with (the world, plan and micro-batch count
+    are the interpreter's)."""
     stages: dict
     interp: Interpreter
     update: Update
@@ -42,8 +42,6 @@ class RankParts:
     val_batches: list | None      # the fixed held-out batches (None: no evaluation)
     timeline: measure.Timeline
     optim_cfg: object
-    kfac: bool
-    N: int                        # micro-batches per step
 
 
 def build_rank(job, args, world) -> RankParts:
@@ -59,21 +57,21 @@ def build_rank(job, args, world) -> RankParts:
     update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
     interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
                          timeline, tags=job.p2p_tags, recv_ahead=args.recv_ahead)
-    return RankParts(world, stages, interp, update, stream, val_batches, timeline, optim_cfg,
-                     bool(plan.config["kfac"]), N)
+    return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg)
 
 
 def train_step(r: RankParts, step: int) -> tuple:
     """One training step of this rank: its ops of the plan, then the (clipped) updates.
     Returns the row the metrics flush reduces: (step, loss share, norm² share, ms, lr, refresh)."""
     started = time.perf_counter()
-    lr = _lr(r.optim_cfg, step, r.kfac)
-    mbs = split_micro_batches(r.stream.batch(step), r.N)
-    device = r.world.device
-    loss = r.interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
+    interp = r.interp
+    kfac = bool(interp.plan.config["kfac"])
+    lr = _lr(r.optim_cfg, step, kfac)
+    mbs = split_micro_batches(r.stream.batch(step), interp.N)
+    device = interp.world.device
+    loss = interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
     norm_sq = r.update.finish_step()
-    return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr,
-            step % r.interp.k == 0 and r.kfac)
+    return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, step % interp.k == 0 and kfac)
 
 
 def run(job, args) -> measure.Summary | None:
@@ -85,7 +83,7 @@ def run(job, args) -> measure.Summary | None:
     clean = False
     try:
         r = build_rank(job, args, world)
-        stages, interp, timeline, N = r.stages, r.interp, r.timeline, r.N
+        stages, interp, timeline, N = r.stages, r.interp, r.timeline, r.interp.N
         mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
         if args.checkpoint_dir:
             checkpoint.clean_temporary(args.checkpoint_dir, world.rank)  # a killed write's leftovers
