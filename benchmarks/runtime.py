@@ -35,7 +35,9 @@ Usage:
         [--only-torch | --only-interleaved [--interleaved-rounds 30] [--block 3] | ...]
 
 The same file is the torch.distributed.pipelining worker (`--pipelining-worker`), run by
-torchrun like the runtime.
+torchrun like the runtime, and the check that (a) compares the same computation
+(`--same-math-worker PLAN`: both from the same weights on the same batches; equal losses,
+first-step gradients and parameters; run by tests/test_against_torch.py).
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ def run_pipelining(schedule: str, plan_path: Path, steps: int, warmup: int) -> t
 
 
 # --- the torch.distributed.pipelining worker ---------------------------------------------------
-def torch_pipeline(schedule: str, plan_path: str, rank: int):
+def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None = None):
     """The same stages, data and AdamW as our runtime's no-K-FAC plan, under torch's
-    schedule; returns one_step(step) (call after init_process_group)."""
+    schedule; returns one_step(step), which returns the step's mean loss on the rank with
+    the last stage (else None). Call after init_process_group. `parts`, if given, receives
+    this rank's stage modules and optimizers by stage (for the same-math check)."""
     import torch
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
@@ -125,20 +129,24 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int):
     opts = [build_optimizer(m, []) for m in modules]
     stream = make_stream(cfg.kind, b * N, T, seed=0, synthetic=True, vocab=cfg.vocab)
     first, last = 0 in held, S - 1 in held
+    if parts is not None:
+        parts.update({s: (m, o) for s, m, o in zip(held, modules, opts)})
 
-    def one_step(step: int) -> None:
+    def one_step(step: int) -> float | None:
         batch = stream.batch(step)
+        losses: list = []
         if first and last:
-            sched.step(batch.tokens, target=batch.targets)
+            sched.step(batch.tokens, target=batch.targets, losses=losses)
         elif first:
             sched.step(batch.tokens)
         elif last:
-            sched.step(target=batch.targets)
+            sched.step(target=batch.targets, losses=losses)
         else:
             sched.step()
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        return float(sum(l.detach() for l in losses)) / N if losses else None
 
     return one_step
 
@@ -170,9 +178,11 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
 INTERLEAVED = ("gpipe, no K-FAC", "torch ScheduleGPipe", "1f1b, no K-FAC", "torch Schedule1F1B", AGAIN)
 
 
-def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps: int):
+def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps: int, parts_out: dict | None = None):
     """Our runtime on a plan, stepped as runtime.loop.run steps it (train_step, then the
-    metrics reduction every log.every steps); returns one_step(step)."""
+    metrics reduction every log.every steps); returns one_step(step), which returns this
+    rank's share of the step's loss. `parts_out`, if given, receives this rank's stage
+    modules and optimizers by stage."""
     import torch
 
     from runtime import loop
@@ -183,17 +193,74 @@ def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps:
     job = prepare(args, rank, world_size)
     parts = loop.build_rank(job, args, world)
     parts.timeline.start()
+    if parts_out is not None:
+        parts_out.update({s: (sr.module, sr.optimizer) for s, sr in parts.stages.items()})
     losses = torch.zeros(total_steps, dtype=torch.float64)
     metrics = Metrics(None, total_steps, 0, 1) if rank == 0 else None
     pending: list[tuple] = []
     log_every = job.train["log.every"]
 
-    def one_step(step: int) -> None:
+    def one_step(step: int) -> float:
         pending.append(loop.train_step(parts, step))
+        share = pending[-1][1]
         if len(pending) >= log_every:
             loop.flush(world, pending, losses, metrics)
+        return share
 
     return one_step
+
+
+def same_math_worker(plan_path: str, steps: int) -> None:
+    """What (a) compares is the same computation: our runtime and torch's schedule (the
+    plan's, gpipe or 1f1b) from the same initial weights on the same batches, `steps` steps
+    each. Prints, on rank 0, per step both losses, and per rank the largest relative
+    difference of the first step's gradients (read by a hook on each stage's AdamW as it
+    steps) and of the final parameters. tests/test_against_torch.py runs it."""
+    import torch
+    import torch.distributed as dist
+
+    from pfcompile.formats.plan import load_plan
+    from runtime import comm
+
+    torch.set_num_threads(1)
+    world = comm.init_world(60.0, "cpu")
+    rank = world.rank
+    schedule = load_plan(plan_path).config["schedule"]
+    ours, theirs = {}, {}
+    our_step = our_pipeline(plan_path, rank, world.world_size, world, steps, ours)
+    torch_step = torch_pipeline(schedule, plan_path, rank, theirs)
+    grads: dict[str, dict] = {"ours": {}, "torch": {}}
+    for who, parts in (("ours", ours), ("torch", theirs)):
+        for s, (module, opt) in parts.items():
+            names = {id(p): f"{s}.{n}" for n, p in module.named_parameters()}
+
+            def first_grads(o, args, kwargs, who=who, names=names):
+                if all(k not in grads[who] for k in names.values()):  # this stage's first step
+                    grads[who].update({names[id(p)]: p.grad.detach().clone() for g in o.param_groups
+                                       for p in g["params"] if p.grad is not None})
+            opt.adamw.register_step_pre_hook(first_grads)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    our_losses, torch_losses = [], []
+    for step in range(steps):
+        our_losses.append(our_step(step))
+    for step in range(steps):
+        torch_losses.append(torch_step(step))
+    ours_all = torch.tensor(our_losses, dtype=torch.float64)
+    dist.all_reduce(ours_all)  # every rank's share: the global loss of each step
+    theirs_all = torch.tensor([x or 0.0 for x in torch_losses], dtype=torch.float64)
+    dist.all_reduce(theirs_all)  # only the last stage's rank holds torch's
+    grad_diff = max(rel(grads["ours"][k], grads["torch"][k]) for k in grads["torch"])
+    param_diff = max(rel(pm, pt) for s in ours for pm, pt in zip(ours[s][0].parameters(), theirs[s][0].parameters()))
+    report = {"rank": rank, "grads": len(grads["torch"]), "same_names": sorted(grads["ours"]) == sorted(grads["torch"]),
+              "grad_rel_diff": grad_diff, "param_rel_diff": param_diff}
+    gathered = comm.gather_json(world, report)
+    if rank == 0:
+        print(json.dumps({"ours": ours_all.tolist(), "torch": theirs_all.tolist(), "ranks": gathered}), flush=True)
+    dist.barrier()
+    os._exit(0)
 
 
 def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -> None:
@@ -336,8 +403,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=3, help="(a-i) steps per block")
     ap.add_argument("--pipelining-worker", choices=("gpipe", "1f1b", "zbv", "zb1p"), help=argparse.SUPPRESS)
     ap.add_argument("--interleaved-worker", nargs=2, metavar=("GPIPE_PLAN", "1F1B_PLAN"), help=argparse.SUPPRESS)
+    ap.add_argument("--same-math-worker", metavar="PLAN", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.same_math_worker:
+        return same_math_worker(a.same_math_worker, a.steps)
     if a.pipelining_worker:
         return pipelining_worker(a.pipelining_worker, a.plan, a.steps, a.warmup)
     if a.interleaved_worker:
