@@ -524,8 +524,11 @@ def main() -> None:
         for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
                           (AGAIN, "1f1b, no K-FAC")):
             per = [x / y for x, y in zip(times[ours], times[ref])]
+            # a pair of launches lies ~20 s apart: the standard error of the pairs' mean says how
+            # finely this run resolves the two (the noise floor row's tells the same of itself)
+            se = statistics.stdev(per) / len(per) ** 0.5 if len(per) > 1 else float("nan")
             print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in per)}; "
-                  f"median {statistics.median(per):.3f}")
+                  f"median {statistics.median(per):.3f}, mean {statistics.fmean(per):.3f} ± {se:.3f}")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
