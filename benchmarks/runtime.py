@@ -22,7 +22,9 @@
   (d) zero bubble without K-FAC: our zb-v against torch's ScheduleZBVZeroBubble (same V
       placement: rank r holds stages r and 3-r), our zb-h1 against torch's
       ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = ZB-H1), and our zb-h1
-      against our 1f1b (the bubble the split backward saves, measured).
+      against our 1f1b (the bubble the split backward saves, measured);
+  (f) `--only-pinning`: our 1f1b (no K-FAC, and K-FAC appended) with and without
+      `--pin-cpus` (each rank on its own core), in alternating launches.
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
@@ -32,7 +34,7 @@ default, left the round-to-round spread at ~10%, larger than the differences mea
 Usage:
 
     .venv/bin/python benchmarks/runtime.py [--steps 30] [--rounds 5] [--out bench-out]
-        [--only-torch | --only-interleaved [--interleaved-rounds 30] [--block 3] | ...]
+        [--only-torch | --only-interleaved [--interleaved-rounds 30] [--block 3] | --only-pinning | ...]
 
 The same file is the torch.distributed.pipelining worker (`--pipelining-worker`), run by
 torchrun like the runtime, and the check that (a) compares the same computation
@@ -61,6 +63,16 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 AGAIN = "1f1b, no K-FAC (again)"  # (a0): an identical run, for the ratio two equal runs give
 
 
+def paired(a: list[float], b: list[float]) -> tuple[list[float], str]:
+    """Round by round a / b, and their median, min–max and mean ± standard error as table
+    cells: each round's pair ran side by side, so the ratios are free of the drift between
+    rounds, and the mean's standard error says how finely one run resolves a against b."""
+    per = [x / y for x, y in zip(a, b)]
+    se = statistics.stdev(per) / len(per) ** 0.5 if len(per) > 1 else float("nan")
+    return per, (f"{statistics.median(per):.3f} | {min(per):.3f}–{max(per):.3f} | "
+                 f"{statistics.fmean(per):.3f} ± {se:.3f}")
+
+
 def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
     path = out / f"{name}.json"
     cmd = [PY, "-m", "pfcompile", "plan", profile, "--stages", "2", *flags, "-o", str(path)]
@@ -81,10 +93,10 @@ def torchrun(args: list[str]) -> dict:
     return json.loads(lines[-1])
 
 
-def run_ours(plan_path: Path, steps: int, warmup: int) -> tuple[float, float | None]:
+def run_ours(plan_path: Path, steps: int, warmup: int, *flags: str) -> tuple[float, float | None]:
     """(measured ms/step, compute ops' measured/profiled duration) of one run."""
     out = torchrun(["-m", "runtime", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
-                    "--data", "synthetic", "--json"])
+                    "--data", "synthetic", "--json", *flags])
     return out["step_ms"], out.get("op_ratio")
 
 
@@ -397,6 +409,8 @@ def main() -> None:
                     help="only part (e): predicted vs measured before and after pfcompile calibrate")
     ap.add_argument("--only-torch", action="store_true",
                     help="only parts (a-i) and (a): our gpipe and 1f1b against torch's ScheduleGPipe and Schedule1F1B")
+    ap.add_argument("--only-pinning", action="store_true",
+                    help="only part (f): our 1f1b (no K-FAC, K-FAC appended) with and without --pin-cpus")
     ap.add_argument("--only-interleaved", action="store_true",
                     help="only part (a-i): (a) and (a0) in one job, variants alternating block by block")
     ap.add_argument("--interleaved-rounds", type=int, default=30, help="(a-i) rounds (a block of every variant each)")
@@ -434,7 +448,11 @@ def main() -> None:
             specs = {k: v for k, v in specs.items() if k in ("1f1b, no K-FAC", "zb-h1, no K-FAC", "zb-v, no K-FAC")}
         if a.only_torch or a.only_interleaved:
             specs = {k: v for k, v in specs.items() if k in ("gpipe, no K-FAC", "1f1b, no K-FAC")}
+        if a.only_pinning:
+            specs = {k: v for k, v in specs.items() if k in ("1f1b, no K-FAC", "1f1b, K-FAC appended")}
         plans = {name: plan(a.profile, out, *spec) for name, spec in specs.items()}
+    if a.only_pinning:
+        return pinning_table(a, plans, console)
     if not a.only_zero_bubble:
         with console.status(f"(a-i): ours and torch's in one job, {a.interleaved_rounds} rounds of "
                             f"{a.block}-step blocks..."):
@@ -523,16 +541,47 @@ def main() -> None:
     if not a.only_zero_bubble:  # the same comparison made round by round (both ran back to back in each)
         for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
                           (AGAIN, "1f1b, no K-FAC")):
-            per = [x / y for x, y in zip(times[ours], times[ref])]
-            # a pair of launches lies ~20 s apart: the standard error of the pairs' mean says how
-            # finely this run resolves the two (the noise floor row's tells the same of itself)
-            se = statistics.stdev(per) / len(per) ** 0.5 if len(per) > 1 else float("nan")
+            per, cells = paired(times[ours], times[ref])  # a pair of launches lies ~20 s apart
+            median, spread, mean = cells.split(" | ")
             print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in per)}; "
-                  f"median {statistics.median(per):.3f}, mean {statistics.fmean(per):.3f} ± {se:.3f}")
+                  f"median {median}, mean {mean}")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
           f"Refresh cycles k: {json.dumps(ks)}")
+    print("Raw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
+
+
+def pinning_table(a, plans: dict[str, Path], console) -> None:
+    """(f): each plan with and without --pin-cpus, in alternating launches (the order reversed
+    every round), and the ratio pinned / unpinned of each round's pair."""
+    k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
+    warmup = max(a.warmup, k_max)
+    steps = max(a.steps, warmup + k_max)
+    runs = {}
+    for name, p in plans.items():
+        runs[name] = lambda p=p: run_ours(p, steps, warmup)
+        runs[f"{name}, pinned"] = lambda p=p: run_ours(p, steps, warmup, "--pin-cpus")
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(a.rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            with console.status(f"round {r + 1}/{a.rounds}: {name} ({steps} steps)"):
+                times[name].append(runs[name]()[0])
+            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
+    print(f"\n(f) --pin-cpus, bert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches, {steps} "
+          f"steps ({warmup} warm-up), {a.rounds} rounds of alternating launches; load average at the end "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| run | best ms/step | median ms/step | pinned / unpinned: best | median | per-round ratio: median "
+          "| min–max | mean ± standard error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in plans:
+        for variant in (name, f"{name}, pinned"):
+            v = times[variant]
+            if variant == name:
+                print(f"| {variant} | {min(v):.1f} | {statistics.median(v):.1f} | | | | | |")
+                continue
+            print(f"| {variant} | {min(v):.1f} | {statistics.median(v):.1f} | {min(v) / min(times[name]):.3f} | "
+                  f"{statistics.median(v) / statistics.median(times[name]):.3f} | {paired(v, times[name])[1]} |")
     print("Raw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 
@@ -552,13 +601,9 @@ def interleaved_table(times: dict[str, list[float]], a) -> None:
         if ref is None:
             print(f"| {name} | {best[name]:.1f} | {med[name]:.1f} | 1 | 1 | | | |")
             continue
-        per = [x / y for x, y in zip(times[name], times[ref])]
-        # each round's pair of blocks ran seconds apart: their ratio is free of the VM's drift,
-        # and the mean's standard error says how finely this run resolves the two
-        se = statistics.stdev(per) / len(per) ** 0.5 if len(per) > 1 else float("nan")
+        # each round's pair of blocks ran seconds apart: their ratio is free of the VM's drift
         print(f"| {name} (vs {ref}) | {best[name]:.1f} | {med[name]:.1f} | {best[name] / best[ref]:.3f} | "
-              f"{med[name] / med[ref]:.3f} | {statistics.median(per):.3f} | {min(per):.3f}–{max(per):.3f} | "
-              f"{statistics.fmean(per):.3f} ± {se:.3f} |")
+              f"{med[name] / med[ref]:.3f} | {paired(times[name], times[ref])[1]} |")
     print("Raw ms/step per block:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(summary.loss_curve(), flush=True)
             print(summary.line(), flush=True)
+            if args.pin_cpus:
+                print("runtime: pinned: " + ", ".join(f"rank {q} -> cpus {','.join(map(str, c))}"
+                                                      for q, c in enumerate(summary.cpus)), flush=True)
             for line in summary.memory_lines():
                 print(line, flush=True)
         else:

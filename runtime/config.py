@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None,
                    help="steps excluded from the measured step time (default: one refresh cycle if steps allow, else 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="bind each rank to its own share of the node's cores (local rank i of n: the i-th "
+                        "contiguous len(cores)//n of the cores this job may use); the summary says which")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (rank 0)")
     return p
 
@@ -178,6 +181,9 @@ def _check_flags(args) -> None:
         raise InputError("--steps", None, f"{args.steps} is over the limit of {MAX_STEPS}")
     if not 1 <= args.threads <= MAX_THREADS:
         raise InputError("--threads", None, f"must be in 1..{MAX_THREADS}, got {args.threads}")
+    if args.pin_cpus:  # enough cores for every local rank's threads, before any work
+        from runtime import affinity
+        affinity.share(args.threads)
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
         raise InputError("--timeout", None, f"must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {args.timeout}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import write_atomic
-from runtime import checkpoint, comm, export, faults, measure
+from runtime import affinity, checkpoint, comm, export, faults, measure
 from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
 from runtime.interpreter import Interpreter
@@ -78,6 +78,8 @@ def run(job, args) -> measure.Summary | None:
     """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
     plan, train = job.plan, job.train
     steps = job.steps
+    if args.pin_cpus:  # before the process group and torch's thread pool start their threads
+        affinity.pin(affinity.share(args.threads))
     torch.set_num_threads(args.threads)
     world = comm.init_world(args.timeout, job.device_type)
     clean = False
@@ -125,6 +127,7 @@ def run(job, args) -> measure.Summary | None:
 
         if args.save_model:
             _save_model(job, args, train, world, stages, len(val_batches or []))
+        timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         gathered = comm.gather_json(world, timeline.to_json())
         if args.checkpoint_every:  # every rank has saved (the gather met them all): prune for real
             checkpoint.prune(args.checkpoint_dir, world.rank, world.world_size, args.keep)
@@ -227,5 +230,5 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
         measure.write_measured_trace(args.trace, timelines, {
             "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line(),
             **measure.plan_identity(args.plan, plan), "warmup_steps": first + warmup,
-            "dtype": job.precision.name, "device_type": job.device_type})
+            "dtype": job.precision.name, "device_type": job.device_type, "cpus": summary.cpus})
     return summary

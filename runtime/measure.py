@@ -39,6 +39,7 @@ class Timeline:
     memory: list[tuple[int, int]] = field(default_factory=list)
     device_type: str = "cpu"
     host: str = field(default_factory=socket.gethostname)
+    cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.affinity)
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
@@ -85,18 +86,19 @@ class Timeline:
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
-                "t0": self.t0, "host": self.host}
+                "t0": self.t0, "host": self.host, "cpus": self.cpus}
 
     @staticmethod
     def from_json(d: dict) -> "Timeline":
         return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
-                        host=str(d.get("host", "")))
+                        host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])])
 
     def shifted(self, ms: float) -> "Timeline":
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
-                        [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory), self.device_type, self.host)
+                        [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory), self.device_type, self.host,
+                        list(self.cpus))
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
@@ -132,6 +134,9 @@ class Summary:
     # The plan's step time with the profile's op-time spread (stats.expected_step_time_ms:
     # pfcompile.check.replay.expected_step_time); None when the profile had no spread.
     expected_ms: float | None = None
+    # The cores each rank's threads were allowed at the end of the run, read from the kernel
+    # (every core of the job unpinned; its own share with --pin-cpus); [] where unknown.
+    cpus: list[list[int]] = field(default_factory=list)
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -202,7 +207,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
         measured_peaks = [max(b for _, b in tl.memory) for tl in sorted(timelines, key=lambda t: t.rank)]
     return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
                    op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit,
-                   expected_ms)
+                   expected_ms, [tl.cpus for tl in sorted(timelines, key=lambda t: t.rank)])
 
 
 def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float | None:
