@@ -52,6 +52,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -63,14 +64,28 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 AGAIN = "1f1b, no K-FAC (again)"  # (a0): an identical run, for the ratio two equal runs give
 
 
-def paired(a: list[float], b: list[float]) -> tuple[list[float], str]:
-    """Round by round a / b, and their median, min–max and mean ± standard error as table
-    cells: each round's pair ran side by side, so the ratios are free of the drift between
-    rounds, and the mean's standard error says how finely one run resolves a against b."""
-    per = [x / y for x, y in zip(a, b)]
-    se = statistics.stdev(per) / len(per) ** 0.5 if len(per) > 1 else float("nan")
-    return per, (f"{statistics.median(per):.3f} | {min(per):.3f}–{max(per):.3f} | "
-                 f"{statistics.fmean(per):.3f} ± {se:.3f}")
+class Paired(NamedTuple):
+    """Round by round a / b: each round's pair ran side by side, so the ratios are free of the
+    drift between rounds, and their mean's standard error says how finely one run resolves a
+    against b."""
+    per: list[float]
+
+    @classmethod
+    def of(cls, a: list[float], b: list[float]) -> "Paired":
+        return cls([x / y for x, y in zip(a, b)])
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.per)
+
+    @property
+    def mean_se(self) -> str:
+        se = statistics.stdev(self.per) / len(self.per) ** 0.5 if len(self.per) > 1 else float("nan")
+        return f"{statistics.fmean(self.per):.3f} ± {se:.3f}"
+
+    def cells(self) -> str:
+        """median | min–max | mean ± standard error, as table cells."""
+        return f"{self.median:.3f} | {min(self.per):.3f}–{max(self.per):.3f} | {self.mean_se}"
 
 
 def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
@@ -541,10 +556,9 @@ def main() -> None:
     if not a.only_zero_bubble:  # the same comparison made round by round (both ran back to back in each)
         for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
                           (AGAIN, "1f1b, no K-FAC")):
-            per, cells = paired(times[ours], times[ref])  # a pair of launches lies ~20 s apart
-            median, spread, mean = cells.split(" | ")
-            print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in per)}; "
-                  f"median {median}, mean {mean}")
+            p = Paired.of(times[ours], times[ref])  # a pair of launches lies ~20 s apart
+            print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in p.per)}; "
+                  f"median {p.median:.3f}, mean {p.mean_se}")
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
@@ -581,7 +595,7 @@ def pinning_table(a, plans: dict[str, Path], console) -> None:
                 print(f"| {variant} | {min(v):.1f} | {statistics.median(v):.1f} | | | | | |")
                 continue
             print(f"| {variant} | {min(v):.1f} | {statistics.median(v):.1f} | {min(v) / min(times[name]):.3f} | "
-                  f"{statistics.median(v) / statistics.median(times[name]):.3f} | {paired(v, times[name])[1]} |")
+                  f"{statistics.median(v) / statistics.median(times[name]):.3f} | {Paired.of(v, times[name]).cells()} |")
     print("Raw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 
@@ -603,7 +617,7 @@ def interleaved_table(times: dict[str, list[float]], a) -> None:
             continue
         # each round's pair of blocks ran seconds apart: their ratio is free of the VM's drift
         print(f"| {name} (vs {ref}) | {best[name]:.1f} | {med[name]:.1f} | {best[name] / best[ref]:.3f} | "
-              f"{med[name] / med[ref]:.3f} | {paired(times[name], times[ref])[1]} |")
+              f"{med[name] / med[ref]:.3f} | {Paired.of(times[name], times[ref]).cells()} |")
     print("Raw ms/step per block:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 
