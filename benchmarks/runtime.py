@@ -88,6 +88,30 @@ class Paired(NamedTuple):
         return f"{self.median:.3f} | {min(self.per):.3f}–{max(self.per):.3f} | {self.mean_se}"
 
 
+def run_length(a, plans: dict[str, Path]) -> tuple[int, int]:
+    """(warm-up, steps) of every separate launch: at least one whole refresh cycle of the
+    slowest-refreshing plan warmed up, and one timed."""
+    k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
+    warmup = max(a.warmup, k_max)
+    return warmup, max(a.steps, warmup + k_max)
+
+
+def alternate(runs: dict, rounds: int, steps: int, console) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Every run once per round, the order reversed every other round (a drift of the
+    machine then falls on each variant alike); returns ms/step and op ratio per round."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    op_ratio: dict[str, list[float | None]] = {name: [] for name in runs}
+    order = list(runs)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            with console.status(f"round {r + 1}/{rounds}: {name} ({steps} steps)"):
+                ms, ratio = runs[name]()
+                times[name].append(ms)
+                op_ratio[name].append(ratio)
+            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
+    return times, op_ratio
+
+
 def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
     path = out / f"{name}.json"
     cmd = [PY, "-m", "pfcompile", "plan", profile, "--stages", "2", *flags, "-o", str(path)]
@@ -477,9 +501,7 @@ def main() -> None:
         interleaved_table(interleaved, a)
         if a.only_interleaved:
             return
-    k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
-    warmup = max(a.warmup, k_max)
-    steps = max(a.steps, warmup + k_max)  # at least one whole refresh cycle timed
+    warmup, steps = run_length(a, plans)
     runs = {name: (lambda p=p: run_ours(p, steps, warmup)) for name, p in plans.items()}
     if not a.only_zero_bubble:
         runs["torch ScheduleGPipe"] = lambda: run_pipelining("gpipe", plans["gpipe, no K-FAC"], steps, warmup)
@@ -490,16 +512,7 @@ def main() -> None:
         runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
         runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
 
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    op_ratio: dict[str, list[float | None]] = {name: [] for name in runs}
-    order = list(runs)
-    for r in range(a.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            with console.status(f"round {r + 1}/{a.rounds}: {name} ({steps} steps)"):
-                ms, ratio = runs[name]()
-                times[name].append(ms)
-                op_ratio[name].append(ratio)
-            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
+    times, op_ratio = alternate(runs, a.rounds, steps, console)
     best = {name: min(v) for name, v in times.items()}
     best_ops = {name: op_ratio[name][times[name].index(best[name])] for name in times}
     med = {name: statistics.median(v) for name, v in times.items()}
@@ -569,19 +582,12 @@ def main() -> None:
 def pinning_table(a, plans: dict[str, Path], console) -> None:
     """(f): each plan with and without --pin-cpus, in alternating launches (the order reversed
     every round), and the ratio pinned / unpinned of each round's pair."""
-    k_max = max(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans.values())
-    warmup = max(a.warmup, k_max)
-    steps = max(a.steps, warmup + k_max)
+    warmup, steps = run_length(a, plans)
     runs = {}
     for name, p in plans.items():
         runs[name] = lambda p=p: run_ours(p, steps, warmup)
         runs[f"{name}, pinned"] = lambda p=p: run_ours(p, steps, warmup, "--pin-cpus")
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(a.rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            with console.status(f"round {r + 1}/{a.rounds}: {name} ({steps} steps)"):
-                times[name].append(runs[name]()[0])
-            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
+    times, _ = alternate(runs, a.rounds, steps, console)
     print(f"\n(f) --pin-cpus, bert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches, {steps} "
           f"steps ({warmup} warm-up), {a.rounds} rounds of alternating launches; load average at the end "
           f"{os.getloadavg()[0]:.1f}")
