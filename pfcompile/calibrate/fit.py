@@ -161,6 +161,23 @@ def fit_spread(samples_by_key: dict[tuple, list[float]]) -> dict[str, list[float
     return out
 
 
+def run_tail(traces: list[MeasuredTrace], kinds: tuple[str, ...] = ("fwd", "bwd", "step")) -> dict[str, float]:
+    """Per op kind, how far a run's mean occupancy lies above its median: the sum over the
+    kind's entries (each stage of each trace) of the samples' mean over the sum of their
+    medians. An op timed in a loop on its own runs undisturbed, and its median is its
+    time; in a run it is now and then stalled (the other rank's communication threads wake
+    on its core, the launcher polls, the allocator finds no free block), and a step, a sum
+    of op times, adds means. The profiler raises its medians by this (profile_model)."""
+    gaps = dispatch_gaps(traces)
+    by_key = samples(traces, max(0.0, statistics.median(gaps)) if gaps else 0.0)
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for key, values in by_key.items():
+        if key[0] in kinds and values:
+            sums[key[0]][0] += statistics.fmean(values)
+            sums[key[0]][1] += statistics.median(values)
+    return {k: round(mean / median, 4) for k, (mean, median) in sums.items() if median > 0}
+
+
 @dataclass
 class RuntimeFit:
     entries: dict[tuple, float]      # samples() keys -> the statistic, less op_ms (>= 0)

@@ -5,7 +5,12 @@ published numbers (pfcompile.profiler.reference). This module only reads, valida
 and imports no torch, so the planner can use it anywhere.
 
 Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, precond);
-sizes in bytes. Every `*_ms` entry is a median; `spread[key] = [p10, p90]` where measured.
+sizes in bytes. Every `*_ms` entry is the median of the op timed alone, and `spread[key] =
+[p10, p90]` of those timings where measured, except where a run says more: in a measured
+profile with `provenance.run_tail`, the parts' fwd, bwd (B, W) and step entries are that
+median times the mean over median of their op kind in the profiler's run of the runtime (a
+run's expected op time); in a calibrated one, every fitted entry is the calibration's
+statistic (`provenance.calibration.statistic`, the mean by default) of the measured runs.
 
     {
       "schema": "pfcompile-profile", "schema_version": 3,

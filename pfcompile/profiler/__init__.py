@@ -12,7 +12,12 @@ add up to `entry_budget_s` (keeping at least 3), so a 1000x1000 eigendecompositi
 dominate the profiling time. CUDA entries are timed with events, CPU ones with
 perf_counter (or, with clock="thread", the CPU time of the one torch thread, which leaves
 out time taken by other processes on a shared machine); median into the entry, [p10, p90]
-into `spread`.
+into `spread`. Then the runtime probe (a short run of the runtime itself) raises the
+parts' fwd, bwd and optimizer-step medians to their expected time in a run: each times its
+kind's mean over median in the probe (`provenance.run_tail`, calibrate.fit.run_tail; 1.01-
+1.04 on bert-mini, 2 CPU ranks). Alone in a loop an op's time is tight around its median; in
+a run it is stalled now and then, and a step adds the ops' means. K-FAC entries, which the
+probe does not run, stay medians.
 """
 
 from __future__ import annotations
@@ -451,7 +456,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int,
 
 
 def measure_runtime(profile: Profile, device: torch.device,
-                    steps: int = 24) -> tuple[RuntimeOverheads, LinkModel | None, dict]:
+                    steps: int = 24) -> tuple[RuntimeOverheads, LinkModel | None, dict[str, float], dict]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
@@ -459,12 +464,14 @@ def measure_runtime(profile: Profile, device: torch.device,
     posting, a receive's completion, and the op times' spread (runtime.op_spread: 24 steps
     give each stage's fwd and bwd ~90 samples), and the p2p link as the run sees it: the
     latency of its receives posted before their send ended, at the benchmark's bandwidth
-    (None when none was). Kept only where the run worked; otherwise the message benchmark's
-    link and send/receive times stand (said in the provenance)."""
+    (None when none was); and the run's tail per op kind (calibrate.fit.run_tail: fwd, bwd
+    and the optimizer step's mean over median in the run; {} when it failed). Kept only where
+    the run worked; otherwise the message benchmark's link and send/receive times stand (said
+    in the provenance)."""
     import subprocess
     import tempfile
 
-    from pfcompile.calibrate.fit import fit_runtime
+    from pfcompile.calibrate.fit import fit_runtime, run_tail
     from pfcompile.calibrate.measured import load_measured
     from pfcompile.graph.schedules import PipelineConfig
     from pfcompile.place.build import build_plan
@@ -479,15 +486,28 @@ def measure_runtime(profile: Profile, device: torch.device,
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode or not os.path.exists(trace_path):
             tail = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-1:] or ["no output"]
-            return RuntimeOverheads(), None, {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads "
+            return RuntimeOverheads(), None, {}, {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads "
                                                               f"from the message benchmark only"}
         trace = load_measured(trace_path)
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
-    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
+    return fit.overheads, link, run_tail([trace]), {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}
+
+
+def raise_to_run_mean(parts: list[Part], tail: dict[str, float]) -> None:
+    """Each part's fwd, bwd (and its split halves, B and W, which the probe does not run: the
+    backward's) and optimizer-step entries times its kind's run tail (calibrate.fit.run_tail):
+    an op's median timed alone becomes its expected time in a run."""
+    for p in parts:
+        p.fwd_ms *= tail.get("fwd", 1.0)
+        b = tail.get("bwd", 1.0)
+        p.bwd_ms *= b
+        if p.bwd_input_ms is not None and p.bwd_weight_ms is not None:
+            p.bwd_input_ms, p.bwd_weight_ms = p.bwd_input_ms * b, p.bwd_weight_ms * b
+        p.step_ms = {k: v * tail.get("step", 1.0) for k, v in p.step_ms.items()}
 
 
 def _runtime_op(dtype: str, device: torch.device, fn):
@@ -672,8 +692,14 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
                 draft = Profile(source="measured", provenance={}, model=_model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, kfac_layers=layers, comm=link)
-                measured_rt, probe_link, note = measure_runtime(draft, dev)
+                measured_rt, probe_link, tail, note = measure_runtime(draft, dev)
                 comm_prov.update(note)
+                if tail:
+                    raise_to_run_mean(parts, tail)
+                    comm_prov["run_tail"] = tail
+                    comm_prov["runtime_note"] += (
+                        "; fwd/bwd/step entries: the op's median timed alone x its kind's mean/median "
+                        "in this run (run_tail): a run stalls an op now and then, and a step adds means")
                 if measured_rt.any():
                     runtime = measured_rt
                 if probe_link is not None:
