@@ -235,6 +235,7 @@ def _losses(p: subprocess.Popen) -> list[float]:
     return json.loads(line)["losses"]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # an overflow to inf or nan is a bug, not a warning
 def test_fuzz_profiles_and_plans(tmp_path):
     rng = random.Random(SEED)
     profile = load_profile(str(TINY))

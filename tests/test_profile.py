@@ -319,6 +319,18 @@ def test_inspect_field_with_wrong_type(tmp_path, field, value, needle):
     assert needle in str(e.value)
 
 
+def test_op_spread_must_average_one(tmp_path):
+    """The multipliers scale an op around its entry (they average 1): one of 1e308 (found by
+    tests/test_fuzz.py) overflowed the replay's draws to inf; it is refused in one line."""
+    obj = json.loads((ROOT / "profiles" / "bert-tiny-cpu.json").read_text())
+    assert len(obj["runtime"]["op_spread"]["fwd"]) == 20
+    obj["runtime"]["op_spread"]["fwd"][15] = 1e308
+    obj.pop("hash")
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps(obj))
+    one_line_error(cli("inspect", str(path)), str(path), "runtime.op_spread.fwd", "must average 1")
+
+
 def test_inspect_edited_profile_fails_the_hash(tmp_path):
     obj = json.loads((ROOT / "profiles" / "bert-base-p100-ref.json").read_text())
     obj["parts"][1]["fwd_ms"] = 1.0

@@ -454,6 +454,10 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
                     raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
                 if not (isinstance(mult, list) and mult and all(_pos(m) for m in mult)):
                     raise sf.fail(kind, "must be a non-empty list of finite numbers >= 0")
+                # multipliers move an op around its entry, never the entry itself (module doc);
+                # averaging 1 also bounds each by their count, so no draw overflows a replay
+                if abs(sum(mult) / len(mult) - 1.0) > 1e-3:
+                    raise sf.fail(kind, f"must average 1 (they scale the entry's time), got {sum(mult) / len(mult):.6g}")
                 runtime.op_spread[kind] = [float(m) for m in mult]
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
