@@ -361,6 +361,32 @@ def test_cli_calibrate_inspect_and_refusals(tmp_path, ops_only_tiny):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.source" in r.stderr
 
 
+def test_inspect_with_the_profile_compares_each_op_with_its_own_time(tmp_path):
+    """A run written with the plan's own profile's costs (runtime overheads included: the
+    committed profile's dispatch and work between steps): with `--profile`, every op kind
+    the run times (compute ops, the optimizer step, sends) is predicted exactly, ratio 1; the
+    runtime's work is in 'between ops'. Without it, a step op's prediction is its span in the
+    plan, longer than the op by the dispatch and the work between steps."""
+    prof = load_profile(str(PROFILE))
+    rt = prof.runtime
+    assert rt.step_ms > 0 and rt.op_ms > 0
+    plan_path = make_plan(tmp_path, prof, "f1b", schedule="1f1b", stages=2)
+    trace = synthetic_trace(tmp_path, plan_path, prof, steps=load_plan(str(plan_path)).refresh_steps + 2)
+
+    def rows(*flags):
+        r = cli("inspect", str(trace), "--against", str(plan_path), "--json", *flags)
+        assert r.returncode == 0, r.stderr
+        return {row["kind"]: row for row in json.loads(r.stdout)["kinds"]}
+    own, span = rows("--profile", str(PROFILE)), rows()
+    for kind in ("fwd", "bwd", "step", "curv_a", "curv_b", "inv", "precond", "send_act", "send_grad"):
+        assert own[kind]["ratio"] == pytest.approx(1.0, rel=1e-6), kind
+    assert span["step"]["predicted_ms"] - own["step"]["predicted_ms"] == pytest.approx(rt.op_ms + rt.step_ms)
+    assert span["fwd"]["predicted_ms"] - own["fwd"]["predicted_ms"] == pytest.approx(rt.op_ms)
+    assert span["step"]["ratio"] < 1.0
+    text = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(PROFILE)).stdout
+    assert "predicted: each op's own time in the plan" in text
+
+
 def test_calibrate_checks_the_profile_against_the_run_it_was_fitted_on(tmp_path):
     """`pfcompile calibrate` prints, per trace, the calibrated profile's prediction of the run
     it was fitted on (the model's own error, apart from the machine's). A run written from

@@ -70,7 +70,7 @@ def _against(args) -> int:
     trace = load_measured(args.file)
     plan = load_plan(args.against)
     check_against_plan(trace, args.against)
-    replayed = None
+    replayed, profile = None, None
     if args.profile:
         from pfcompile.formats.profile import load_profile
 
@@ -78,10 +78,10 @@ def _against(args) -> int:
         check_against_profile(trace, profile)
         replayed = replayed_with_measured(trace, plan, profile)
     if args.json:
-        rows, total = per_kind_rows(trace, plan)
+        rows, total = per_kind_rows(trace, plan, profile)
         print(json.dumps({"kinds": rows, **total, **({"replayed": replayed} if args.profile else {})}))
     else:
-        print(format_against(trace, args.against, plan))  # (checked above)
+        print(format_against(trace, args.against, plan, profile))  # (checked above)
         if args.profile:
             print(format_replayed(replayed, float(plan.stats.get("step_time_ms") or 0.0)))
     return 0
