@@ -293,7 +293,7 @@ def test_run_tail_is_a_runs_mean_over_its_median_per_op_kind(tmp_path):
     run (known durations, written from the cost model's definition) whose every op takes 3x
     its time in one step of five and its own time otherwise: each op's median is its time,
     its mean 0.8 + 0.2 x 3 = 1.4 times that, so every kind's tail is 1.4; without stalls, 1."""
-    from pfcompile.calibrate.fit import run_tail
+    from pfcompile.calibrate.fit import fit_runtime
 
     prof = load_profile(str(PROFILE))
     plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, kfac=False), "greedy")
@@ -303,8 +303,8 @@ def test_run_tail_is_a_runs_mean_over_its_median_per_op_kind(tmp_path):
     stalled = synthetic_trace(tmp_path, plan_path, truth, steps=41, name=".stalled",
                               vary=lambda op, step: 3.0 if (step - 1) % 5 == 0 else 1.0)
     steady = synthetic_trace(tmp_path, plan_path, truth, steps=41, name=".steady")
-    assert run_tail([load_measured(str(stalled))]) == pytest.approx({"fwd": 1.4, "bwd": 1.4, "step": 1.4}, rel=1e-3)
-    assert run_tail([load_measured(str(steady))]) == pytest.approx({"fwd": 1.0, "bwd": 1.0, "step": 1.0}, rel=1e-3)
+    assert fit_runtime([load_measured(str(stalled))], prof).tail == pytest.approx({"fwd": 1.4, "bwd": 1.4, "step": 1.4}, rel=1e-3)
+    assert fit_runtime([load_measured(str(steady))], prof).tail == pytest.approx({"fwd": 1.0, "bwd": 1.0, "step": 1.0}, rel=1e-3)
 
 
 def test_calibration_recovers_a_split_backward(tmp_path):

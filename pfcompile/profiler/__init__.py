@@ -14,8 +14,8 @@ perf_counter (or, with clock="thread", the CPU time of the one torch thread, whi
 out time taken by other processes on a shared machine); median into the entry, [p10, p90]
 into `spread`. Then the runtime probe (a short run of the runtime itself) raises the
 parts' fwd, bwd and optimizer-step medians to their expected time in a run: each times its
-kind's mean over median in the probe (`provenance.run_tail`, calibrate.fit.run_tail; 1.01-
-1.04 on bert-mini, 2 CPU ranks). Alone in a loop an op's time is tight around its median; in
+kind's mean over median in the probe (`provenance.run_tail`, calibrate.fit.run_tail; 1.00-
+1.13 on bert-tiny and bert-mini, 2 CPU ranks). Alone in a loop an op's time is tight around its median; in
 a run it is stalled now and then, and a step adds the ops' means. K-FAC entries, which the
 probe does not run, stay medians.
 """
@@ -471,7 +471,7 @@ def measure_runtime(profile: Profile, device: torch.device,
     import subprocess
     import tempfile
 
-    from pfcompile.calibrate.fit import fit_runtime, run_tail
+    from pfcompile.calibrate.fit import fit_runtime
     from pfcompile.calibrate.measured import load_measured
     from pfcompile.graph.schedules import PipelineConfig
     from pfcompile.place.build import build_plan
@@ -491,7 +491,7 @@ def measure_runtime(profile: Profile, device: torch.device,
         trace = load_measured(trace_path)
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
-    return fit.overheads, link, run_tail([trace]), {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
+    return fit.overheads, link, fit.tail, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}
