@@ -124,7 +124,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
                         end = t + rt.send_ms * (vary(op, step) if vary else 1.0)
                         arrival[op.message_key()] = end + costs.link_ms(op)
                     else:
-                        own = costs.work_ms(op) - (rt.step_ms / costs.stages_per_rank if op.kind == "step" else 0.0)
+                        own = costs.work_ms(op) - costs.between_steps_ms(op)
                         end = t + own * (vary(op, step) if vary else 1.0)
                     tl.record(step, str(op), op.kind, t, end)
                     clock[q] = end + rt.op_ms

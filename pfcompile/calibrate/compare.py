@@ -40,8 +40,7 @@ def runtime_in_span(plan: Plan, profile: Profile | None):
     from pfcompile.check.replay import plan_costs
     from pfcompile.formats.rules import PlanLayout
 
-    rt, per_rank = profile.runtime, plan_costs(plan, profile, PlanLayout(plan)).stages_per_rank
-    return lambda op: rt.op_ms + (rt.step_ms / per_rank if op.kind == "step" else 0.0)
+    return plan_costs(plan, profile, PlanLayout(plan)).runtime_ms
 
 
 def per_kind_rows(trace: MeasuredTrace, plan: Plan, profile: Profile | None = None) -> tuple[list[dict], dict]:

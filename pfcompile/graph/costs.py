@@ -233,8 +233,18 @@ class Costs:
             rest = self.grad_bytes(op.stage) - owned
             return half + (self._allreduce_ms(rest, op.stage) if rest > 0 else 0.0)
         if k == "step":
-            return self.step_ms(op.stage) + self.profile.runtime.step_ms / self.stages_per_rank
+            return self.step_ms(op.stage) + self.between_steps_ms(op)
         raise ValueError(f"no cost for {op}")
+
+    def between_steps_ms(self, op: Op) -> float:
+        """The runtime's work between steps that a `step` op carries: its share, one per stage
+        the rank holds (0 for other ops)."""
+        return self.profile.runtime.step_ms / self.stages_per_rank if op.kind == "step" else 0.0
+
+    def runtime_ms(self, op: Op) -> float:
+        """The runtime's own work inside the op's duration, which a run times apart from the
+        op: its dispatch and, in a `step` op, its share of the work between steps."""
+        return self.profile.runtime.op_ms + self.between_steps_ms(op)
 
     def link_ms(self, op: Op, src: int | None = None) -> float:
         """Transfer time of a point-to-point message: its send's end to the end of a receive
