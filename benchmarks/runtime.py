@@ -28,7 +28,10 @@
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
-disturbed by other processes on a shared CPU) and the median. Each run times 28 steps after
+disturbed by other processes on a shared CPU) and the median. Every separate launch, ours and
+torch's, is timed by the runtime's own measure (runtime.measure.summarize: every step back to
+back after one barrier, from the ranks' first start to their last end over the timed steps),
+and (a) is given again by the steady step period (Summary.period_ms). Each run times 28 steps after
 2 of warm-up by default (a bert-mini step is ~0.3 s on 2 CPU cores: 8 timed steps, the old
 default, left the round-to-round spread at ~10%, larger than the differences measured).
 Usage:
@@ -96,20 +99,26 @@ def run_length(a, plans: dict[str, Path]) -> tuple[int, int]:
     return warmup, max(a.steps, warmup + k_max)
 
 
-def alternate(runs: dict, rounds: int, steps: int, console) -> tuple[dict[str, list[float]], dict[str, list]]:
+class Launch(NamedTuple):
+    """One separate launch: the runtime's measured ms/step (Summary.step_ms), the compute
+    ops' measured / profiled duration (ours only) and the steady step period
+    (Summary.period_ms), both sides measured by runtime.measure."""
+    step_ms: float
+    op_ratio: float | None
+    period_ms: float | None
+
+
+def alternate(runs: dict, rounds: int, steps: int, console) -> dict[str, list[Launch]]:
     """Every run once per round, the order reversed every other round (a drift of the
-    machine then falls on each variant alike); returns ms/step and op ratio per round."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    op_ratio: dict[str, list[float | None]] = {name: [] for name in runs}
+    machine then falls on each variant alike); returns each run's launches, round by round."""
+    launches: dict[str, list[Launch]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
             with console.status(f"round {r + 1}/{rounds}: {name} ({steps} steps)"):
-                ms, ratio = runs[name]()
-                times[name].append(ms)
-                op_ratio[name].append(ratio)
-            console.print(f"round {r + 1}: {name}: {times[name][-1]:.1f} ms/step")
-    return times, op_ratio
+                launches[name].append(runs[name]())
+            console.print(f"round {r + 1}: {name}: {launches[name][-1].step_ms:.1f} ms/step")
+    return launches
 
 
 def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
@@ -132,17 +141,16 @@ def torchrun(args: list[str]) -> dict:
     return json.loads(lines[-1])
 
 
-def run_ours(plan_path: Path, steps: int, warmup: int, *flags: str) -> tuple[float, float | None]:
-    """(measured ms/step, compute ops' measured/profiled duration) of one run."""
+def run_ours(plan_path: Path, steps: int, warmup: int, *flags: str) -> Launch:
     out = torchrun(["-m", "runtime", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
                     "--data", "synthetic", "--json", *flags])
-    return out["step_ms"], out.get("op_ratio")
+    return Launch(out["step_ms"], out.get("op_ratio"), out.get("period_ms"))
 
 
-def run_pipelining(schedule: str, plan_path: Path, steps: int, warmup: int) -> tuple[float, None]:
+def run_pipelining(schedule: str, plan_path: Path, steps: int, warmup: int) -> Launch:
     out = torchrun([__file__, "--pipelining-worker", schedule, "--plan", str(plan_path),
                     "--steps", str(steps), "--warmup", str(warmup)])
-    return out["step_ms"], None
+    return Launch(out["step_ms"], None, out.get("period_ms"))
 
 
 # --- the torch.distributed.pipelining worker ---------------------------------------------------
@@ -203,24 +211,37 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None 
 
 
 def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) -> None:
-    """One torchrun job of torch's schedule alone: warm-up steps, then the timed ones."""
+    """One torchrun job of torch's schedule alone, timed as our runtime times itself
+    (runtime.loop and runtime.measure): a barrier, then every step back to back, each
+    rank marking its steps' starts and ends, summarised by the runtime's own `summarize`
+    over the steps after warm-up. Timed barrier to barrier instead (as this worker did
+    before 2026-12-01), torch's steps start together after the warm-up, while our
+    runtime's measure also counts how far its ranks' first starts lie apart: ~0.4% of a
+    bert-mini step at 28 steps, in torch's favour."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
+    from runtime import comm, measure
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, size = dist.get_rank(), dist.get_world_size()
     one_step = torch_pipeline(schedule, plan_path, rank)
-    for step in range(warmup):
-        one_step(step)
+    timeline = measure.Timeline(rank)
     dist.barrier()
-    t0 = time.perf_counter()
-    for step in range(warmup, steps):
+    timeline.start()
+    for step in range(steps):
+        start = timeline.mark()
         one_step(step)
-    dist.barrier()
-    step_ms = (time.perf_counter() - t0) * 1000 / (steps - warmup)
+        timeline.end_step(step, start, timeline.mark())
+    world = comm.World(rank, size, 0, torch.device("cpu"), "gloo", timedelta(seconds=60))
+    gathered = comm.gather_json(world, timeline.to_json())
     if rank == 0:
-        print(json.dumps({"step_ms": step_ms}), flush=True)
+        timelines = measure.align([measure.Timeline.from_json(d) for d in gathered])
+        summary = measure.summarize(timelines, None, None, warmup, steps)
+        print(json.dumps({"step_ms": summary.step_ms, "period_ms": summary.period_ms}), flush=True)
     dist.barrier()
     os._exit(0)  # like the runtime: no gloo teardown after the final barrier (it can abort a peer)
 
@@ -512,7 +533,10 @@ def main() -> None:
         runs["torch ScheduleInterleavedZeroBubble (ZB-H1)"] = lambda: run_pipelining("zb1p", plans["zb-h1, no K-FAC"], steps, warmup)
         runs["torch ScheduleZBVZeroBubble"] = lambda: run_pipelining("zbv", plans["zb-v, no K-FAC"], steps, warmup)
 
-    times, op_ratio = alternate(runs, a.rounds, steps, console)
+    launches = alternate(runs, a.rounds, steps, console)
+    times = {name: [x.step_ms for x in v] for name, v in launches.items()}
+    op_ratio = {name: [x.op_ratio for x in v] for name, v in launches.items()}
+    periods = {name: [x.period_ms for x in v] for name, v in launches.items()}
     best = {name: min(v) for name, v in times.items()}
     best_ops = {name: op_ratio[name][times[name].index(best[name])] for name in times}
     med = {name: statistics.median(v) for name, v in times.items()}
@@ -572,11 +596,32 @@ def main() -> None:
             p = Paired.of(times[ours], times[ref])  # a pair of launches lies ~20 s apart
             print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in p.per)}; "
                   f"median {p.median:.3f}, mean {p.mean_se}")
+        period_table(periods)
     ks = {name: json.loads(p.read_text())["config"]["refresh_steps"] for name, p in plans.items()}
     print(f"\n(c) best / predicted. 'ops measured / profiled' = the compute ops' own measured duration over "
           "the profile's (the machine's load and the profile's accuracy); 'schedule alone' = (c) divided by it. "
           f"Refresh cycles k: {json.dumps(ks)}")
     print("Raw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
+
+
+def period_table(periods: dict[str, list[float | None]]) -> None:
+    """(a) in the second definition: the same launches' steady step period (both sides'
+    Summary.period_ms), which leaves out how far the ranks' first starts and last ends lie
+    apart. ms/step above is the runtime's summary line (Summary.step_ms)."""
+    pairs = (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
+             (AGAIN, "1f1b, no K-FAC"))
+    if any(None in periods.get(n, [None]) for pair in pairs for n in pair):
+        return
+    print("\n(a) the same launches by their steady step period (each rank's start of its first timed step "
+          "to the start of its last; runtime.measure.Summary.period_ms):")
+    print("| run | best period ms | median period ms | ratio (best) | ratio (median) | per-round ratio: "
+          "mean ± standard error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for ours, ref in pairs:
+        a, b = periods[ours], periods[ref]
+        p = Paired.of(a, b)
+        print(f"| {ours} (vs {ref}) | {min(a):.1f} | {statistics.median(a):.1f} | {min(a) / min(b):.3f} | "
+              f"{statistics.median(a) / statistics.median(b):.3f} | {p.mean_se} |")
 
 
 def pinning_table(a, plans: dict[str, Path], console) -> None:
@@ -587,7 +632,7 @@ def pinning_table(a, plans: dict[str, Path], console) -> None:
     for name, p in plans.items():
         runs[name] = lambda p=p: run_ours(p, steps, warmup)
         runs[f"{name}, pinned"] = lambda p=p: run_ours(p, steps, warmup, "--pin-cpus")
-    times, _ = alternate(runs, a.rounds, steps, console)
+    times = {name: [x.step_ms for x in v] for name, v in alternate(runs, a.rounds, steps, console).items()}
     print(f"\n(f) --pin-cpus, bert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches, {steps} "
           f"steps ({warmup} warm-up), {a.rounds} rounds of alternating launches; load average at the end "
           f"{os.getloadavg()[0]:.1f}")

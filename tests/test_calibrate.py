@@ -427,6 +427,20 @@ def test_ranks_on_one_host_share_rank_0s_clock():
     assert measure.Timeline.from_json(got[1].to_json()).host == "h"
 
 
+def test_step_time_counts_the_ranks_skew_and_the_period_does_not():
+    """As a 1F1B run looks: every step lasts P on each rank, and the last stage (rank 1)
+    starts each step `skew` before the first. step_ms spans the first start to the last end
+    over the timed steps, (n P + skew) / n; period_ms is each rank's start-to-start, P."""
+    P, skew, steps, warmup = 100.0, 28.0, 30, 2
+    ranks = [measure.Timeline(0, 0.0, [], [(s, skew + s * P, skew + (s + 1) * P) for s in range(steps)]),
+             measure.Timeline(1, 0.0, [], [(s, s * P, (s + 1) * P - 5.0) for s in range(steps)])]
+    got = measure.summarize(ranks, None, None, warmup, steps)
+    n = steps - warmup
+    assert got.step_ms == pytest.approx((n * P + skew) / n)
+    assert got.period_ms == pytest.approx(P)
+    assert measure.summarize(ranks, None, None, steps - 1, steps).period_ms is None  # one timed step: no period
+
+
 def test_two_message_sizes_fit_latency_and_bandwidth():
     """Receives posted before their send ended measure the link: with two sizes both its
     latency and its bandwidth come back; receives posted after measure recv_ms."""
