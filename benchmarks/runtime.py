@@ -65,6 +65,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 
 AGAIN = "1f1b, no K-FAC (again)"  # (a0): an identical run, for the ratio two equal runs give
+# (a) and (a0): ours against torch's, and our 1f1b against itself, launch by launch
+A_PAIRS = (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
+           (AGAIN, "1f1b, no K-FAC"))
 
 
 class Paired(NamedTuple):
@@ -591,8 +594,7 @@ def main() -> None:
                   f"{best[f1b] - best[zbh1]:.1f} ({1 - best[zbh1] / best[f1b]:.1%}), median {med[f1b] - med[zbh1]:.1f} "
                   f"({1 - med[zbh1] / med[f1b]:.1%})")
     if not a.only_zero_bubble:  # the same comparison made round by round (both ran back to back in each)
-        for ours, ref in (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
-                          (AGAIN, "1f1b, no K-FAC")):
+        for ours, ref in A_PAIRS:
             p = Paired.of(times[ours], times[ref])  # a pair of launches lies ~20 s apart
             print(f"(a) {ours} / {ref}, round by round: {', '.join(f'{x:.3f}' for x in p.per)}; "
                   f"median {p.median:.3f}, mean {p.mean_se}")
@@ -608,16 +610,14 @@ def period_table(periods: dict[str, list[float | None]]) -> None:
     """(a) in the second definition: the same launches' steady step period (both sides'
     Summary.period_ms), which leaves out how far the ranks' first starts and last ends lie
     apart. ms/step above is the runtime's summary line (Summary.step_ms)."""
-    pairs = (("gpipe, no K-FAC", "torch ScheduleGPipe"), ("1f1b, no K-FAC", "torch Schedule1F1B"),
-             (AGAIN, "1f1b, no K-FAC"))
-    if any(None in periods.get(n, [None]) for pair in pairs for n in pair):
+    if any(None in periods.get(n, [None]) for pair in A_PAIRS for n in pair):
         return
     print("\n(a) the same launches by their steady step period (each rank's start of its first timed step "
           "to the start of its last; runtime.measure.Summary.period_ms):")
     print("| run | best period ms | median period ms | ratio (best) | ratio (median) | per-round ratio: "
           "mean ± standard error |")
     print("|---|---:|---:|---:|---:|---:|")
-    for ours, ref in pairs:
+    for ours, ref in A_PAIRS:
         a, b = periods[ours], periods[ref]
         p = Paired.of(a, b)
         print(f"| {ours} (vs {ref}) | {min(a):.1f} | {statistics.median(a):.1f} | {min(a) / min(b):.3f} | "
