@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test lint setup bench clean
 
 setup: $(STAMP) dot
 
@@ -33,8 +33,13 @@ dot:
 demo: setup
 	OUT=$(OUT) PY=$(PY) bash examples/demo.sh
 
+# ruff first: a lint finding fails the suite before the slow tests start
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 bench: setup
 	$(PY) benchmarks/planner.py

@@ -24,14 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pfcompile.check.replay import replay  # noqa: E402
 from pfcompile.formats.errors import InputError  # noqa: E402
 from pfcompile.formats.plan import plan_from_json  # noqa: E402
+from pfcompile.formats.profile import Profile, load_profile  # noqa: E402
 from pfcompile.formats.verify import verify_plan  # noqa: E402
-from pfcompile.check.replay import replay  # noqa: E402
+from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
 from pfcompile.place.budget import Budget  # noqa: E402
 from pfcompile.place.build import build_plan  # noqa: E402
-from pfcompile.formats.profile import Profile, load_profile  # noqa: E402
-from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
 from pfcompile.place.solver import SolverOptions, solve_plan  # noqa: E402
 
 PAPER = REPO / "profiles" / "bert-large-p100-ref.json"

@@ -77,7 +77,7 @@ class Paired(NamedTuple):
     per: list[float]
 
     @classmethod
-    def of(cls, a: list[float], b: list[float]) -> "Paired":
+    def of(cls, a: list[float], b: list[float]) -> Paired:
         return cls([x / y for x, y in zip(a, b)])
 
     @property
@@ -163,8 +163,13 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None 
     the last stage (else None). Call after init_process_group. `parts`, if given, receives
     this rank's stage modules and optimizers by stage (for the same-math check)."""
     import torch
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     from pfcompile.formats.plan import load_plan
     from runtime.data import make_stream

@@ -44,8 +44,8 @@ PAPER = {"baseline_utilization": 0.598, "kfac_utilization": 0.976, "step_overhea
 
 
 def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit: float):
-    from pfcompile.place.build import build_plan
     from pfcompile.graph.schedules import PipelineConfig
+    from pfcompile.place.build import build_plan
 
     cfg = PipelineConfig(schedule=schedule, stages=stages, micro_batches=micro_batches,
                          replicas=2 if schedule == "chimera" else 1, kfac=True)
@@ -126,8 +126,8 @@ def main() -> int:
                     help="only the zero-bubble table (bert-large, D = 8): ZB-H1, ZB-V next to 1F1B and Chimera")
     args = ap.parse_args()
     if args.zero_bubble_only:
-        from pfcompile.formats.profile import load_profile
         from pfcompile.formats.jsonio import write_atomic
+        from pfcompile.formats.profile import load_profile
 
         args.output.mkdir(parents=True, exist_ok=True)
         rows = zero_bubble_table(load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json")), 8, args.time_limit)

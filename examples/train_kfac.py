@@ -27,6 +27,12 @@ KFAC_OPTIM = OptimConfig(lr=0.1, momentum=0.9, adam_lr=1e-3)
 KFAC = KfacConfig(damping=1e-4, ema=0.9, refresh_steps=5, kl_clip=1e-5)
 
 
+def _mean_loss(curve, step: int, window: int) -> float:
+    """The mean training loss over the `window` steps before `step`."""
+    losses = [loss for _, loss in curve.train[max(0, step - window):step]]
+    return sum(losses) / len(losses)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -50,7 +56,7 @@ def main(argv=None) -> int:
             for name, kfac, opt in (("adamw", None, ADAMW), ("kfac", KFAC, KFAC_OPTIM)):
                 task = bar.add_task(f"{name:6s}", total=args.steps)
                 t0 = time.perf_counter()
-                curves[name] = run_training(run, kfac, opt, progress=lambda s, l: bar.update(task, advance=1))
+                curves[name] = run_training(run, kfac, opt, progress=lambda s, l, task=task: bar.update(task, advance=1))
                 curves[name].seconds = time.perf_counter() - t0
     except ModelSpecError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -62,8 +68,8 @@ def main(argv=None) -> int:
     print(f"{'step':>6} {'adamw train':>12} {'kfac train':>11} {'adamw val':>10} {'kfac val':>9}")
     window = max(1, args.eval_every)
     for (step, va), (_, vk) in zip(a.val, k.val):
-        mean = lambda c: sum(l for s, l in c.train[max(0, step - window):step]) / len(c.train[max(0, step - window):step])  # noqa: E731
-        print(f"{step:>6} {mean(a):>12.4f} {mean(k):>11.4f} {va:>10.4f} {vk:>9.4f}")
+        print(f"{step:>6} {_mean_loss(a, step, window):>12.4f} {_mean_loss(k, step, window):>11.4f} "
+              f"{va:>10.4f} {vk:>9.4f}")
     if args.json:
         from pfcompile.formats.jsonio import write_json
 

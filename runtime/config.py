@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import stage_served
 from pfcompile.formats.jsonio import check_output_dir, check_output_path
+from pfcompile.formats.ops import stage_served
 
 MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024

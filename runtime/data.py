@@ -143,7 +143,7 @@ def task_of(kind: str) -> str:
 
 
 def make_stream(kind: str, batch_size: int, seq_len: int, seed: int = 0, split: str = "train",
-                synthetic: bool = False, vocab: int | None = None, token_file: "TokenFile | None" = None) -> BatchStream:
+                synthetic: bool = False, vocab: int | None = None, token_file: TokenFile | None = None) -> BatchStream:
     """Batches for a model kind ("bert" -> MLM, "gpt" -> next token) from the pydoc corpus,
     from a synthetic uniform token stream of `vocab` tokens (deterministic in seed), or from
     a checked token file (then `split` is ignored: pass the held-out file for validation)."""

@@ -26,7 +26,6 @@ from pfcompile.formats.ops import COMPUTE_KINDS  # the rest (messages, collectiv
 from pfcompile.formats.trace import stream_of, write_trace
 
 
-
 @dataclass
 class Timeline:
     rank: int
@@ -89,12 +88,12 @@ class Timeline:
                 "t0": self.t0, "host": self.host, "cpus": self.cpus}
 
     @staticmethod
-    def from_json(d: dict) -> "Timeline":
+    def from_json(d: dict) -> Timeline:
         return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
                         host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])])
 
-    def shifted(self, ms: float) -> "Timeline":
+    def shifted(self, ms: float) -> Timeline:
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
                         [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory), self.device_type, self.host,

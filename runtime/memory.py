@@ -25,7 +25,7 @@ kept inputs leave the activations at its end), then again after the release.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,8 +22,8 @@ import importlib
 import math
 import re
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -66,7 +66,7 @@ class ModelConfig:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "ModelConfig":
+    def from_dict(d: dict) -> ModelConfig:
         keys = ModelConfig.__dataclass_fields__
         return ModelConfig(**{k: v for k, v in d.items() if k in keys})
 
@@ -328,7 +328,7 @@ def kfac_linears(module_with_parts: nn.Module,
     if include is None or not callable(include):
         patterns = [re.compile(p) for p in (DEFAULT_KFAC_PATTERNS if include is None else include)]
         include = lambda name: any(p.search(name) for p in patterns)  # noqa: E731
-    parts = getattr(module_with_parts, "parts")
+    parts = module_with_parts.parts
     items = parts.items() if isinstance(parts, nn.ModuleDict) else zip(module_with_parts.names, parts)
     out = []
     for part_name, part in items:

@@ -10,8 +10,8 @@ One step (see runtime.kfac for the refresh cycle):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_graph import uniform_profile
 
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.bounds import jackson_preemptive, lower_bounds, rank_span_bounds
 from pfcompile.place.cpmodel import solve
 from pfcompile.place.cycle_model import cycle_from_graph, cycle_graph
 from pfcompile.place.problem import Problem
-from test_graph import uniform_profile
 
 
 @st.composite

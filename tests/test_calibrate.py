@@ -12,9 +12,9 @@ import copy
 import json
 import re
 import statistics
-from collections import defaultdict
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -22,12 +22,12 @@ import pytest
 from pfcompile.calibrate.compare import against_fitted_run
 from pfcompile.calibrate.fit import calibrate
 from pfcompile.calibrate.measured import load_measured
+from pfcompile.check.replay import expected_step_time, replay
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import load_plan
-from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile, profile_from_json
+from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.check.replay import expected_step_time, replay
 from pfcompile.place.build import build_plan
 from runtime import measure
 

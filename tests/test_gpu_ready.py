@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
+from test_runtime import ROOT, assert_same_params, distributed_params, make_plan, reference_params, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
 from runtime import comm
-from test_runtime import (ROOT, assert_same_params, distributed_params, make_plan, reference_params,
-                                run_single, torchrun)
 
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
 HAS_CUDA = torch.cuda.is_available()

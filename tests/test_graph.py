@@ -3,10 +3,10 @@
 import networkx as nx
 import pytest
 
-from pfcompile.graph.taskgraph import Task, build_task_graph
 from pfcompile.formats.ops import Op
 from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile
 from pfcompile.graph.schedules import PipelineConfig, compute_orders
+from pfcompile.graph.taskgraph import Task, build_task_graph
 
 
 def uniform_profile(blocks: int = 4, fwd: float = 1.0, bwd: float = 2.0, layers_per_block: int = 2,

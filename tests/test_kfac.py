@@ -11,8 +11,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from runtime.data import Batch, make_stream, split_micro_batches
-from runtime.kfac import (KfacConfig, KfacLayer, NonFiniteFactorError, apply_kl_clip, capturing,
-                          kl_clip_scale, make_layers)
+from runtime.kfac import (
+    KfacConfig,
+    KfacLayer,
+    NonFiniteFactorError,
+    apply_kl_clip,
+    capturing,
+    kl_clip_scale,
+    make_layers,
+)
 from runtime.models import build_model, kfac_linears, lm_loss, resolve_config
 from runtime.optim import OptimConfig, build_optimizer
 from runtime.train import train_step

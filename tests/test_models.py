@@ -7,11 +7,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.data import (IGNORE_INDEX, MASK, VOCAB, Batch, corpus_tokens, decode, make_stream,
-                          split_micro_batches)
+from runtime.data import IGNORE_INDEX, MASK, VOCAB, Batch, corpus_tokens, decode, make_stream, split_micro_batches
 from runtime.kfac import KfacConfig, make_layers
-from runtime.models import (MODEL_CONFIGS, ModelSpecError, build_model, build_part, build_stage,
-                            kfac_linears, part_names, resolve_config, resolve_model, split_parts)
+from runtime.models import (
+    MODEL_CONFIGS,
+    ModelSpecError,
+    build_model,
+    build_part,
+    build_stage,
+    kfac_linears,
+    part_names,
+    resolve_config,
+    resolve_model,
+    split_parts,
+)
 from runtime.optim import OptimConfig, build_optimizer
 from runtime.train import train_step
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from pfcompile.check.replay import replay
 from pfcompile.formats.plan import load_plan
 from pfcompile.formats.profile import load_profile
-from pfcompile.check.replay import replay
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PROFILE = os.path.join(ROOT, "profiles", "bert-base-p100-ref.json")

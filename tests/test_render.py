@@ -419,7 +419,7 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
         sched._load_csv(path, format="compute_comms")
         assert {s: ranks[g] for s, g in sched.stage_index_to_group_rank.items()} == \
             {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == replica}
-        _simulate_comms_compute(sched.pipeline_order_with_comms, lambda s: sched.stage_index_to_group_rank[s], S)
+        _simulate_comms_compute(sched.pipeline_order_with_comms, sched.stage_index_to_group_rank.__getitem__, S)
 
 
 def test_a_filter_that_selects_nothing_fails_before_any_output(tmp_path):

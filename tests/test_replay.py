@@ -4,15 +4,15 @@ timings and memory against closed forms."""
 import copy
 
 import pytest
+from test_graph import uniform_profile
 
-from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import plan_from_json, task_at
-from pfcompile.place.build import build_plan
-from pfcompile.place.assemble import assemble, baseline_plan, canonical_steps
-from pfcompile.check.replay import ReplayError, replay
 from pfcompile.graph.schedules import PipelineConfig
-from test_graph import uniform_profile
+from pfcompile.graph.taskgraph import build_task_graph
+from pfcompile.place.assemble import assemble, baseline_plan, canonical_steps
+from pfcompile.place.build import build_plan
 
 FAMILIES = [
     dict(schedule="gpipe", stages=3, micro_batches=4),

@@ -154,16 +154,15 @@ import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from runtime import train_config  # noqa: E402
 from runtime.comm import free_port  # noqa: E402
 from runtime.data import make_stream  # noqa: E402
-from dataclasses import replace  # noqa: E402
-
-from runtime import train_config  # noqa: E402
 from runtime.kfac import make_layers  # noqa: E402
 from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from test_runtime import ROOT, assert_same_params, distributed_params, reference_params, torchrun
 
 

@@ -5,10 +5,10 @@ synthetic profile with equal blocks and zero communication.
 """
 
 import pytest
-
-from pfcompile.place.assemble import baseline_plan
-from pfcompile.graph.schedules import PipelineConfig
 from test_graph import uniform_profile
+
+from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.place.assemble import baseline_plan
 
 TOL = 1e-3  # the synthetic profile's all-reduce of 100 bytes takes 1e-4 ms
 

@@ -142,15 +142,15 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from test_graph import uniform_profile  # noqa: E402
 
+from pfcompile.check.replay import replay  # noqa: E402
 from pfcompile.formats.errors import InputError  # noqa: E402
 from pfcompile.formats.ops import Op  # noqa: E402
 from pfcompile.formats.plan import plan_from_json  # noqa: E402
-from pfcompile.place.build import build_plan  # noqa: E402
-from pfcompile.check.replay import replay  # noqa: E402
 from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
+from pfcompile.place.build import build_plan  # noqa: E402
 from pfcompile.place.solver import SolverOptions, solve_plan  # noqa: E402
-from test_graph import uniform_profile  # noqa: E402
 
 FAMILIES = {
     "gpipe": dict(schedule="gpipe", stages=2, micro_batches=3),
@@ -206,7 +206,7 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
     if fixed:  # the family's forward/backward order is kept on every rank
         base = build_plan(prof, cfg, "none")[0]
         for q in range(cfg.world_size):
-            passes = lambda p: [po.op for po in p.ranks[q][0] if po.op.kind in ("fwd", "bwd")]  # noqa: E731
+            passes = lambda p, q=q: [po.op for po in p.ranks[q][0] if po.op.kind in ("fwd", "bwd")]  # noqa: E731
             assert passes(plan) == passes(base)
 
 
@@ -235,7 +235,7 @@ def test_replicas_invert_each_factor_once_and_share_the_work():
     invs = _ops(plan, "inv")
     factors = {(op.layer, op.factor) for _, op in invs}
     assert len(invs) == len(factors) == 2 * len(prof.kfac_layers)  # once, not once per replica
-    for q, op in _ops(plan, "bcast_inv"):  # every replica gets the inverse from its inverter
+    for _q, op in _ops(plan, "bcast_inv"):  # every replica gets the inverse from its inverter
         assert (op.peer, Op("inv", layer=op.layer, factor=op.factor)) in invs
     per_rank = [sum(1 for q, _ in invs if q == r) for r in range(4)]
     # chimera pairs rank q with rank 3-q: each pair holds 2 stages x 2 layers x 2 factors

@@ -89,8 +89,9 @@ def test_a_two_node_plan_runs_as_two_torchrun_nodes(tmp_path):
     import sys
     from pathlib import Path
 
-    from runtime.comm import free_port
     from test_runtime import assert_same_params, distributed_params, reference_params, torchrun
+
+    from runtime.comm import free_port
 
     root = Path(__file__).resolve().parents[1]
     plan = tmp_path / "two-nodes.json"

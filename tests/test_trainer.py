@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_runtime import ROOT, make_plan, model_spec, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import load_plan
@@ -25,7 +26,6 @@ from runtime.data import make_stream, open_token_file
 from runtime.models import load_trained
 from runtime.optim import OptimConfig
 from runtime.train import train_reference
-from test_runtime import ROOT, make_plan, model_spec, run_single, torchrun
 
 CONFIG = """\
 [train]

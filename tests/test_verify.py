@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_graph import uniform_profile
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import plan_from_json
@@ -23,7 +24,6 @@ from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
-from test_graph import uniform_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "bert-tiny-cpu.json"

@@ -6,6 +6,8 @@ simulator on the export, the W pass's memory, and K-FAC placed next to the W pas
 from __future__ import annotations
 
 import pytest
+from test_graph import uniform_profile
+from test_render import torch_runtime
 
 from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op, parse_op
@@ -14,8 +16,6 @@ from pfcompile.graph.taskgraph import Task, build_task_graph
 from pfcompile.place.assemble import baseline_plan
 from pfcompile.place.build import build_plan
 from pfcompile.render import torch_csv
-from test_graph import uniform_profile
-from test_render import torch_runtime
 
 TOL = 1e-3
 
@@ -135,7 +135,7 @@ def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
     plan, result, base = build_plan(prof, cfg, method, time_limit=5)
     again = replay(plan, prof)
     assert again.step_time_ms == pytest.approx(result.step_time_ms)
-    for q, steps in enumerate(plan.ranks):  # curv_b never before the W of its micro-batch
+    for steps in plan.ranks:  # curv_b never before the W of its micro-batch
         seen = set()
         for t, ops in enumerate(steps):
             for p in ops:

@@ -193,8 +193,8 @@ def against_fitted_run(trace: MeasuredTrace, profile) -> dict:
     without a spread)}, or {"plan": path, "skipped": why}."""
     import os
 
-    from pfcompile.check.replay import expected_step_time, replay
     from pfcompile.calibrate.measured import check_against_plan
+    from pfcompile.check.replay import expected_step_time, replay
     from pfcompile.formats.errors import InputError
     from pfcompile.formats.plan import load_plan
 

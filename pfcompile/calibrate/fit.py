@@ -216,7 +216,8 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     """A new profile with entries fitted to the traces (module doc); returns (profile, counts per kind)."""
     for tr in traces:
         check_against_profile(tr, profile)
-    stat = STATISTICS[statistic]
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     new = copy.deepcopy(profile)
     fit = fit_runtime(traces, profile, statistic)
     fitted = fit.entries

@@ -21,13 +21,13 @@ members of one collective are linked by `collective_peers` instead.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 from pfcompile.formats.ops import FLOATING_KINDS, Op
 from pfcompile.formats.plan import Plan, Task
+
 # The rules themselves live in the contract package (the runtime's verifier applies them too).
 from pfcompile.formats.rules import Key, PlanLayout, op_dependencies  # noqa: F401  (re-exported)
-
 
 # --- the plan's tasks and their edges (one cycle) ----------------------------------------------
 

@@ -23,16 +23,16 @@ after them on each rank, so they equal a single cycle from idle).
 
 from __future__ import annotations
 
-import numpy as np
 from dataclasses import dataclass, field
 
-from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, FLOATING_KINDS, SPLIT_BACKWARD_SCHEDULES, Op
+import numpy as np
+
+from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Cluster, Profile
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops
 from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
-
 
 # The rules (what a cycle holds, where each op runs, what it waits for) are the contract's
 # (pfcompile.formats.rules), shared with the verifier the runtime runs; this module adds

@@ -48,9 +48,8 @@ def run(args) -> int:
         return 0
     if schema == "pfcompile-plan":
         from pfcompile.formats.plan import plan_from_json
-        from pfcompile.render.text import format_plan
-
         from pfcompile.formats.verify import verify_plan
+        from pfcompile.render.text import format_plan
 
         plan = plan_from_json(obj, args.file)
         verify_plan(plan, args.file)

@@ -8,8 +8,14 @@ import sys
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import check_output_path
-from pfcompile.formats.limits import (MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TASKS,
-                                      MAX_VIRTUAL_STAGES, MAX_WORLD_SIZE)
+from pfcompile.formats.limits import (
+    MAX_MICRO_BATCHES,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    MAX_TASKS,
+    MAX_VIRTUAL_STAGES,
+    MAX_WORLD_SIZE,
+)
 from pfcompile.formats.plan import METHODS, plan_from_json
 from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
@@ -225,9 +231,10 @@ def _run(args) -> int:
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
     check_task_bound(cfg, len(profile.kfac_layers))
-    from pfcompile.place.build import build_plan  # the planner's stack (networkx, ortools) only now
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pfcompile.place.build import build_plan  # the planner's stack (networkx, ortools) only now
 
     console = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -11,6 +11,7 @@ from pfcompile.formats.plan import load_plan
 from pfcompile.formats.verify import verify_plan
 from pfcompile.render import render_files
 
+
 def _int_set(flag: str, text: str | None) -> set[int] | None:
     """`0,2,5-7` -> {0, 2, 5, 6, 7}."""
     if text is None:

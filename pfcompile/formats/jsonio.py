@@ -201,7 +201,7 @@ class Fields:
         if v != version:
             raise self.fail("schema_version", f"unsupported version {v} (this pfcompile reads {version})")
 
-    def sub(self, key: str) -> "Fields":
+    def sub(self, key: str) -> Fields:
         if key not in self.obj:
             raise self.fail(key, "missing")
         return Fields(self.obj[key], self.where, self.name(key))

@@ -114,7 +114,7 @@ def stream_of(kind: str) -> str:
     return "compute"
 
 
-def stage_served(op: "Op") -> int | None:
+def stage_served(op: Op) -> int | None:
     """The model stage whose rank runs `op`: a receive carries the producing stage but runs
     on the neighbouring stage it feeds (recv_act on stage + 1, recv_grad on stage - 1).
     None for ops named by layer (their stage is the plan's layer_stage)."""
@@ -125,7 +125,7 @@ def stage_served(op: "Op") -> int | None:
     return op.stage
 
 
-def peer_stage(op: "Op") -> int:
+def peer_stage(op: Op) -> int:
     """The stage at the other end of a point-to-point op: the consumer for a send, the
     producer (the op's own `stage`) for a receive."""
     if op.kind == "send_act":
@@ -219,7 +219,7 @@ class Op:
         return d
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Op":
+    def from_dict(d: dict[str, Any]) -> Op:
         """Build from a plan-file dict; extra keys (start, end, ...) are ignored. Raises ValueError."""
         if not isinstance(d, dict):
             raise ValueError(f"expected an object, got {type(d).__name__}")

@@ -95,7 +95,7 @@ class Layout:
         for m, r in enumerate(self.micro_batch_replica):
             self._mbs.setdefault(r, []).append(m)
         self._groups: dict[int, list[int]] = {}
-        for (s, r), q in sorted(self.rank.items()):  # by replica index
+        for (s, _r), q in sorted(self.rank.items()):  # by replica index
             self._groups.setdefault(s, []).append(q)
 
     def rank_of(self, stage: int, replica: int) -> int:
@@ -292,7 +292,7 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
                     raise InputError(where, name, str(e)) from None
                 of = Fields(d, where, name)
                 start = of.req("start", float)
-                end = of.req("end", float, check=lambda v: v >= start, why="must be >= start")
+                end = of.req("end", float, check=lambda v, start=start: v >= start, why="must be >= start")
                 if op.stage is not None and op.stage >= n_stages:
                     raise InputError(where, f"{name}.stage", f"{op.stage} is not a stage (0..{n_stages - 1})")
                 if op.layer is not None and op.layer >= len(layers):

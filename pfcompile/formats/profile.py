@@ -269,7 +269,7 @@ class Cluster:
                 "inter": {"latency_ms": self.inter.latency_ms, "bytes_per_ms": self.inter.bytes_per_ms}}
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Cluster":
+    def from_json(d: dict[str, Any]) -> Cluster:
         return Cluster(int(d["nodes"]), int(d["gpus_per_node"]), LinkModel(**d["intra"]), LinkModel(**d["inter"]))
 
 

@@ -20,8 +20,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import (FACTORS, FLOATING_KINDS, Op, backward_kinds, input_grad_kind, peer_stage,
-                                   stage_served, weight_grad_kind)
+from pfcompile.formats.ops import (
+    FACTORS,
+    FLOATING_KINDS,
+    Op,
+    backward_kinds,
+    input_grad_kind,
+    peer_stage,
+    stage_served,
+    weight_grad_kind,
+)
 from pfcompile.formats.plan import Layout, Plan
 
 FLOATING = FLOATING_KINDS  # K-FAC work that may run in any step of the refresh cycle (no step in its key)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from pfcompile.formats.jsonio import write_atomic
+
 # Streams in display order (pfcompile.formats.ops). Point-to-point and collective
 # communication get their own rows because a runtime may overlap them with compute; in one
 # row Perfetto would nest overlapping slices and misdraw them.

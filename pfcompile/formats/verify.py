@@ -30,7 +30,6 @@ from collections import defaultdict
 
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
-from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops, op_field, op_name
 

@@ -344,7 +344,7 @@ def replica_share(costs: Costs, replicas: int) -> list[int | None]:
     replica that owns it, or None."""
     layers = costs.profile.kfac_layers
     owner: list[int | None] = [None] * len(layers)
-    for s, ls in enumerate(costs.stage_layers):
+    for ls in costs.stage_layers:
         blocks = list(dict.fromkeys(layers[l].part for l in ls))
         size = len(blocks) // replicas
         for l in ls:

@@ -84,7 +84,7 @@ class TaskGraph:
     inv_candidates: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     inverters: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     precond_owner: list[int | None] | None = None  # split preconditioning: replica per layer
-    interned: "_Interned" = field(default_factory=lambda: _Interned(), repr=False, compare=False)
+    interned: _Interned = field(default_factory=lambda: _Interned(), repr=False, compare=False)
 
     # --- views ---------------------------------------------------------------------------------
     @property
@@ -160,7 +160,7 @@ def _check_nodes(tg: TaskGraph) -> None:
     assert not bare, f"edges to tasks never added: {bare[:3]}"
 
 
-_BUILT: "OrderedDict[tuple, TaskGraph] | None" = None  # graphs of the planning run in progress
+_BUILT: OrderedDict[tuple, TaskGraph] | None = None  # graphs of the planning run in progress
 _KEEP = 6  # a planning run asks for a few distinct graphs (baseline, greedy, each k, tight baseline)
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.check.replay import ReplayResult, replay
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan, PlannedOp
 from pfcompile.formats.profile import Profile
 from pfcompile.formats.verify import model_hash
-from pfcompile.place.message_order import order_messages
-from pfcompile.check.replay import ReplayResult, replay
 from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.place.message_order import order_messages
 
 
 def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], method: str,

@@ -21,14 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.ops import FLOATING_KINDS
+from pfcompile.formats.ops import FLOATING_KINDS, P2P_KINDS, Op
 from pfcompile.formats.plan import Task
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
-from pfcompile.place.list_schedule import list_schedule
-from pfcompile.formats.ops import P2P_KINDS, Op
-from pfcompile.place.problem import Problem, Schedule, to_us
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.place.list_schedule import list_schedule
+from pfcompile.place.problem import Problem, Schedule, to_us
 
 # the passes whose order a fixed-order model keeps; a split backward's W pass is free to
 # move within its dependencies and the memory limit
@@ -116,7 +115,7 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
                 (b.rank, b.nbytes, index[host[b.alloc]], index[host[b.free]]))
     limit = cfg.memory_limit_bytes
     p.capacity = {q: (None if limit is None else limit - tg.resident_bytes[q]) for q in tg.ranks}
-    for q, steps in tg.canonical.items():
+    for steps in tg.canonical.values():
         p.phases.append([[index[t] for t in step if t in index] for step in steps])
         if fixed_order:
             p.chains.append([index[t] for step in steps for t in step if t.op.kind in ORDERED_PASSES])

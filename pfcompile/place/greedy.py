@@ -41,9 +41,9 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.limits import MAX_REFRESH_STEPS, MAX_TASKS
 from pfcompile.formats.ops import FLOATING_KINDS
 from pfcompile.formats.plan import Task
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
+from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
 
 EPS = 1e-9
 MARGIN_RATIO = 0.05  # pipe-fisher auto_schedule.py: a bubble takes a task only with 5% to spare

@@ -35,8 +35,8 @@ optimal here is within 0.5 µs × (tasks on the critical path) of the true optim
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
 
 US_PER_MS = 1000
 
@@ -136,7 +136,7 @@ def violations(p: Problem, s: Schedule, *, memory: bool = True) -> list[str]:
         if p.option[i] is None and st[i] is None:
             out.append(f"task {p.key[i]} not scheduled")
         elif st[i] is not None and st[i] < 0:
-            out.append(f"task {t.key} starts before 0")
+            out.append(f"task {p.key[i]} starts before 0")
     for a, b, lag in p.edges:
         if st[a] is not None and st[b] is not None and st[b] < st[a] + p.dur[a] + lag:
             out.append(f"{p.key[b]} starts before {p.key[a]} ends (+{lag})")
@@ -155,7 +155,7 @@ def violations(p: Problem, s: Schedule, *, memory: bool = True) -> list[str]:
             out.append(f"collective {[p.key[i] for i in g]} does not start together")
     for res, tasks in p.resources().items():
         iv = sorted((st[i], st[i] + p.dur[i], i) for i in tasks if st[i] is not None and p.dur[i] > 0)
-        for (s0, e0, i), (s1, e1, j) in zip(iv, iv[1:]):
+        for (_s0, e0, i), (s1, _e1, j) in zip(iv, iv[1:]):
             if s1 < e0:
                 out.append(f"{p.key[i]} and {p.key[j]} overlap on {res}")
     if memory:
@@ -181,7 +181,7 @@ def peak_levels(p: Problem, s: Schedule) -> dict[int, int]:
     peaks = {}
     for rank, ev in events.items():
         level = peak = 0
-        for t, c in sorted(ev, key=lambda e: (e[0], e[1])):
+        for _t, c in sorted(ev, key=lambda e: (e[0], e[1])):
             level += c
             peak = max(peak, level)
         peaks[rank] = peak

@@ -35,20 +35,28 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from pfcompile.place import assemble
-from pfcompile.place.budget import Budget
-from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
-from pfcompile.place.cpmodel import Result, solve
-from pfcompile.place.cycle_model import (CycleModel, curvature_ops, cycle_from_graph, cycle_graph, memory_error,
-                                   schedule_from_steps, steps_from_schedule)
-from pfcompile.formats.errors import InputError
-from pfcompile.place.list_schedule import list_schedule
-from pfcompile.formats.plan import Plan
-from pfcompile.place.problem import Schedule, violations
-from pfcompile.formats.profile import Profile
 from pfcompile.check.replay import ReplayError, ReplayResult, replay
+from pfcompile.formats.errors import InputError
+from pfcompile.formats.plan import Plan
+from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import one_build_per_graph
+from pfcompile.place import assemble
+from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
+from pfcompile.place.budget import Budget
+from pfcompile.place.cpmodel import Result, solve
+from pfcompile.place.cycle_model import (
+    CycleModel,
+    curvature_ops,
+    cycle_from_graph,
+    cycle_graph,
+    memory_error,
+    schedule_from_steps,
+    steps_from_schedule,
+)
+from pfcompile.place.list_schedule import list_schedule
+from pfcompile.place.problem import Schedule, violations
+
 
 class NoScheduleFound(InputError):
     """No schedule within the limits found in the time given (none proven impossible)."""
@@ -253,7 +261,7 @@ def _canonical_position(cm: CycleModel) -> dict[int, tuple]:
     """(step, position in the family's op list of its rank) of every per-step task: the
     list scheduler's priority that reproduces the family's order (precond at the end)."""
     out = {}
-    for q, steps in cm.tg.canonical.items():
+    for steps in cm.tg.canonical.values():
         for t, step in enumerate(steps):
             for pos, task in enumerate(step):
                 if task in cm.index:

@@ -28,8 +28,8 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -260,7 +260,7 @@ def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
         opt = build_optimizer(bench.stage, layers)
         kl_clip = KfacConfig().kl_clip
 
-        def step(opt=opt, layers=layers):
+        def step(opt=opt, layers=layers, kl_clip=kl_clip):
             if layers:
                 apply_kl_clip(layers, opt.lr, kl_clip)
             opt.step()
@@ -668,7 +668,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
             for name in spec.part_names:
                 bar.update(task, description=f"{name}: fwd/bwd")
                 bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
-                part, t = _runtime_op(dtype, dev, lambda: measure_part(bench, timer))
+                part, t = _runtime_op(dtype, dev, lambda bench=bench: measure_part(bench, timer))
                 parts.append(part)
                 spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
                 bar.advance(task)
@@ -679,7 +679,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 for layer in bench.kfac:
                     bar.update(task, description=f"{layer.name}: K-FAC")
                     x, gy = captured[layer.name]
-                    entry, t = _runtime_op(dtype, dev, lambda: measure_kfac_layer(layer, name, x, gy, timer))
+                    entry, t = _runtime_op(dtype, dev, lambda layer=layer, name=name, x=x, gy=gy: measure_kfac_layer(layer, name, x, gy, timer))
                     layers.append(entry)
                     spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
                     bar.advance(task)

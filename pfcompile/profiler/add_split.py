@@ -27,8 +27,16 @@ import torch
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import SCHEMA_VERSION, Profile, load_profile
-from pfcompile.profiler import (DTYPES, Clock, PartBench, _load_average, check_device, measure_split_backward,
-                                resolve_spec, weight_pass_kept_bytes)
+from pfcompile.profiler import (
+    DTYPES,
+    Clock,
+    PartBench,
+    _load_average,
+    check_device,
+    measure_split_backward,
+    resolve_spec,
+    weight_pass_kept_bytes,
+)
 
 
 def add_split(prof: Profile, where: str) -> Profile:

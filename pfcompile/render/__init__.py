@@ -14,10 +14,10 @@ from typing import Any
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import write_atomic
-from pfcompile.formats.plan import Plan
-from pfcompile.render.style import label_of, group_of
 from pfcompile.formats.ops import stream_of
+from pfcompile.formats.plan import Plan
 from pfcompile.formats.trace import TraceEvent, write_trace
+from pfcompile.render.style import group_of, label_of
 
 IMAGE_FORMATS = ("svg", "png", "pdf")
 

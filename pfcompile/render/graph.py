@@ -14,11 +14,10 @@ import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pfcompile.formats.errors import InputError
-from pfcompile.formats.plan import Plan
 from pfcompile.check.deps import collective_peers, dependencies, planned_times, tasks_of
+from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import stage_served
-from pfcompile.formats.plan import Task
+from pfcompile.formats.plan import Plan, Task
 from pfcompile.render.style import GROUPS, color_of, group_of, label_of
 
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable

@@ -34,7 +34,7 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
     # its second stage's forward/backward lighter (Chimera: the up pipeline, replica 1)
     chunk = {(q, s): i for q in range(world)
              for i, (r, s) in enumerate(sorted((r, s) for s, r in plan.stages_of(q)))}
-    for q, t, p in ops:
+    for q, _t, p in ops:
         kind = p.op.kind
         group = group_of(kind)
         present.add(group)
