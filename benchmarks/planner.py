@@ -84,7 +84,7 @@ PAPER_HEAD = ["method", "inversion", "precond", "k (lower bound)", "step ms (ste
 def paper_row(name: str, plan, t: float) -> list:
     st = plan.stats
     per_step = "/".join(f"{100 * u:.1f}" for u in st["utilization_pipefisher"])
-    return [name, plan.config["inversion"], plan.config.get("precond_division", plan.config["precond"]),
+    return [name, plan.config.inversion, plan.config.precond_division,
             f"{st['refresh_steps']} ({st.get('refresh_steps_lower_bound', '-')})", f"{st['step_time_ms']:.1f}",
             pct(st["step_overhead"]), pct(st.get("step_overhead_tight")), per_step,
             pct(st["utilization_pipefisher_mean"]), pct(st["utilization_strict"]), st.get("solver_status", "-"),

@@ -177,7 +177,7 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None 
     from runtime.optim import build_optimizer
 
     p = load_plan(plan_path)
-    N = p.config["micro_batches"]
+    N = p.config.micro_batches
     cfg = resolve_config(p.model["name"], vocab=p.model.get("vocab"), seq_len=p.model["seq_len"])
     S = len(p.partition)
     held = [s for s, r in p.stages_of(rank)]  # zb-v: rank r holds stages r and 2D-1-r
@@ -305,7 +305,7 @@ def same_math_worker(plan_path: str, steps: int) -> None:
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")
     rank = world.rank
-    schedule = load_plan(plan_path).config["schedule"]
+    schedule = load_plan(plan_path).config.schedule
     ours, theirs = {}, {}
     our_step = our_pipeline(plan_path, rank, world.world_size, world, steps, ours)
     torch_step = torch_pipeline(schedule, plan_path, rank, theirs)

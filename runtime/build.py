@@ -14,11 +14,11 @@ from runtime.optim import build_optimizer, clip_coefficient, raw_grad_norm_sq, s
 def build_stages(job, world, kfac_cfg, optim_cfg) -> dict[int, StageReplica]:
     """This rank's stages with their K-FAC layers (plan indices) and optimizers."""
     plan = job.plan
-    N = int(plan.config["micro_batches"])
+    N = plan.config.micro_batches
     stages = {}
     for s, r in plan.stages_of(job.rank):
         module = Stage(job.spec, plan.partition[s], seed=job.seed, dtype=job.dtype).to(world.device)
-        layers = _kfac_layers(job, s, module, kfac_cfg, N) if plan.config["kfac"] else {}
+        layers = _kfac_layers(job, s, module, kfac_cfg, N) if plan.config.kfac else {}
         stages[s] = StageReplica(
             stage=s, replica=r, module=module, kfac=layers,
             optimizer=build_optimizer(module, list(layers.values()), optim_cfg),

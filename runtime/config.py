@@ -129,7 +129,7 @@ def _check_data(args, plan, spec, where: str):
     """The token files (None for the built-in pydoc / synthetic data), checked before training."""
     from runtime.data import VOCAB, open_token_file
 
-    batch = int(plan.model["micro_batch"]) * int(plan.config["micro_batches"])
+    batch = int(plan.model["micro_batch"]) * plan.config.micro_batches
     seq_len = int(plan.model["seq_len"])
     if args.data == "pydoc":
         if spec.cfg.vocab < len(VOCAB):
@@ -235,9 +235,9 @@ def _check_plan_fits_model(plan, spec, where: str) -> None:
         if key in plan.model and plan.model[key] != getattr(spec.cfg, key):
             raise InputError(where, f"model.{key}", f"{plan.model[key]!r:.40} but the model {plan.model['name']!r} "
                              f"built here has {getattr(spec.cfg, key)!r} (rule: model)")
-    if len(plan.micro_batch_replica) != plan.config["micro_batches"]:
+    if len(plan.micro_batch_replica) != plan.config.micro_batches:
         raise InputError(where, "micro_batch_replica",
-                         f"has {len(plan.micro_batch_replica)} entries for {plan.config['micro_batches']} micro-batches")
+                         f"has {len(plan.micro_batch_replica)} entries for {plan.config.micro_batches} micro-batches")
 
 
 def _check_rank_ops(plan, rank: int, where: str) -> None:

@@ -68,7 +68,7 @@ def model_spec(job, train_cfg, val_batches: int) -> dict:
     """What load_trained and runtime.evaluate need: the model, its dtype, and the evaluation
     batches of the run (so a single process evaluates on exactly the same batches)."""
     plan, cfg = job.plan, job.spec.cfg
-    N = int(plan.config["micro_batches"])
+    N = plan.config.micro_batches
     built_in = ":" not in plan.model["name"]
     return {"model": plan.model["name"], "config": cfg.to_dict() if built_in else None,
             "dtype": str(job.dtype).removeprefix("torch."), "part_names": list(job.spec.part_names),

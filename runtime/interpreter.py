@@ -72,7 +72,7 @@ class Interpreter:
         self.timeline = timeline
         self.memory = MemoryMeter(stages, world.device)
         self.capturing = False          # K-FAC hooks save inputs/grads (refresh steps only)
-        self.N = int(plan.config["micro_batches"])
+        self.N = plan.config.micro_batches
         self.k = plan.refresh_steps
         self.mailbox = comm.Mailbox(world, tags)  # tags None: on for gloo, off for NCCL
         # receives posted ahead of the op that completes them (runtime.comm): gloo only
@@ -87,7 +87,7 @@ class Interpreter:
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
         # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
-            if plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES else {}
+            if plan.config.schedule in SPLIT_BACKWARD_SCHEDULES else {}
         self.memory.split = self.split  # W's kept output gradients count too
         self.handlers = {
             "fwd": self._fwd, "bwd": self._bwd, "bwd_input": self._bwd_input, "bwd_weight": self._bwd_weight,
@@ -99,7 +99,7 @@ class Interpreter:
             "rs_grad": self._sync_grad, "ag_grad": self._ag_grad,
         }
         # split preconditioning: the replica that preconditions each K-FAC layer (None: all)
-        self.precond_owner = plan.config.get("precond_owner") if plan.config.get("precond") == "split" else None
+        self.precond_owner = plan.config.precond_owner if plan.config.precond == "split" else None
         self.rank_of = {(p["stage"], p["replica"]): p["rank"] for p in plan.placement}
 
 

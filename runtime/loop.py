@@ -47,7 +47,7 @@ class RankParts:
 def build_rank(job, args, world) -> RankParts:
     """This rank's stages, data, timeline, update and interpreter (after init_world)."""
     plan, train = job.plan, job.train
-    N = int(plan.config["micro_batches"])
+    N = plan.config.micro_batches
     comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
     kfac_cfg, optim_cfg = train.kfac_config(), train.optim_config()
     stages = build_stages(job, world, kfac_cfg, optim_cfg)
@@ -65,7 +65,7 @@ def train_step(r: RankParts, step: int) -> tuple:
     Returns the row the metrics flush reduces: (step, loss share, norm² share, ms, lr, refresh)."""
     started = time.perf_counter()
     interp = r.interp
-    kfac = bool(interp.plan.config["kfac"])
+    kfac = interp.plan.config.kfac
     lr = _lr(r.optim_cfg, step, kfac)
     mbs = split_micro_batches(r.stream.batch(step), interp.N)
     device = interp.world.device
@@ -224,7 +224,7 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
                                     [[(str(po.op), po.end - po.start) for po in ops] for ops in steps_]
                                     for steps_ in plan.ranks],
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
-                                memory_limit=plan.config.get("memory_limit_bytes"),
+                                memory_limit=plan.config.memory_limit_bytes,
                                 expected_ms=plan.stats.get("expected_step_time_ms"))
     if args.trace:
         measure.write_measured_trace(args.trace, timelines, {

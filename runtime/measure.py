@@ -273,9 +273,9 @@ def plan_identity(path: str, plan) -> dict:
         digest = hashlib.sha256(f.read()).hexdigest()
     return {"plan_sha256": f"sha256:{digest}", "plan_profile": dict(plan.profile), "plan_model": dict(plan.model),
             "plan_layout": {"partition": plan.partition, "layers": plan.layers, "layer_stage": plan.layer_stage,
-                            "schedule": plan.config.get("schedule"), "kfac": plan.config.get("kfac"),
-                            "inverse": plan.config.get("inverse", "cholesky"),
-                            "replicas": plan.config.get("replicas"), "refresh_steps": plan.refresh_steps}}
+                            "schedule": plan.config.schedule, "kfac": plan.config.kfac,
+                            "inverse": plan.config.inverse,
+                            "replicas": plan.config.replicas, "refresh_steps": plan.refresh_steps}}
 
 
 def write_measured_trace(path: str, timelines: list[Timeline], metadata: dict) -> None:

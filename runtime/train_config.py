@@ -68,10 +68,10 @@ FIELDS: dict[str, tuple[object, object, str]] = {
 # The plan fixes these: key -> (where in the plan, how to read it).
 PLAN_FIXED = {
     "kfac.refresh_steps": ("config.refresh_steps", lambda plan: plan.refresh_steps),
-    "kfac.inverse": ("config.inverse", lambda plan: plan.config.get("inverse", "cholesky")),
+    "kfac.inverse": ("config.inverse", lambda plan: plan.config.inverse),
     "data.micro_batch": ("model.micro_batch", lambda plan: plan.model.get("micro_batch")),
     "data.seq_len": ("model.seq_len", lambda plan: plan.model.get("seq_len")),
-    "data.micro_batches": ("config.micro_batches", lambda plan: plan.config["micro_batches"]),
+    "data.micro_batches": ("config.micro_batches", lambda plan: plan.config.micro_batches),
 }
 
 
@@ -164,7 +164,7 @@ def apply_plan(cfg: TrainConfig, plan, plan_path: str) -> None:
             raise InputError(cfg.source[key], key, f"is {cfg[key]!r} but the plan fixes it at {fixed!r} "
                              f"({plan_path} {plan_field}); remove the key or plan again")
         cfg.values[key] = fixed
-    if cfg["kfac.fisher"] != "empirical" and plan.config.get("kfac"):
+    if cfg["kfac.fisher"] != "empirical" and plan.config.kfac:
         raise InputError(cfg.source.get("kfac.fisher", "config"), "kfac.fisher",
                          f"{cfg['kfac.fisher']!r}: the pipeline runtime computes only the empirical Fisher")
     if cfg["kfac.damping_mode"] == "plain" and cfg["kfac.inverse"] != "eigen":

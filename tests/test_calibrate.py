@@ -99,8 +99,8 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
     completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank.
     `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance."""
     plan = load_plan(str(plan_path))
-    costs = Costs(truth, plan.partition, plan.config["replicas"], plan.config.get("inverse", "cholesky"),
-                  plan.config["kfac"])
+    costs = Costs(truth, plan.partition, plan.config.replicas, plan.config.inverse,
+                  plan.config.kfac)
     rt = truth.runtime
     timelines = [measure.Timeline(q) for q in range(plan.world_size)]
     clock = [0.0] * plan.world_size

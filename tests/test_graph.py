@@ -169,8 +169,8 @@ def test_split_preconditioning_divisions():
     for mode, per_replica in (("split", 2), ("layers", 3)):
         cfg = PipelineConfig("chimera", stages=4, micro_batches=4, precond=mode)
         plan, _, _ = build_plan(prof, cfg, "greedy")
-        owner = plan.config["precond_owner"]
-        assert plan.config["precond"] == "split" and plan.config["precond_division"] == mode
+        owner = plan.config.precond_owner
+        assert plan.config.precond == "split" and plan.config.precond_division == mode
         for s in range(4):
             ls = [l for l, st in enumerate(plan.layer_stage) if st == s]
             counts = Counter(owner[l] for l in ls)
@@ -179,7 +179,7 @@ def test_split_preconditioning_divisions():
             else:
                 assert counts == {0: per_replica, 1: per_replica}
         costs = Costs(prof, plan.partition, 2, "cholesky", True)
-        assert precond_share(costs, 2, mode) == owner
+        assert tuple(precond_share(costs, 2, mode)) == owner
         listed = Counter((q, po.op.kind, po.op.layer) for q, steps in enumerate(plan.ranks) for po in steps[0])
         for l, o in enumerate(owner):
             s = plan.layer_stage[l]

@@ -51,7 +51,7 @@ def test_plan_json_reports_the_replayed_statistics(chimera_plan):
     assert stats["step_overhead_tight"] >= stats["step_overhead"] - 1e-6
     # the file: every field filled, loadable by the runtime's loader, and its stats are the replay's
     plan = load_plan(str(out))
-    assert plan.config["schedule"] == "chimera" and plan.config["world_size"] == 4
+    assert plan.config.schedule == "chimera" and plan.config.world_size == 4
     assert plan.profile["hash"] == load_profile(PROFILE).hash
     assert len(plan.ranks) == 4 and all(len(s) == plan.refresh_steps for s in plan.ranks)
     again = replay(plan, load_profile(PROFILE))

@@ -2,6 +2,7 @@
 timings and memory against closed forms."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 from test_graph import uniform_profile
@@ -175,7 +176,7 @@ def test_memory_limit_is_enforced_naming_the_rank():
     prof = uniform_profile(blocks=2, act_bytes=1000)
     plan, result = baseline_plan(prof, PipelineConfig("gpipe", stages=2, micro_batches=4))
     assert result.peak_memory_bytes[0] == result.resident_bytes[0] + 4 * 1000
-    plan.config["memory_limit_bytes"] = result.resident_bytes[0] + 3999
+    plan.config = replace(plan.config, memory_limit_bytes=result.resident_bytes[0] + 3999)
     with pytest.raises(ReplayError, match=r"rank 0 needs \d+ bytes .* over the limit"):
         replay(plan, prof)
 
@@ -230,9 +231,9 @@ def assert_consistent_timeline(plan, prof, result):
     each op lasts its cost, a rank runs its list in order without overlap, every dependency
     ends (plus its message's transfer time) before its consumer starts, and the members of
     a collective start together."""
-    cfg = PipelineConfig(plan.config["schedule"], plan.config["stages"], plan.config["micro_batches"],
-                         replicas=plan.config["replicas"], virtual_stages=plan.config.get("virtual_stages", 1),
-                         kfac=plan.config["kfac"], refresh_steps=plan.refresh_steps,
+    cfg = PipelineConfig(plan.config.schedule, plan.config.stages, plan.config.micro_batches,
+                         replicas=plan.config.replicas, virtual_stages=plan.config.virtual_stages,
+                         kfac=plan.config.kfac, refresh_steps=plan.refresh_steps,
                          partition=[list(g) for g in plan.partition])
     inverters = {}
     for q, steps in enumerate(plan.ranks):

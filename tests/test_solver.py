@@ -190,7 +190,7 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
     # an independent replay of the stored plan: dependencies, pairing, collectives, memory
     again = replay(plan_from_json(plan.to_json()), prof)
     assert again.step_time_ms == pytest.approx(plan.stats["step_time_ms"], rel=1e-6)
-    assert plan.config["method"] == "cpsat" and plan.config["fixed_order"] is fixed
+    assert plan.config.method == "cpsat" and plan.config.fixed_order is fixed
     greedy, _, _ = build_plan(prof, cfg, "greedy")
     assert plan.stats["step_time_ms"] <= greedy.stats["step_time_ms"] + 1e-3
     if (family, fixed) in GREEDY_BEATEN:

@@ -63,7 +63,7 @@ def test_placement_keeps_replica_all_reduces_inside_nodes_and_beats_the_family_n
     assert auto.stats["step_time_ms"] < family.stats["step_time_ms"]
     # the plan's placement is the chosen one, and the replay of the stored plan agrees
     stored = plan_from_json(json.loads(json.dumps(auto.to_json())))
-    assert stored.config["cluster"]["nodes"] == 2
+    assert stored.config.cluster.nodes == 2
     assert {(p["stage"], p["replica"]): p["rank"] for p in stored.placement} == {
         (s, r): rank_map[cfg.family_rank(s, r)] for s in range(8) for r in range(2)}
     assert replay(stored, paper).step_time_ms == pytest.approx(auto.stats["step_time_ms"], rel=1e-9)

@@ -92,7 +92,7 @@ def reference(plan_path: Path, data: dict, steps: int | None = None):
     cfg = train_config.load(str(data["config"]))
     train_config.apply_plan(cfg, plan, str(plan_path))
     spec = model_spec(plan.model["name"])
-    n = plan.config["micro_batches"]
+    n = plan.config.micro_batches
     batch, seq = plan.model["micro_batch"] * n, plan.model["seq_len"]
     tokens = open_token_file(str(data["train"]), spec.cfg.vocab, batch, seq)
     stream = make_stream(spec.cfg.kind, batch, seq, seed=cfg["train.seed"], token_file=tokens)

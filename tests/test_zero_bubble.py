@@ -5,6 +5,8 @@ simulator on the export, the W pass's memory, and K-FAC placed next to the W pas
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_graph import uniform_profile
 from test_render import torch_runtime
@@ -255,7 +257,7 @@ def test_cpsat_fits_a_limit_only_the_shared_kept_input_allows():
     with pytest.raises(InputError, match="rank 0 needs 2484 bytes, over the limit of 2400"):
         build_plan(prof, PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=2400), "cpsat", time_limit=5)
     # and a plan whose curv_a run after W with the limit below its peak: the replay names the rank
-    plan.config["memory_limit_bytes"] = max(result.peak_memory_bytes) - 1
+    plan.config = replace(plan.config, memory_limit_bytes=max(result.peak_memory_bytes) - 1)
     q = result.peak_memory_bytes.index(max(result.peak_memory_bytes))
     with pytest.raises(ReplayError, match=f"rank {q} needs {max(result.peak_memory_bytes)} bytes"):
         replay(plan, prof)

@@ -29,7 +29,7 @@ import numpy as np
 
 from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.profile import Cluster, Profile
+from pfcompile.formats.profile import Profile
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops
 from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
@@ -103,11 +103,10 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
 
 def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
     """The cost model of this plan's layout (its cluster, replicas, split backward, owners)."""
-    cluster = plan.config.get("cluster")  # messages and collectives costed by the link they cross
-    return Costs(profile, plan.partition, L.R, plan.config.get("inverse", "cholesky"), L.kfac,
-                 cluster=Cluster.from_json(cluster) if cluster else None,
+    # messages and collectives costed by the link they cross
+    return Costs(profile, plan.partition, L.R, plan.config.inverse, L.kfac, cluster=plan.config.cluster,
                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
-                 split_backward=plan.config.get("schedule") in SPLIT_BACKWARD_SCHEDULES)
+                 split_backward=plan.config.schedule in SPLIT_BACKWARD_SCHEDULES)
 
 
 # the spread kind of an op kind, where they differ (formats.profile.SPREAD_KINDS)
@@ -274,7 +273,7 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, X: CycleIndex, start: list[
     steady = (cycle_end[-1] - cycle_end[0]) / (cycles - 1) if cycles > 1 else T
     resident = [costs.resident_bytes(sorted(L.held[q])) for q in range(L.W)]
     peaks, traces = [], []
-    limit = plan.config.get("memory_limit_bytes")
+    limit = plan.config.memory_limit_bytes
     allocs = [costs.allocates(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]
     late = [costs.allocates_at_end(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]
     frees = [costs.frees(op) for op in ops]

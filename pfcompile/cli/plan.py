@@ -16,10 +16,10 @@ from pfcompile.formats.limits import (
     MAX_VIRTUAL_STAGES,
     MAX_WORLD_SIZE,
 )
-from pfcompile.formats.plan import METHODS, plan_from_json
+from pfcompile.formats.plan import INVERSION_POLICIES, METHODS, SCHEDULES, plan_from_json
 from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
-from pfcompile.graph.schedules import INVERSION_POLICIES, SCHEDULES, PipelineConfig
+from pfcompile.graph.schedules import PipelineConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -272,7 +272,7 @@ def _run(args) -> int:
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement")
-    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config["method"], "kfac": cfg.kfac,
+    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config.method, "kfac": cfg.kfac,
            **{k: plan.stats.get(k) for k in keys}, "stage_seconds": seconds, "peak_rss_mib": peak_rss_mib()}
     if args.json:
         print(json.dumps(out))

@@ -52,11 +52,59 @@ from typing import Any, NamedTuple
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import Fields, read_json, write_json
 from pfcompile.formats.ops import FLOATING_KINDS, Op
+from pfcompile.formats.profile import Cluster, LinkModel
 
 SCHEMA = "pfcompile-plan"
 SCHEMA_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
 METHODS = ("none", "greedy", "cpsat")
+INVERSES = ("cholesky", "eigen")
+INVERSION_POLICIES = ("balanced", "pipefisher", "all")
+PRECOND_DIVISIONS = ("all", "split", "layers")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The plan file's `config`: what the plan was made for, read and written by this format.
+
+    `precond` says who preconditions what ("split": `precond_owner[layer]` is the replica
+    that does, None every replica); `precond_division` is how the planner chose the owners
+    (PRECOND_DIVISIONS), kept for the reader. Frozen: a plan's configuration is fixed once
+    planned; `dataclasses.replace` makes an edited copy."""
+
+    schedule: str
+    stages: int
+    micro_batches: int
+    replicas: int
+    world_size: int
+    method: str
+    kfac: bool
+    refresh_steps: int
+    virtual_stages: int = 1
+    inverse: str = "cholesky"
+    inversion: str = "balanced"
+    precond: str = "all"
+    precond_division: str | None = None
+    precond_owner: tuple[int | None, ...] | None = None
+    memory_limit_bytes: int | None = None
+    fixed_order: bool = True
+    cluster: Cluster | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual_stages,
+            "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
+            "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
+            "inversion": self.inversion, "precond": self.precond, "memory_limit_bytes": self.memory_limit_bytes}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.to_json()
+        out["method"] = self.method
+        out["fixed_order"] = self.fixed_order
+        if self.precond_division is not None:
+            out["precond_division"] = self.precond_division
+        if self.precond_owner is not None:
+            out["precond_owner"] = list(self.precond_owner)
+        return out
 
 
 class Task(NamedTuple):
@@ -126,7 +174,7 @@ class PlannedOp:
 
 @dataclass
 class Plan:
-    config: dict[str, Any]
+    config: PlanConfig
     model: dict[str, Any]
     partition: list[list[str]]
     layers: list[str]
@@ -140,11 +188,11 @@ class Plan:
     # --- derived views -------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return int(self.config["world_size"])
+        return self.config.world_size
 
     @property
     def refresh_steps(self) -> int:
-        return int(self.config["refresh_steps"])
+        return self.config.refresh_steps
 
     @property
     def num_stages(self) -> int:
@@ -173,7 +221,7 @@ class Plan:
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
-            "config": self.config,
+            "config": self.config.to_json(),
             "model": self.model,
             "partition": self.partition,
             "layers": self.layers,
@@ -194,6 +242,52 @@ def _nonneg_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _config_from_json(cfg: Fields) -> PlanConfig:
+    """The plan's `config`, each field checked (keys this version does not know are ignored)."""
+    positive = dict(check=lambda v: v > 0, why="must be a positive integer")
+
+    def one_of(options: tuple[str, ...]) -> dict:
+        return dict(check=lambda v: v in options, why=f"must be one of {', '.join(options)}")
+
+    schedule = cfg.req("schedule", str, **one_of(SCHEDULES))
+    method = cfg.req("method", str, **one_of(METHODS))
+    stages, micro_batches, replicas, world, k = (
+        cfg.req(key, int, **positive) for key in ("stages", "micro_batches", "replicas", "world_size", "refresh_steps"))
+    virtual_stages = cfg.opt("virtual_stages", int, 1, **positive)
+    kfac = cfg.req("kfac", bool)
+    inverse = cfg.opt("inverse", str, "cholesky", **one_of(INVERSES))
+    inversion = cfg.opt("inversion", str, "balanced", **one_of(INVERSION_POLICIES))
+    memory_limit = cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
+    precond = cfg.opt("precond", str, "all", check=lambda s: s in ("all", "split"), why="must be 'all' or 'split'")
+    division = cfg.opt("precond_division", str, None, **one_of(PRECOND_DIVISIONS))
+    fixed_order = cfg.opt("fixed_order", bool, True)
+    owners = None
+    if precond == "split":
+        owners = cfg.req("precond_owner", list)
+        if not all(o is None or (isinstance(o, int) and not isinstance(o, bool) and 0 <= o < replicas) for o in owners):
+            raise cfg.fail("precond_owner", f"must list a replica (0..{replicas - 1}) or null per K-FAC layer")
+        owners = tuple(owners)
+    cluster = None
+    if cfg.obj.get("cluster") is not None:  # messages costed by the link they cross (Cluster)
+        clu = cfg.sub("cluster")
+        n = clu.req("nodes", int, **positive)
+        g = clu.req("gpus_per_node", int, **positive)
+        if n * g != world:
+            raise clu.fail(None, f"{n} nodes x {g} GPUs per node is not config.world_size {world}")
+        links = []
+        for name in ("intra", "inter"):
+            link = clu.sub(name)
+            links.append(LinkModel(
+                latency_ms=float(link.req("latency_ms", float, check=lambda v: v >= 0, why="must be >= 0")),
+                bytes_per_ms=float(link.req("bytes_per_ms", float, check=lambda v: v > 0, why="must be positive"))))
+        cluster = Cluster(n, g, *links)
+    return PlanConfig(schedule=schedule, stages=stages, micro_batches=micro_batches, replicas=replicas,
+                      world_size=world, method=method, kfac=kfac, refresh_steps=k, virtual_stages=virtual_stages,
+                      inverse=inverse, inversion=inversion, precond=precond, precond_division=division,
+                      precond_owner=owners, memory_limit_bytes=memory_limit, fixed_order=fixed_order,
+                      cluster=cluster)
+
+
 def load_plan(path: str) -> Plan:
     """Read and validate a plan file; any problem is an InputError naming the file and field."""
     return plan_from_json(read_json(path), str(path))
@@ -203,34 +297,8 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     top = Fields(obj, where)
     top.schema(SCHEMA, SCHEMA_VERSION, "plan")
 
-    cfg = top.sub("config")
-    positive = dict(check=lambda v: v > 0, why="must be a positive integer")
-    cfg.req("schedule", str, check=lambda s: s in SCHEDULES, why=f"must be one of {', '.join(SCHEDULES)}")
-    cfg.req("method", str, check=lambda s: s in METHODS, why=f"must be one of {', '.join(METHODS)}")
-    for k in ("stages", "micro_batches", "replicas", "world_size", "refresh_steps"):
-        cfg.req(k, int, **positive)
-    cfg.opt("virtual_stages", int, 1, **positive)
-    cfg.req("kfac", bool)
-    cfg.opt("inverse", str, "cholesky", check=lambda s: s in ("cholesky", "eigen"), why="must be 'cholesky' or 'eigen'")
-    cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
-    cfg.opt("precond", str, "all", check=lambda s: s in ("all", "split"), why="must be 'all' or 'split'")
-    if cfg.obj.get("precond") == "split":
-        owners = cfg.req("precond_owner", list)
-        replicas = cfg.obj["replicas"]
-        if not all(o is None or (isinstance(o, int) and not isinstance(o, bool) and 0 <= o < replicas) for o in owners):
-            raise cfg.fail("precond_owner", f"must list a replica (0..{replicas - 1}) or null per K-FAC layer")
-    world = cfg.obj["world_size"]
-    k = cfg.obj["refresh_steps"]
-    if cfg.obj.get("cluster") is not None:  # messages costed by the link they cross (Cluster)
-        clu = cfg.sub("cluster")
-        n = clu.req("nodes", int, **positive)
-        g = clu.req("gpus_per_node", int, **positive)
-        if n * g != world:
-            raise clu.fail(None, f"{n} nodes x {g} GPUs per node is not config.world_size {world}")
-        for name in ("intra", "inter"):
-            link = clu.sub(name)
-            link.req("latency_ms", float, check=lambda v: v >= 0, why="must be >= 0")
-            link.req("bytes_per_ms", float, check=lambda v: v > 0, why="must be positive")
+    config = _config_from_json(top.sub("config"))
+    world, k = config.world_size, config.refresh_steps
 
     model = top.req("model", dict)
     top.sub("model").req("name", str)
@@ -247,8 +315,8 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
     layer_stage = top.req("layer_stage", list)
     if len(layer_stage) != len(layers) or not all(_nonneg_int(s) and s < n_stages for s in layer_stage):
         raise top.fail("layer_stage", f"must give a stage in 0..{n_stages - 1} for each of the {len(layers)} layers")
-    if cfg.obj.get("precond") == "split" and len(cfg.obj["precond_owner"]) != len(layers):
-        raise cfg.fail("precond_owner", f"must give an owner (or null) for each of the {len(layers)} layers")
+    if config.precond_owner is not None and len(config.precond_owner) != len(layers):
+        raise InputError(where, "config.precond_owner", f"must give an owner (or null) for each of the {len(layers)} layers")
 
     placement = top.req("placement", list)
     seen = set()
@@ -306,7 +374,7 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
         ranks.append(rank_steps)
 
     return Plan(
-        config=cfg.obj, model=model, partition=partition, layers=layers, layer_stage=layer_stage,
+        config=config, model=model, partition=partition, layers=layers, layer_stage=layer_stage,
         placement=placement, micro_batch_replica=mbr, ranks=ranks,
         stats=top.opt("stats", dict, {}), profile=top.opt("profile", dict, {}),
     )

@@ -56,12 +56,12 @@ class PlanLayout(Layout):
         super().__init__(plan.placement, plan.micro_batch_replica)
         c = plan.config
         self.S = plan.num_stages
-        self.R = int(c["replicas"])
-        self.N = int(c["micro_batches"])
+        self.R = c.replicas
+        self.N = c.micro_batches
         self.k = plan.refresh_steps
         self.W = plan.world_size
-        self.kfac = bool(c["kfac"])
-        schedule = str(c.get("schedule", ""))
+        self.kfac = c.kfac
+        schedule = c.schedule
         self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
         self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
         self.Wk = weight_grad_kind(schedule)  # completes the weight gradients of a micro-batch
@@ -69,7 +69,7 @@ class PlanLayout(Layout):
         self.layer_stage = plan.layer_stage
         self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
         # split preconditioning: the replica that preconditions each layer (None: every one)
-        owner = c.get("precond_owner") if c.get("precond") == "split" and self.kfac else None
+        owner = c.precond_owner if c.precond == "split" and self.kfac else None
         self.precond_owner: list[int | None] | None = list(owner) if owner is not None else None
 
     def split_stage(self, stage: int) -> bool:
@@ -279,7 +279,7 @@ def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int
                 op = po.op
                 at, name = op_field(q, t, i), op_name(q, t, op)
                 if op.kind in ("bwd", "bwd_input", "bwd_weight") and op.kind not in L.backward:
-                    raise PlanError(where, at, f"{name}: the {plan.config.get('schedule')} family's backward ops "
+                    raise PlanError(where, at, f"{name}: the {plan.config.schedule} family's backward ops "
                                     f"are {', '.join(L.backward)} (rule: ops)")
                 if op.is_kfac and not L.kfac:
                     raise PlanError(where, at, f"{name} is a K-FAC op in a plan without K-FAC (rule: ops)")

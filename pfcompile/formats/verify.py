@@ -56,11 +56,11 @@ def verify_plan(plan: Plan, where: str = "<plan>", *, profile_model: dict | None
 
 def check_config(plan: Plan, where: str) -> None:
     c = plan.config
-    S, R, W, N = plan.num_stages, int(c["replicas"]), plan.world_size, int(c["micro_batches"])
-    v = int(c.get("virtual_stages", 1))
-    if S != int(c["stages"]) * v:
+    S, R, W, N = plan.num_stages, c.replicas, plan.world_size, c.micro_batches
+    v = c.virtual_stages
+    if S != c.stages * v:
         raise PlanError(where, "partition", f"{S} stages but config.stages x virtual_stages is "
-                        f"{c['stages']} x {v} (rule: config)")
+                        f"{c.stages} x {v} (rule: config)")
     replicas: dict[int, set[int]] = defaultdict(set)
     on_rank: dict[tuple[int, int], int] = {}
     for i, p in enumerate(plan.placement):

@@ -24,11 +24,8 @@ from functools import lru_cache
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
-from pfcompile.formats.plan import SCHEDULES, Layout
-from pfcompile.formats.profile import Cluster  # noqa: F401  (SCHEDULES: the plan format's list)
-
-INVERSION_POLICIES = ("balanced", "pipefisher", "all")
-PRECOND_POLICIES = ("all", "split", "layers")
+from pfcompile.formats.plan import INVERSION_POLICIES, PRECOND_DIVISIONS, SCHEDULES, Layout
+from pfcompile.formats.profile import Cluster
 
 
 @dataclass
@@ -77,8 +74,8 @@ class PipelineConfig:
                 raise InputError(flag, None, f"must be a positive integer, got {val!r}")
         if self.refresh_steps < 1:
             raise InputError("refresh_steps", None, "must be >= 1")
-        if self.precond not in PRECOND_POLICIES:
-            raise InputError("--precond", None, f"must be one of {', '.join(PRECOND_POLICIES)} (auto is the planner's choice)")
+        if self.precond not in PRECOND_DIVISIONS:
+            raise InputError("--precond", None, f"must be one of {', '.join(PRECOND_DIVISIONS)} (auto is the planner's choice)")
         if self.inversion not in INVERSION_POLICIES:
             raise InputError("--inversion", None, f"must be one of {', '.join(INVERSION_POLICIES)}")
         if self.inverse not in ("cholesky", "eigen"):
@@ -157,15 +154,6 @@ class PipelineConfig:
 
     def replica_ranks(self, stage: int) -> list[int]:
         return self.layout.replica_ranks(stage)
-
-    def to_json(self) -> dict:
-        return {
-            "schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual_stages,
-            "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
-            "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
-            "inversion": self.inversion, "precond": self.precond, "memory_limit_bytes": self.memory_limit_bytes,
-            **({"cluster": self.cluster.to_json()} if self.cluster is not None else {}),
-        }
 
 
 @lru_cache(maxsize=64)

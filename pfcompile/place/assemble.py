@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from pfcompile.check.replay import ReplayResult, replay
 from pfcompile.formats.ops import Op
-from pfcompile.formats.plan import Plan, PlannedOp
+from pfcompile.formats.plan import Plan, PlanConfig, PlannedOp
 from pfcompile.formats.profile import Profile
 from pfcompile.formats.verify import model_hash
 from pfcompile.graph.schedules import PipelineConfig
@@ -25,12 +25,14 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
     cfg = tg.cfg
     steps = order_messages(steps)  # the NCCL rule: each pair's receives in send order
     k = len(next(iter(steps.values())))
-    config = {**cfg.to_json(), "refresh_steps": k, "method": method, "fixed_order": fixed_order}
     # the plan says who preconditions what ("split" whatever the division: the owners list it)
-    config["precond"] = "split" if tg.precond_owner is not None else "all"
-    config["precond_division"] = cfg.precond
-    if tg.precond_owner is not None:
-        config["precond_owner"] = list(tg.precond_owner)
+    config = PlanConfig(
+        schedule=cfg.schedule, stages=cfg.stages, micro_batches=cfg.micro_batches, replicas=cfg.replicas,
+        world_size=cfg.world_size, method=method, kfac=cfg.kfac, refresh_steps=k, virtual_stages=cfg.virtual_stages,
+        inverse=cfg.inverse, inversion=cfg.inversion, precond="split" if tg.precond_owner is not None else "all",
+        precond_division=cfg.precond,
+        precond_owner=tuple(tg.precond_owner) if tg.precond_owner is not None else None,
+        memory_limit_bytes=cfg.memory_limit_bytes, fixed_order=fixed_order, cluster=cfg.cluster)
     ranks = [[[PlannedOp(op, 0.0, 0.0) for op in steps[q][t]] for t in range(k)] for q in range(cfg.world_size)]
     return Plan(
         config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],

@@ -86,7 +86,7 @@ def _build_division(profile: Profile, cfg: PipelineConfig, method: str, *, where
             tried.append(_build_division(profile, cfg, method, precond=pc, **kw))
             longest = max(longest, time.monotonic() - t0)
         best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
-        best[0].stats["precond_auto"] = {t[0].config["precond_division"]: round(t[0].stats["step_time_ms"], 3)
+        best[0].stats["precond_auto"] = {t[0].config.precond_division: round(t[0].stats["step_time_ms"], 3)
                                          for t in tried}
         if skipped:
             best[0].stats["precond_auto_skipped"] = skipped  # not tried: the time limit would not hold them

@@ -82,7 +82,7 @@ def render_files(plan: Plan, graph: str | None = None, timeline: str | None = No
     try:
         if trace:
             say(f"writing trace {trace}")
-            tr = write_trace(trace, plan_events(plan), metadata={"source": "predicted", "plan": plan.config, "stats": plan.stats})
+            tr = write_trace(trace, plan_events(plan), metadata={"source": "predicted", "plan": plan.config.to_json(), "stats": plan.stats})
             done["trace"] = {"path": str(trace), "events": sum(e["ph"] == "X" for e in tr["traceEvents"])}
         if torch_csv:
             say(f"writing torch schedule CSV {torch_csv}")

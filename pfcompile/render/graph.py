@@ -144,8 +144,8 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
     kept_keys = set(kept)
 
     cfg = plan.config
-    title = (f"{plan.model.get('name', 'model')}: {cfg['schedule']} D={cfg['stages']} N={cfg['micro_batches']} "
-             f"method={cfg['method']}" + (f" (collapsed, K-FAC per {collapse})" if collapse else ""))
+    title = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches} "
+             f"method={cfg.method}" + (f" (collapsed, K-FAC per {collapse})" if collapse else ""))
     g = graphviz.Digraph("plan", graph_attr={"rankdir": "LR", "label": title, "labelloc": "t",
                                              "fontname": "Helvetica", "newrank": "true"},
                          node_attr={"shape": "box", "style": "filled,rounded", "fontname": "Helvetica",

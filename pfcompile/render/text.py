@@ -17,9 +17,9 @@ def _fmt(v) -> str:
 
 def format_stats(plan: Plan) -> str:
     c = plan.config
-    head = (f"plan: {plan.model.get('name', '?')}  {c['schedule']}  D={c['stages']} N={c['micro_batches']} "
-            f"R={c['replicas']} v={c.get('virtual_stages', 1)} W={c['world_size']}  method={c['method']} "
-            f"kfac={c['kfac']} k={c['refresh_steps']}")
+    head = (f"plan: {plan.model.get('name', '?')}  {c.schedule}  D={c.stages} N={c.micro_batches} "
+            f"R={c.replicas} v={c.virtual_stages} W={c.world_size}  method={c.method} "
+            f"kfac={c.kfac} k={c.refresh_steps}")
     width = max((len(k) for k in plan.stats), default=0)
     lines = [head] + [f"  {k:<{width}}  {_fmt(v)}" for k, v in plan.stats.items()]
     return "\n".join(lines)
@@ -27,14 +27,14 @@ def format_stats(plan: Plan) -> str:
 
 def format_cluster(plan: Plan) -> list[str]:
     """Which node holds which stages and replicas, and why (plans made with --nodes)."""
-    clu = plan.config.get("cluster")
+    clu = plan.config.cluster
     if not clu:
         return []
-    g = clu["gpus_per_node"]
-    lines = [f"cluster: {clu['nodes']} nodes x {g} GPUs (torchrun --nnodes {clu['nodes']} --nproc-per-node {g}); "
-             f"intra {clu['intra']['latency_ms']} ms + {clu['intra']['bytes_per_ms'] / 1e6:g} GB/s, "
-             f"inter {clu['inter']['latency_ms']} ms + {clu['inter']['bytes_per_ms'] / 1e6:g} GB/s"]
-    for n in range(clu["nodes"]):
+    g = clu.gpus_per_node
+    lines = [f"cluster: {clu.nodes} nodes x {g} GPUs (torchrun --nnodes {clu.nodes} --nproc-per-node {g}); "
+             f"intra {clu.intra.latency_ms} ms + {clu.intra.bytes_per_ms / 1e6:g} GB/s, "
+             f"inter {clu.inter.latency_ms} ms + {clu.inter.bytes_per_ms / 1e6:g} GB/s"]
+    for n in range(clu.nodes):
         held = [f"rank {q}: " + ", ".join(f"s{s}/r{r}" for s, r in plan.stages_of(q)) for q in range(n * g, (n + 1) * g)]
         lines.append(f"  node {n}: " + "; ".join(held))
     placed = plan.stats.get("placement")

@@ -81,8 +81,8 @@ def _lighter(hex_colour: str, towards_white: float = 0.4) -> str:
 
 def _title(plan: Plan) -> str:
     cfg, st = plan.config, plan.stats
-    head = (f"{plan.model.get('name', 'model')}: {cfg['schedule']} D={cfg['stages']} N={cfg['micro_batches']}, "
-            f"method={cfg['method']}" + (", K-FAC" if cfg.get("kfac") else ", first-order")
+    head = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches}, "
+            f"method={cfg.method}" + (", K-FAC" if cfg.kfac else ", first-order")
             + f", {plan.refresh_steps} step(s) per refresh")
     facts = []
     if isinstance(st.get("step_time_ms"), (int, float)):

@@ -90,7 +90,7 @@ def export(plan: Plan, path: str | os.PathLike, fmt: str = "compute_comms") -> t
         csv.writer(buf, lineterminator="\n").writerows(actions(plan, replica, fmt))
         write_atomic(out, buf.getvalue())
     left_out = []
-    if plan.config.get("kfac"):
+    if plan.config.kfac:
         left_out.append("K-FAC ops")
     left_out.append("gradient all-reduce and optimizer step")
     if plan.refresh_steps > 1:
