@@ -165,7 +165,7 @@ def test_measured_memory_equals_closed_forms(measured):
 def test_saved_activation_bytes_of_an_mlp():
     import torch
 
-    from pfcompile.profiler import saved_activation_bytes
+    from runtime.memory import saved_activation_bytes
 
     mlp = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
     x = torch.randn(7, 12)
@@ -180,7 +180,7 @@ def test_thread_clock_counts_cpu_time_only():
 
     import torch
 
-    from pfcompile.profiler import Clock
+    from pfcompile.profiler.clocks import Clock
 
     def sleep_then_work():
         time.sleep(0.02)  # descheduled, as when another process holds the core
@@ -193,7 +193,7 @@ def test_thread_clock_counts_cpu_time_only():
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
-    from pfcompile.profiler import fit_link
+    from pfcompile.formats.profile import fit_link
 
     link = fit_link([(n, 0.05 + n / 2e6) for n in (4096, 65536, 1 << 20, 1 << 22)])
     assert link.latency_ms == pytest.approx(0.05) and link.bytes_per_ms == pytest.approx(2e6)
@@ -366,7 +366,8 @@ def test_cold_cache_sweeps_before_every_repeat():
     (the sweep writes the repeat's index: after the last repeat it holds the last index)."""
     import torch
 
-    from pfcompile.profiler import COLD_SWEEP_BYTES, Clock, profile_model
+    from pfcompile.profiler import profile_model
+    from pfcompile.profiler.clocks import COLD_SWEEP_BYTES, Clock
 
     clock = Clock(torch.device("cpu"), repeats=3, warmup=1, cold=True)
     t = clock.time(lambda: torch.ones(8) @ torch.ones(8))

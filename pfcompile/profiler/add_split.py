@@ -7,7 +7,7 @@
 For each part, under the profile's own settings (model, micro-batch, sequence length, dtype,
 threads, clock, repeats, warm-up: read from the file), times in one sitting the whole
 backward and the split backward's B and W exactly as `pfcompile profile` does
-(pfcompile.profiler.measure_split_backward), and stores
+(pfcompile.profiler.parts.measure_split_backward), and stores
 
     bwd_input_ms = bwd_ms * B / bwd_now,   bwd_weight_ms = bwd_ms * W / bwd_now
 
@@ -27,16 +27,10 @@ import torch
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import SCHEMA_VERSION, Profile, load_profile
-from pfcompile.profiler import (
-    DTYPES,
-    Clock,
-    PartBench,
-    _load_average,
-    check_device,
-    measure_split_backward,
-    resolve_spec,
-    weight_pass_kept_bytes,
-)
+from pfcompile.profiler.clocks import Clock
+from pfcompile.profiler.parts import PartBench, measure_split_backward, weight_pass_kept_bytes
+from pfcompile.profiler.provenance import load_average
+from pfcompile.profiler.settings import DTYPES, check_device, resolve_spec
 
 
 def add_split(prof: Profile, where: str) -> Profile:
@@ -51,7 +45,7 @@ def add_split(prof: Profile, where: str) -> Profile:
     timer = Clock(dev, int(pv.get("repeats", 20)), int(pv.get("warmup", 5)), float(pv.get("entry_budget_s", 2.0)), clock)
     mb, seq, dtype = int(prof.model["micro_batch"]), int(prof.model["seq_len"]), str(prof.model["dtype"])
     spec = resolve_spec(prof.name, seq)
-    load_before = _load_average()
+    load_before = load_average()
     ratios = {}
     timed = not all(p.split_measured for p in prof.parts)
     for part in prof.parts:
@@ -80,7 +74,7 @@ def add_split(prof: Profile, where: str) -> Profile:
         return prof
     prof.provenance = {**pv, "split_note": (
         f"bwd_input_ms/bwd_weight_ms added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
-        f"pfcompile.profiler.add_split (load_avg {[load_before, _load_average()]}): B and W timed as "
+        f"pfcompile.profiler.add_split (load_avg {[load_before, load_average()]}): B and W timed as "
         f"runtime.split_backward runs them, next to the whole backward in the same sitting, and scaled to this "
         f"profile's bwd_ms; (B + W) / whole backward per part: {ratios}")}
     prof.schema_version = SCHEMA_VERSION

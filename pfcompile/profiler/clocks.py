@@ -1,0 +1,73 @@
+"""Timing one callable on one device: perf_counter, the thread's CPU time or CUDA events.
+
+Warm-up runs first, then `repeats` samples; an entry stops early once its samples add up to
+`entry_budget_s` (keeping at least 3), so a 1000x1000 eigendecomposition does not dominate
+the profiling time. The median goes into the profile's entry, [p10, p90] into its `spread`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Timing:
+    median: float
+    p10: float
+    p90: float
+    samples: int
+
+
+COLD_SWEEP_BYTES = 64 << 20  # above the last-level cache of the CPUs we profile on
+
+
+class Clock:
+    """Times a callable on one device: warm-up, then repeats, each optionally after an untimed setup."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int, entry_budget_s: float = 2.0,
+                 kind: str = "wall", cold: bool = False):
+        self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, entry_budget_s
+        # cold: before each repeat, untimed, sweep a buffer larger than the CPU's caches, so an
+        # op starts from memory as it does in a run, where other ops ran in between (a repeat
+        # right after the last one finds its weights and inputs in cache)
+        self._sweep = torch.empty(COLD_SWEEP_BYTES // 4, dtype=torch.float32) if cold and device.type == "cpu" else None
+        # "thread": CPU time of this thread (time.thread_time). With one torch thread all the
+        # work runs on it, so time spent descheduled by other processes is not counted.
+        self.now = time.thread_time if kind == "thread" else time.perf_counter
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = self.now()
+        fn()
+        return (self.now() - t0) * 1e3
+
+    def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> Timing:
+        samples: list[float] = []
+        for i in range(self.warmup + self.repeats):
+            if setup is not None:
+                setup()
+            if self._sweep is not None:
+                self._sweep.fill_(float(i))
+            self._sync()
+            ms = self._once(fn)
+            if i >= self.warmup:
+                samples.append(ms)
+                if len(samples) >= 3 and sum(samples) > self.budget * 1e3:
+                    break
+        p10, p50, p90 = np.percentile(samples, [10, 50, 90])
+        return Timing(float(p50), float(p10), float(p90), len(samples))

@@ -1,0 +1,181 @@
+"""A model's parts timed as the runtime runs them: each part is `runtime.models.Stage` over
+that one part with its K-FAC hooks attached and capturing (a refresh step, the costlier
+case); forward, backward, the split backward's B and W (runtime.split_backward), and the
+optimizer step (runtime.build.make_update), with the bytes each keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from pfcompile.formats.profile import Part
+from pfcompile.profiler.clocks import Clock, Timing
+from pfcompile.profiler.settings import SEED
+
+# one definition with the runtime's memory count, so the planner's model and the run count
+# the same bytes
+from runtime.memory import nbytes, saved_activation_bytes
+
+
+class PartBench:
+    """One part built as the runtime builds a stage, with its K-FAC layers attached."""
+
+    def __init__(self, spec, name: str, micro_batch: int, seq_len: int, device, dtype):
+        from runtime import kfac
+        from runtime.models import Stage, kfac_linears
+        from runtime.precision import precision
+
+        self.name, self.cfg = name, spec.cfg
+        # bfloat16 is mixed precision as the runtime runs it: float32 parameters and K-FAC
+        # state, autocast forward, bf16 activations between parts (runtime.precision)
+        self.precision = precision(str(dtype).removeprefix("torch."))
+        self.device_type = torch.device(device).type
+        dtype = self.precision.compute_dtype
+        self.stage = Stage(spec, [name], seed=SEED, dtype=self.precision.param_dtype).to(device)
+        self.is_first, self.is_last = name == spec.part_names[0], name == spec.part_names[-1]
+        self.kfac = kfac.make_layers(kfac_linears(self.stage), kfac.KfacConfig(), loss_divisor=1.0)
+        self._capturing = kfac.capturing
+        g = torch.Generator().manual_seed(SEED)
+        shape = (micro_batch, seq_len)
+        if self.is_first:
+            self.x = torch.randint(self.cfg.vocab, shape, generator=g).to(device)
+        else:
+            self.x = torch.randn(*shape, self.cfg.hidden, generator=g).to(device=device, dtype=dtype)
+        self.targets = torch.randint(self.cfg.vocab, shape, generator=g).to(device) if self.is_last else None
+        self.out = None
+        self.grad_out = None
+
+    def forward(self):
+        x = self.x if self.is_first else self.x.detach().requires_grad_(True)
+        self.last_input = x  # the split backward's B asks for its gradient
+        with self._capturing(self.kfac, 0), self.precision.autocast(self.device_type):
+            self.out = self.stage(x, self.targets) if self.is_last else self.precision.boundary(self.stage(x))
+        return self.out
+
+    def backward(self):
+        with self._capturing(self.kfac, 0):
+            if self.is_last:
+                torch.autograd.backward(self.out)
+            else:
+                torch.autograd.backward(self.out, self.grad_out)
+        self.out = None
+
+    def param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+
+
+def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing]]:
+    out, act = saved_activation_bytes(bench.forward, bench.param_storages())
+    out_bytes = 0 if bench.is_last else nbytes(out)
+    if not bench.is_last:
+        g = torch.Generator().manual_seed(SEED + 1)
+        bench.grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
+    fwd = clock.time(bench.forward)
+    bwd = clock.time(bench.backward, setup=bench.forward)
+    params = list(bench.stage.parameters())
+    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    split = measure_split_backward(bench, clock)
+    steps = measure_step(bench, clock)
+    part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
+                param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
+                step_ms={k: t.median for k, t in steps.items()},
+                bwd_input_ms=split["bwd_input_ms"].median, bwd_weight_ms=split["bwd_weight_ms"].median,
+                wgrad_bytes=weight_pass_kept_bytes(bench))
+    return part, {"fwd_ms": fwd, "bwd_ms": bwd, **split, **{f"step_ms.{k}": t for k, t in steps.items()}}
+
+
+def weight_pass_kept_bytes(bench: PartBench) -> int:
+    """What the part's W keeps besides its activations after B: every nn.Linear's output
+    gradient (runtime.split_backward.WeightPasses.kept), counted as runtime.memory counts it."""
+    from runtime.split_backward import WeightPasses
+
+    split = WeightPasses(bench.stage)
+    try:
+        with split.recording(0):
+            bench.forward()
+        split.backward_input(0, bench.out, None if bench.is_last else bench.grad_out,
+                             None if bench.is_first else bench.last_input)
+        bench.out = None
+        return sum(nbytes(g) for _, _, g in split.kept.pop(0) if g is not None)
+    finally:
+        split.close()
+        split.saved.clear()
+        split.kept.clear()
+
+
+def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
+    """The zero-bubble families' split backward of this part, as the runtime's interpreter
+    runs it (runtime.split_backward.WeightPasses): the forward recorded for the split, B
+    (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
+    and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
+    K-FAC capture on as for bwd_ms. Each timed run starts from its own forward (and B)."""
+    from runtime.split_backward import WeightPasses
+
+    split = WeightPasses(bench.stage)
+    x = None
+
+    def forward():
+        nonlocal x
+        with split.recording(0):
+            bench.forward()
+        x = bench.last_input
+
+    def backward_input():
+        with bench._capturing(bench.kfac, 0):
+            split.backward_input(0, bench.out, None if bench.is_last else bench.grad_out,
+                                 None if bench.is_first else x)
+        bench.out = None
+
+    def backward_weight():
+        split.backward_weight(0)
+
+    def forward_and_b():
+        forward()
+        backward_input()
+
+    try:
+        b = clock.time(backward_input, setup=forward)
+        w = clock.time(backward_weight, setup=forward_and_b)
+    finally:
+        split.close()
+        split.saved.clear()
+        split.kept.clear()
+    return {"bwd_input_ms": b, "bwd_weight_ms": w}
+
+
+def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
+    """The `step` op over this part's parameters, as runtime.build.make_update runs it: KL clip
+    over its K-FAC layers then the K-FAC optimizer (SGD-momentum + AdamW), and the first-order
+    baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
+    clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
+    warm-up on, as in every step after the first. The parameters are restored afterwards."""
+    from runtime.kfac import KfacConfig, apply_kl_clip
+    from runtime.optim import build_optimizer
+
+    params = list(bench.stage.parameters())
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    def fresh():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        for l in bench.kfac:
+            l.kl_term = (l.module.weight.grad * l.module.weight.grad).sum()
+
+    out = {}
+    for kind, layers in (("kfac", bench.kfac), ("adamw", [])):
+        opt = build_optimizer(bench.stage, layers)
+        kl_clip = KfacConfig().kl_clip
+
+        def step(opt=opt, layers=layers, kl_clip=kl_clip):
+            if layers:
+                apply_kl_clip(layers, opt.lr, kl_clip)
+            opt.step()
+            opt.zero_grad()
+        out[kind] = clock.time(step, setup=fresh)
+    with torch.no_grad():
+        for p, v, g in zip(params, saved, grads):
+            p.copy_(v)
+            p.grad = g
+    for l in bench.kfac:
+        l.kl_term = None
+    return out
