@@ -32,7 +32,8 @@ from pfcompile.formats.verify import verify_plan  # noqa: E402
 from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
 from pfcompile.place.budget import Budget  # noqa: E402
 from pfcompile.place.build import build_plan  # noqa: E402
-from pfcompile.place.solver import SolverOptions, solve_plan  # noqa: E402
+from pfcompile.place.options import Planning, PlanOptions
+from pfcompile.place.solver import solve_plan  # noqa: E402
 
 PAPER = REPO / "profiles" / "bert-large-p100-ref.json"
 
@@ -105,7 +106,7 @@ def paper(time_limit: float, pareto_division: tuple[str, str] = ("pipefisher", "
           f"with its syncs placed by CP-SAT); utilization by PipeFisher's definition (one step window, "
           f"collectives busy; per step of the cycle and their mean) and the strict one (compute only, cycle "
           f"mean).\n", flush=True)
-    base, _, _ = build_plan(prof, replace(cfg, kfac=False), "none")
+    base, _, _ = build_plan(prof, replace(cfg, kfac=False), PlanOptions("none"))
     print(f"Baseline (no K-FAC): {base.stats['step_time_ms']:.1f} ms/step, utilization (strict) "
           f"{pct(base.stats['utilization_strict'])}, PipeFisher's {pct(base.stats['utilization_pipefisher_mean'])}\n",
           flush=True)
@@ -117,7 +118,7 @@ def paper(time_limit: float, pareto_division: tuple[str, str] = ("pipefisher", "
             for name, method, fixed in (("greedy (PipeFisher)", "greedy", True), ("cpsat fixed order", "cpsat", True),
                                         ("cpsat free order", "cpsat", False)):
                 t0 = time.perf_counter()
-                plan, _, _ = build_plan(prof, c, method, time_limit=time_limit, fixed_order=fixed)
+                plan, _, _ = build_plan(prof, c, PlanOptions(method, time_limit=time_limit, fixed_order=fixed))
                 print("| " + " | ".join(str(v) for v in paper_row(name, plan, time.perf_counter() - t0)) + " |",
                       flush=True)
                 if greedy is None and method == "greedy":
@@ -128,7 +129,7 @@ def paper(time_limit: float, pareto_division: tuple[str, str] = ("pipefisher", "
     head = ["k", "step ms (steady)", "overhead vs canonical", "overhead vs tight", "status", "gap",
             "util. PipeFisher mean", "util. strict"]
     print("| " + " | ".join(head) + " |\n|" + "|".join("---" for _ in head) + "|", flush=True)
-    for plan in pareto(prof, replace(cfg, inversion=inversion, precond=precond), time_limit=time_limit):
+    for plan in pareto(prof, replace(cfg, inversion=inversion, precond=precond), PlanOptions(time_limit=time_limit)):
         st = plan.stats
         print(f"| {st['refresh_steps']} | {st['step_time_ms']:.1f} | {pct(st['step_overhead'])} | "
               f"{pct(st.get('step_overhead_tight'))} | {st['solver_status']} | {pct(st.get('gap'))} | "
@@ -152,7 +153,7 @@ def memory(greedy, time_limit: float) -> None:
         name = f"cpsat {'fixed' if fixed else 'free'} order, limit {limit / 2**30:.2f} GiB"
         t0 = time.perf_counter()
         try:
-            plan = solve_plan(prof, cfg, time_limit=time_limit, fixed_order=fixed)
+            plan = solve_plan(prof, cfg, PlanOptions(time_limit=time_limit, fixed_order=fixed))
             rows.append(row(name, plan, base_step, time.perf_counter() - t0))
         except InputError as e:
             print(f"- {name}: `{e}`")
@@ -177,7 +178,7 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
     for D, N in grid:
         for family in ("1f1b", "chimera"):
             cfg = PipelineConfig(schedule=family, stages=D, micro_batches=N)
-            greedy, _, _ = build_plan(prof, cfg, "greedy")
+            greedy, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
             # the instance limit is a hard wall-clock limit for the whole planning, Python
             # included; the time kept for the replays at the end is estimated, as `pfcompile
             # plan` does from its baseline's replay, from one replay of the greedy's plan per op
@@ -186,7 +187,7 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
             budget = Budget(instance_limit)
             budget.replay_s_per_op = (time.perf_counter() - t_replay) / max(1, greedy.stats["tasks"])
             t0 = time.perf_counter()
-            plan = solve_plan(prof, cfg, options=SolverOptions(total_time_limit=instance_limit, budget=budget))
+            plan = solve_plan(prof, cfg, PlanOptions(total_time_limit=instance_limit), Planning(budget=budget))
             t_verify = time.perf_counter()  # what `pfcompile plan` does before writing: verify the file's form
             verify_plan(plan_from_json(plan.to_json(), "<plan>"), "<plan>", profile_model=prof.model)
             t = time.perf_counter() - t0
@@ -261,8 +262,7 @@ def main() -> None:
 def run(args, tl: float, il: float, sizes) -> None:
     greedy = None
     if args.only in (None, "paper", "memory"):
-        greedy = paper(tl) if args.only != "memory" else build_plan(
-            load_profile(str(PAPER)), PipelineConfig(schedule="chimera", stages=8, micro_batches=8), "greedy")[0]
+        greedy = paper(tl) if args.only != "memory" else build_plan(load_profile(str(PAPER)), PipelineConfig(schedule="chimera", stages=8, micro_batches=8), PlanOptions("greedy"))[0]
     if args.only in (None, "memory"):
         memory(greedy, tl)
     if args.only in (None, "scaling"):

@@ -46,13 +46,14 @@ PAPER = {"baseline_utilization": 0.598, "kfac_utilization": 0.976, "step_overhea
 def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit: float):
     from pfcompile.graph.schedules import PipelineConfig
     from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
 
     cfg = PipelineConfig(schedule=schedule, stages=stages, micro_batches=micro_batches,
                          replicas=2 if schedule == "chimera" else 1, kfac=True)
-    base, _, _ = build_plan(profile, replace(cfg, kfac=False), "none")
-    greedy, _, _ = build_plan(profile, cfg, "greedy")
+    base, _, _ = build_plan(profile, replace(cfg, kfac=False), PlanOptions("none"))
+    greedy, _, _ = build_plan(profile, cfg, PlanOptions("greedy"))
     t0 = time.perf_counter()
-    cpsat, _, _ = build_plan(profile, cfg, "cpsat", time_limit=time_limit, workers=2, fixed_order=True)
+    cpsat, _, _ = build_plan(profile, cfg, PlanOptions("cpsat", time_limit=time_limit, workers=2, fixed_order=True))
     wall = time.perf_counter() - t0
     return {"plans": (base, greedy, cpsat), "baseline": base.stats, "greedy": greedy.stats, "cpsat": cpsat.stats,
             "cpsat_wall_s": wall}

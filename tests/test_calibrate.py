@@ -29,6 +29,7 @@ from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 from runtime import measure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +142,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
 
 
 def make_plan(tmp_path: Path, prof: Profile, name: str, schedule: str = "gpipe", stages: int = 4) -> Path:
-    plan, _, _ = build_plan(prof, PipelineConfig(schedule, stages=stages, micro_batches=4), "greedy")
+    plan, _, _ = build_plan(prof, PipelineConfig(schedule, stages=stages, micro_batches=4), PlanOptions("greedy"))
     path = tmp_path / f"{name}.json"
     plan.save(str(path))
     return path
@@ -284,7 +285,7 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
     ones.runtime.op_spread = {kind: [1.0] * 20 for kind in spread}
     assert expected_step_time(plan, ones) == pytest.approx(replay(plan, truth).step_time_ms, rel=1e-9)
     assert expected_step_time(plan, truth) is None
-    made, _, _ = build_plan(again, PipelineConfig("gpipe", stages=4, micro_batches=4), "greedy")
+    made, _, _ = build_plan(again, PipelineConfig("gpipe", stages=4, micro_batches=4), PlanOptions("greedy"))
     assert made.stats["expected_step_time_ms"] > made.stats["step_time_ms"]
 
 
@@ -296,7 +297,7 @@ def test_run_tail_is_a_runs_mean_over_its_median_per_op_kind(tmp_path):
     from pfcompile.calibrate.fit import fit_runtime
 
     prof = load_profile(str(PROFILE))
-    plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, kfac=False), "greedy")
+    plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, kfac=False), PlanOptions("greedy"))
     plan_path = tmp_path / "gpipe4.json"
     plan.save(str(plan_path))
     truth = true_profile(prof)

@@ -31,6 +31,7 @@ from pfcompile.formats.profile import load_profile, profile_from_json
 from pfcompile.formats.verify import verify_plan
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "bert-tiny-cpu.json"
@@ -239,7 +240,7 @@ def _losses(p: subprocess.Popen) -> list[float]:
 def test_fuzz_profiles_and_plans(tmp_path):
     rng = random.Random(SEED)
     profile = load_profile(str(TINY))
-    plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), "greedy")
+    plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"))
     original = plan.to_json()
     report = {}
 
@@ -276,7 +277,7 @@ def test_fuzz_profiles_and_plans(tmp_path):
 
         def run(text=text, n=n):
             prof = profile_from_json(parse_json(text, f"profile-{n}.json"), f"profile-{n}.json")
-            made, _, _ = build_plan(prof, PipelineConfig("1f1b", 2, 4), "greedy", where=f"profile-{n}.json")
+            made, _, _ = build_plan(prof, PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"), where=f"profile-{n}.json")
             verify_plan(plan_from_json(made.to_json()), profile_model=prof.model)
             return made
         _classify(run, pcounts, [], obj)

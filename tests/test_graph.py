@@ -131,10 +131,11 @@ def test_pipefisher_inversion_split_counts_where_each_factor_is_inverted():
     from collections import Counter
 
     from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
 
     prof = uniform_profile(blocks=12)
     cfg = PipelineConfig("chimera", stages=4, micro_batches=4, inversion="pipefisher")
-    plan, _, _ = build_plan(prof, cfg, "greedy")
+    plan, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
     where = Counter()
     for q, steps in enumerate(plan.ranks):
         for ops in steps:
@@ -164,11 +165,12 @@ def test_split_preconditioning_divisions():
 
     from pfcompile.graph.costs import Costs, precond_share
     from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
 
     prof = uniform_profile(blocks=12)
     for mode, per_replica in (("split", 2), ("layers", 3)):
         cfg = PipelineConfig("chimera", stages=4, micro_batches=4, precond=mode)
-        plan, _, _ = build_plan(prof, cfg, "greedy")
+        plan, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
         owner = plan.config.precond_owner
         assert plan.config.precond == "split" and plan.config.precond_division == mode
         for s in range(4):

@@ -14,6 +14,7 @@ from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place.assemble import assemble, baseline_plan, canonical_steps
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 
 FAMILIES = [
     dict(schedule="gpipe", stages=3, micro_batches=4),
@@ -34,7 +35,7 @@ def _blocks(kw):
 def test_every_family_passes_the_replay(kw, method, kfac):
     prof = uniform_profile(blocks=_blocks(kw), curv=0.3, inv=0.7)
     cfg = PipelineConfig(**kw, kfac=kfac)
-    plan, result, baseline = build_plan(prof, cfg, method)
+    plan, result, baseline = build_plan(prof, cfg, PlanOptions(method))
     # the stored plan round-trips through the runtime's loader and replays to the same numbers
     again = plan_from_json(plan.to_json())
     assert replay(again, prof).cycle_time_ms == pytest.approx(result.cycle_time_ms)
@@ -54,7 +55,7 @@ def test_every_family_passes_the_replay(kw, method, kfac):
 
 def test_greedy_reaches_the_lower_bound_and_raises_utilization():
     prof = uniform_profile(blocks=4, curv=0.5, inv=1.5)
-    plan, result, baseline = build_plan(prof, PipelineConfig("1f1b", stages=4, micro_batches=4), "greedy")
+    plan, result, baseline = build_plan(prof, PipelineConfig("1f1b", stages=4, micro_batches=4), PlanOptions("greedy"))
     assert result.utilization > baseline.utilization
     # work on rank s: 2 layers x 4 mbs x 2 factors x 0.5 + 4 inversions x 1.5 = 14 ms; at the
     # first-order step time (N+D-1)(f+b) = 21 ms a rank is idle 21 - 4x3 - 2x0.05 (its
@@ -163,7 +164,7 @@ def test_collectives_in_crossed_order_deadlock():
 
 def test_missing_kfac_work_is_named():
     prof = uniform_profile(blocks=2)
-    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=2), "greedy")
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=2), PlanOptions("greedy"))
     broken = copy.deepcopy(plan)
     for steps in broken.ranks:
         for ops in steps:
@@ -190,7 +191,7 @@ from hypothesis import strategies as st  # noqa: E402
 @pytest.fixture(scope="module")
 def chimera_small():
     prof = uniform_profile(blocks=4)
-    plan, _, _ = build_plan(prof, PipelineConfig("chimera", stages=4, micro_batches=4), "greedy")
+    plan, _, _ = build_plan(prof, PipelineConfig("chimera", stages=4, micro_batches=4), PlanOptions("greedy"))
     return prof, plan
 
 
@@ -273,7 +274,7 @@ def test_any_valid_configuration_plans_and_replays(schedule, D, N, v, R):
     except InputError:
         return
     prof = uniform_profile(blocks=cfg.num_stages)
-    plan, result, baseline = build_plan(prof, cfg, "greedy")
+    plan, result, baseline = build_plan(prof, cfg, PlanOptions("greedy"))
     if plan.stats["tasks_after_last_step"] == 0:  # all work went into bubbles: only adds busy time
         assert result.utilization >= baseline.utilization - 1e-9
     lb = plan.stats["refresh_steps_lower_bound"]  # None: a rank has refresh work and no idle time

@@ -150,7 +150,8 @@ from pfcompile.formats.ops import Op  # noqa: E402
 from pfcompile.formats.plan import plan_from_json  # noqa: E402
 from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
 from pfcompile.place.build import build_plan  # noqa: E402
-from pfcompile.place.solver import SolverOptions, solve_plan  # noqa: E402
+from pfcompile.place.options import Planning, PlanOptions
+from pfcompile.place.solver import solve_plan  # noqa: E402
 
 FAMILIES = {
     "gpipe": dict(schedule="gpipe", stages=2, micro_batches=3),
@@ -184,14 +185,13 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
     cfg = PipelineConfig(**kw)
     # CP-SAT's own solution: no falling back to the greedy's plan, which would make
     # "beats or matches the greedy" hold by construction
-    plan = solve_plan(prof, cfg, options=SolverOptions(time_limit=3, workers=1, fixed_order=fixed,
-                                                       fall_back_to_greedy=False))
+    plan = solve_plan(prof, cfg, PlanOptions(time_limit=3, workers=1, fixed_order=fixed, fall_back_to_greedy=False))
     assert plan.stats["fell_back_to_greedy"] is False
     # an independent replay of the stored plan: dependencies, pairing, collectives, memory
     again = replay(plan_from_json(plan.to_json()), prof)
     assert again.step_time_ms == pytest.approx(plan.stats["step_time_ms"], rel=1e-6)
     assert plan.config.method == "cpsat" and plan.config.fixed_order is fixed
-    greedy, _, _ = build_plan(prof, cfg, "greedy")
+    greedy, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
     assert plan.stats["step_time_ms"] <= greedy.stats["step_time_ms"] + 1e-3
     if (family, fixed) in GREEDY_BEATEN:
         assert plan.stats["step_time_ms"] < greedy.stats["step_time_ms"] - 0.05
@@ -204,7 +204,7 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
     # the model's step time (integer µs, 1 µs floor for zero-length ops) bounds the replay's
     assert st["step_time_ms"] <= st["objective_step_time_ms"] + 1e-6
     if fixed:  # the family's forward/backward order is kept on every rank
-        base = build_plan(prof, cfg, "none")[0]
+        base = build_plan(prof, cfg, PlanOptions("none"))[0]
         for q in range(cfg.world_size):
             passes = lambda p, q=q: [po.op for po in p.ranks[q][0] if po.op.kind in ("fwd", "bwd")]  # noqa: E731
             assert passes(plan) == passes(base)
@@ -214,15 +214,15 @@ def test_a_plan_that_falls_back_to_the_greedy_says_so():
     kw = FAMILIES["1f1b"]
     prof = _profile(kw, curv=0.3, inv=2.0)
     cfg = PipelineConfig(**kw)
-    greedy, _, _ = build_plan(prof, cfg, "greedy")
+    greedy, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
     # a lax k rule (accept the first k tried, within 100% of the no-refresh step): CP-SAT
     # keeps a short cycle that is slower than the greedy's longer one (k 2, 18.4 ms against
     # k 5, 15.4 ms)
     lax = dict(time_limit=2, workers=1, tolerance=1.0, extra_steps=0)
-    own = solve_plan(prof, cfg, options=SolverOptions(**lax, fall_back_to_greedy=False))
+    own = solve_plan(prof, cfg, PlanOptions(**lax, fall_back_to_greedy=False))
     assert own.stats["fell_back_to_greedy"] is False and own.refresh_steps < greedy.refresh_steps
     assert own.stats["step_time_ms"] > greedy.stats["step_time_ms"]
-    back = solve_plan(prof, cfg, options=SolverOptions(**lax))
+    back = solve_plan(prof, cfg, PlanOptions(**lax))
     assert back.stats["fell_back_to_greedy"] is True and back.stats["solution_from"].startswith("greedy")
     assert back.refresh_steps == greedy.refresh_steps
     assert back.stats["step_time_ms"] == pytest.approx(greedy.stats["step_time_ms"], rel=1e-9)
@@ -231,7 +231,7 @@ def test_a_plan_that_falls_back_to_the_greedy_says_so():
 def test_replicas_invert_each_factor_once_and_share_the_work():
     kw = FAMILIES["chimera"]
     prof = _profile(kw, curv=0.1, inv=2.0)  # inversion dominates: where it runs matters
-    plan = solve_plan(prof, PipelineConfig(**kw), time_limit=5, workers=1)
+    plan = solve_plan(prof, PipelineConfig(**kw), PlanOptions(time_limit=5, workers=1))
     invs = _ops(plan, "inv")
     factors = {(op.layer, op.factor) for _, op in invs}
     assert len(invs) == len(factors) == 2 * len(prof.kfac_layers)  # once, not once per replica
@@ -248,13 +248,13 @@ def test_memory_limit_below_the_possible_names_rank_and_smallest_limit():
     prof = _profile(kw)
     cfg = PipelineConfig(**kw, memory_limit_bytes=500)
     with pytest.raises(InputError) as e:
-        solve_plan(prof, cfg, time_limit=2, workers=1)
+        solve_plan(prof, cfg, PlanOptions(time_limit=2, workers=1))
     msg = str(e.value)
     assert msg.startswith("--memory-limit: rank ") and "smallest feasible limit" in msg and "\n" not in msg
     smallest = int(msg.split("smallest feasible limit under the family's order is ")[1].split()[0])
     # exactly that limit is feasible, and binding on the rank the message names
     cfg.memory_limit_bytes = smallest
-    plan = solve_plan(prof, cfg, time_limit=3, workers=1)
+    plan = solve_plan(prof, cfg, PlanOptions(time_limit=3, workers=1))
     peaks = replay(plan, prof).peak_memory_bytes
     assert max(peaks) <= smallest
     assert peaks[int(msg.split("rank ")[1].split()[0])] == smallest
@@ -263,14 +263,14 @@ def test_memory_limit_below_the_possible_names_rank_and_smallest_limit():
 def test_memory_limit_below_the_greedy_peak_is_met():
     kw = FAMILIES["1f1b"]
     prof = _profile(kw, curv=0.3, inv=0.7)
-    greedy, _, _ = build_plan(prof, PipelineConfig(**kw), "greedy")
+    greedy, _, _ = build_plan(prof, PipelineConfig(**kw), PlanOptions("greedy"))
     peak = max(greedy.stats["peak_memory_bytes"])
     with pytest.raises(InputError) as e:
-        solve_plan(prof, PipelineConfig(**kw, memory_limit_bytes=1), time_limit=2, workers=1)
+        solve_plan(prof, PipelineConfig(**kw, memory_limit_bytes=1), PlanOptions(time_limit=2, workers=1))
     smallest = int(str(e.value).split("the smallest feasible limit under the family's order is ")[1].split()[0])
     assert smallest < peak  # the greedy (no memory model) keeps more kept tensors alive than needed
     limit = (smallest + peak) // 2
-    plan = solve_plan(prof, PipelineConfig(**kw, memory_limit_bytes=limit), time_limit=5, workers=1)
+    plan = solve_plan(prof, PipelineConfig(**kw, memory_limit_bytes=limit), PlanOptions(time_limit=5, workers=1))
     assert max(replay(plan, prof).peak_memory_bytes) <= limit < peak
 
 
@@ -298,7 +298,7 @@ def test_an_exhausted_time_limit_skips_cpsat_and_still_returns_a_checked_plan():
     kw = FAMILIES["chimera"]
     prof = _profile(kw, curv=0.3, inv=0.7)
     budget = Budget(0.0)  # the command's time is already up: no CP-SAT call may start
-    plan = solve_plan(prof, PipelineConfig(**kw), options=SolverOptions(time_limit=30, workers=1, budget=budget))
+    plan = solve_plan(prof, PipelineConfig(**kw), PlanOptions(time_limit=30, workers=1), Planning(budget=budget))
     assert budget.cap(1.0) == 0.0
     st = plan.stats
     assert st["stage_seconds"].get("solve", 0.0) == 0.0  # no search ran

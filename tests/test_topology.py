@@ -12,6 +12,7 @@ from pfcompile.formats.profile import Cluster, LinkModel, load_profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 from pfcompile.place.topology import choose_rank_map, crossing_ms, traffic
 
 PAPER = "profiles/bert-large-p100-ref.json"
@@ -30,18 +31,18 @@ def _cluster(prof, nodes, gpus, slower=10.0):
 
 def test_one_node_costs_exactly_what_the_profile_link_costs(paper):
     cfg = PipelineConfig("1f1b", stages=4, micro_batches=4)
-    plain = build_plan(paper, cfg, "none")[0]
+    plain = build_plan(paper, cfg, PlanOptions("none"))[0]
     # one node whose link is the profile's: every message and all-reduce costs the same
     one = PipelineConfig("1f1b", stages=4, micro_batches=4, cluster=_cluster(paper, 1, 4))
-    assert build_plan(paper, one, "none")[0].stats["step_time_ms"] == pytest.approx(plain.stats["step_time_ms"])
+    assert build_plan(paper, one, PlanOptions("none"))[0].stats["step_time_ms"] == pytest.approx(plain.stats["step_time_ms"])
 
 
 def test_a_boundary_between_nodes_costs_the_inter_node_link(paper):
     # 1F1B D=2 on 2 nodes x 1 GPU: the one pipeline boundary crosses nodes, each message
     # takes the inter-node link's time instead of the profile's
     cl = _cluster(paper, 2, 1, slower=10.0)
-    base = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False), "none")[1]
-    two = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False, cluster=cl), "none")[1]
+    base = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False), PlanOptions("none"))[1]
+    two = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False, cluster=cl), PlanOptions("none"))[1]
     costs = build_task_graph(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False)).costs
     link = paper.comm.p2p
     # the activation forward and its gradient back are both on the critical path
@@ -57,8 +58,8 @@ def test_placement_keeps_replica_all_reduces_inside_nodes_and_beats_the_family_n
     node = cfg.cluster.node_of
     for s in range(8):  # the gradient all-reduce of each stage (its heaviest traffic) stays in a node
         assert node(rank_map[cfg.family_rank(s, 0)]) == node(rank_map[cfg.family_rank(s, 1)])
-    auto = build_plan(paper, cfg, "greedy")[0]
-    family = build_plan(paper, cfg, "greedy", placement="family")[0]
+    auto = build_plan(paper, cfg, PlanOptions("greedy"))[0]
+    family = build_plan(paper, cfg, PlanOptions("greedy", placement="family"))[0]
     assert auto.stats["placement"]["rank_map"] == list(rank_map)
     assert auto.stats["step_time_ms"] < family.stats["step_time_ms"]
     # the plan's placement is the chosen one, and the replay of the stored plan agrees
@@ -71,7 +72,7 @@ def test_placement_keeps_replica_all_reduces_inside_nodes_and_beats_the_family_n
 
 def test_bad_cluster_in_a_plan_file_is_one_line(paper):
     cfg = PipelineConfig("1f1b", stages=2, micro_batches=2, cluster=_cluster(paper, 2, 1))
-    obj = build_plan(paper, cfg, "none")[0].to_json()
+    obj = build_plan(paper, cfg, PlanOptions("none"))[0].to_json()
     obj["config"]["cluster"]["nodes"] = 3
     with pytest.raises(InputError) as e:
         plan_from_json(obj, "p.json")

@@ -24,6 +24,7 @@ from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "bert-tiny-cpu.json"
@@ -44,7 +45,7 @@ def _families(D: int) -> list[dict]:
 
 def _check(kw: dict, method: str, **opts) -> None:
     prof = uniform_profile(blocks=kw["stages"] * kw.get("virtual_stages", 1), curv=0.3, inv=0.7)
-    plan, _, _ = build_plan(prof, PipelineConfig(**kw), method, **opts)
+    plan, _, _ = build_plan(prof, PipelineConfig(**kw), PlanOptions(method, **opts))
     # what the file says, read back as the runtime reads it
     verify_plan(plan_from_json(plan.to_json()), profile_model=prof.model)
 
@@ -74,7 +75,7 @@ def test_every_family_cpsat_passes(kw, fixed):
 def plan_obj() -> dict:
     """A real planner output the runtime can build (bert-tiny, 1F1B on 2 ranks, K-FAC placed
     by the greedy over a refresh cycle of several steps)."""
-    plan, _, _ = build_plan(load_profile(str(TINY)), PipelineConfig("1f1b", 2, 4), "greedy")
+    plan, _, _ = build_plan(load_profile(str(TINY)), PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"))
     assert plan.refresh_steps >= 2
     return plan.to_json()
 
@@ -251,5 +252,5 @@ def test_swapped_receives_are_refused_naming_the_pair(tmp_path, plan_obj):
 
 def test_paper_setting_greedy_passes_the_per_pair_check():
     prof = load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json"))
-    plan, _, _ = build_plan(prof, PipelineConfig("chimera", 8, 8), "greedy")
+    plan, _, _ = build_plan(prof, PipelineConfig("chimera", 8, 8), PlanOptions("greedy"))
     verify_plan(plan_from_json(plan.to_json()), profile_model=prof.model)

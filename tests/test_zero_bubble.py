@@ -17,6 +17,7 @@ from pfcompile.graph.schedules import PipelineConfig, compute_orders
 from pfcompile.graph.taskgraph import Task, build_task_graph
 from pfcompile.place.assemble import baseline_plan
 from pfcompile.place.build import build_plan
+from pfcompile.place.options import PlanOptions
 from pfcompile.render import torch_csv
 
 TOL = 1e-3
@@ -134,7 +135,7 @@ def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
     blocks = D * (2 if schedule == "zb-v" else 1)
     prof = uniform_profile(blocks=blocks, curv=0.2, inv=0.5)
     cfg = PipelineConfig(schedule, D, N)
-    plan, result, base = build_plan(prof, cfg, method, time_limit=5)
+    plan, result, base = build_plan(prof, cfg, PlanOptions(method, time_limit=5))
     again = replay(plan, prof)
     assert again.step_time_ms == pytest.approx(result.step_time_ms)
     for steps in plan.ranks:  # curv_b never before the W of its micro-batch
@@ -159,13 +160,13 @@ def test_cpsat_moves_weight_passes_to_fit_the_memory_limit():
     cfg = PipelineConfig("zb-h1", D, N)
     _, canonical = baseline_plan(prof, cfg, check_memory=False)
     limit = max(canonical.peak_memory_bytes) - 30
-    plan, result, _ = build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=limit), "cpsat", time_limit=5)
+    plan, result, _ = build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=limit), PlanOptions("cpsat", time_limit=5))
     assert max(result.peak_memory_bytes) <= limit
     moved = [q for q in range(D) if [p.op for p in plan.ranks[q][0] if p.op.kind in ("bwd_input", "bwd_weight")]
              != [p.op for p in canonical_ops(prof, cfg, q) if p.op.kind in ("bwd_input", "bwd_weight")]]
     assert moved
     with pytest.raises(InputError, match="rank 0 needs"):
-        build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=4 * 10**6), "cpsat", time_limit=5)
+        build_plan(prof, PipelineConfig("zb-h1", D, N, memory_limit_bytes=4 * 10**6), PlanOptions("cpsat", time_limit=5))
 
 
 # --- K-FAC's kept input shares what W keeps ----------------------------------------------------
@@ -251,11 +252,11 @@ def test_cpsat_fits_a_limit_only_the_shared_kept_input_allows():
     resident = build_task_graph(prof, PipelineConfig("zb-h1", 2, 4)).resident_bytes[0]
     assert resident + 2 * 1000 + 1000 == 3464 and resident + 2 * 1000 + 20 == 2484
     cfg = PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=3000)
-    plan, result, _ = build_plan(prof, cfg, "cpsat", time_limit=5)
+    plan, result, _ = build_plan(prof, cfg, PlanOptions("cpsat", time_limit=5))
     assert max(result.peak_memory_bytes) <= 3000
     assert replay(plan, prof).peak_memory_bytes == result.peak_memory_bytes  # the limit is in the plan
     with pytest.raises(InputError, match="rank 0 needs 2484 bytes, over the limit of 2400"):
-        build_plan(prof, PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=2400), "cpsat", time_limit=5)
+        build_plan(prof, PipelineConfig("zb-h1", 2, 4, memory_limit_bytes=2400), PlanOptions("cpsat", time_limit=5))
     # and a plan whose curv_a run after W with the limit below its peak: the replay names the rank
     plan.config = replace(plan.config, memory_limit_bytes=max(result.peak_memory_bytes) - 1)
     q = result.peak_memory_bytes.index(max(result.peak_memory_bytes))

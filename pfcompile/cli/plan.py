@@ -120,6 +120,15 @@ def config_from_args(args, profile) -> PipelineConfig:
     return cfg
 
 
+def options_from_args(args):
+    """The planning options of the command line, made once and passed unchanged to the planner."""
+    from pfcompile.place.options import PlanOptions
+
+    return PlanOptions(method=args.method, time_limit=args.time_limit, workers=args.workers,
+                       fixed_order=args.fixed_order, refresh_steps=args.refresh_steps, precond=args.precond,
+                       placement=args.placement)
+
+
 def parse_link(text: str, flag: str):
     """"0.01,10" -> LinkModel(latency 0.01 ms, 10 GB/s)."""
     from pfcompile.formats.profile import LinkModel
@@ -221,12 +230,10 @@ def _run(args) -> int:
     check_plan_bounds(args)  # before reading anything: a typo must not start a runaway
     if args.output:
         check_output_path(args.output, "--output")
+    from pfcompile.cli import STARTED
     from pfcompile.place.budget import Budget
 
-    if not args.time_limit > 0:
-        raise InputError("--time-limit", None, f"must be positive, got {args.time_limit}")
-    from pfcompile.cli import STARTED
-
+    options = options_from_args(args)
     budget = Budget(args.time_limit, started=STARTED)  # from the command's start: imports, loading, writing count
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
@@ -235,6 +242,7 @@ def _run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from pfcompile.place.build import build_plan  # the planner's stack (networkx, ortools) only now
+    from pfcompile.place.options import Planning
 
     console = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -247,13 +255,10 @@ def _run(args) -> int:
         def describe(text: str) -> None:
             bar.update(task, description=text)
 
+        planning = Planning(budget=budget, progress=progress, describe=describe)
         if args.pareto:
-            return _run_pareto(args, profile, cfg, describe)
-        plan, result, baseline = build_plan(profile, cfg, args.method, where=args.output or "<plan>",
-                                            progress=progress, describe=describe, time_limit=args.time_limit,
-                                            workers=args.workers, fixed_order=args.fixed_order,
-                                            refresh_steps=args.refresh_steps, budget=budget,
-                                            placement=args.placement, precond=args.precond)
+            return _run_pareto(args, profile, cfg, options, planning)
+        plan, result, baseline = build_plan(profile, cfg, options, where=args.output or "<plan>", planning=planning)
     if "refresh_steps_note" in plan.stats:
         print(plan.stats["refresh_steps_note"], file=sys.stderr)
     if "bubbles_too_small" in plan.stats:
@@ -290,18 +295,19 @@ PARETO_KEYS = ("refresh_steps", "step_time_ms", "step_overhead", "step_overhead_
                "utilization_pipefisher_mean", "utilization_strict")
 
 
-def _run_pareto(args, profile, cfg, describe) -> int:
-    if args.method != "cpsat" or not cfg.kfac:
+def _run_pareto(args, profile, cfg, options, planning) -> int:
+    if options.method != "cpsat" or not cfg.kfac:
         raise InputError("--pareto", None, "needs --method cpsat with K-FAC")
+    from dataclasses import replace
+
     from pfcompile.place.build import build_plan, pareto
 
-    plans = pareto(profile, cfg, time_limit=args.time_limit, workers=args.workers, fixed_order=args.fixed_order,
-                   describe=describe)
+    options = replace(options, refresh_steps=None, precond=None)  # each k of the table: the config's division
+    plans = pareto(profile, cfg, options, planning=planning)
     if args.refresh_steps is not None:
         picked = [p for p in plans if p.refresh_steps == args.refresh_steps]
         if not picked:
-            picked = [build_plan(profile, cfg, "cpsat", time_limit=args.time_limit, workers=args.workers,
-                                 fixed_order=args.fixed_order, refresh_steps=args.refresh_steps)[0]]
+            picked = [build_plan(profile, cfg, replace(options, refresh_steps=args.refresh_steps))[0]]
     else:
         picked = [min(plans, key=lambda p: (round(p.stats["step_time_ms"], 3), p.refresh_steps))]
     verify_plan(plan_from_json(picked[0].to_json(), args.output or "<plan>"), args.output or "<plan>",

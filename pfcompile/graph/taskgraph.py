@@ -46,7 +46,6 @@ All durations and memory come from pfcompile.graph.costs.Costs (`tg.costs`), the
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -160,37 +159,37 @@ def _check_nodes(tg: TaskGraph) -> None:
     assert not bare, f"edges to tasks never added: {bare[:3]}"
 
 
-_BUILT: OrderedDict[tuple, TaskGraph] | None = None  # graphs of the planning run in progress
-_KEEP = 6  # a planning run asks for a few distinct graphs (baseline, greedy, each k, tight baseline)
+class TaskGraphs:
+    """The task graphs one planning run has built from one profile, by configuration: the run
+    asks for the baseline's, the greedy's and each k's graph from several places, and a graph
+    of thousands of tasks is worth building once. Its graphs are read-only; the profile must
+    not change while the run lasts. Keeps the `keep` most recently used graphs."""
 
+    def __init__(self, profile: Profile, keep: int = 6):
+        self.profile, self.keep = profile, keep
+        self._built: OrderedDict[tuple, TaskGraph] = OrderedDict()
 
-@contextmanager
-def one_build_per_graph():
-    """Within this block, asking twice for the same graph (same profile object, every
-    configuration field equal) returns the first one built: a planning run asks for the
-    baseline's, the greedy's and each k's graph from several places. Callers treat graphs
-    as read-only; outside a block every call builds afresh (a profile may be edited)."""
-    global _BUILT
-    outer, _BUILT = _BUILT, (_BUILT if _BUILT is not None else OrderedDict())
-    try:
-        yield
-    finally:
-        _BUILT = outer
+    def get(self, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None = None) -> TaskGraph:
+        key = (repr(cfg), None if inverters is None else tuple(sorted((k, tuple(v)) for k, v in inverters.items())))
+        tg = self._built.get(key)
+        if tg is None:
+            tg = self._built[key] = _build(self.profile, replace(cfg), inverters)
+            while len(self._built) > self.keep:
+                self._built.popitem(last=False)
+        self._built.move_to_end(key)
+        return tg
 
 
 def build_task_graph(profile: Profile, cfg: PipelineConfig,
-                     inverters: dict[tuple[int, str], list[int]] | None = None) -> TaskGraph:
-    if _BUILT is None:
+                     inverters: dict[tuple[int, str], list[int]] | None = None,
+                     graphs: TaskGraphs | None = None) -> TaskGraph:
+    """The task graph of `cfg` (module docstring); from `graphs` when given and built there
+    before (its profile must be `profile`)."""
+    if graphs is None:
         return _build(profile, cfg, inverters)
-    key = (id(profile), repr(cfg),
-           None if inverters is None else tuple(sorted((k, tuple(v)) for k, v in inverters.items())))
-    tg = _BUILT.get(key)
-    if tg is None or tg.costs.profile is not profile:
-        tg = _BUILT[key] = _build(profile, replace(cfg), inverters)
-        while len(_BUILT) > _KEEP:
-            _BUILT.popitem(last=False)
-    _BUILT.move_to_end(key)
-    return tg
+    if graphs.profile is not profile:
+        raise ValueError("a planning run's graphs are of one profile")
+    return graphs.get(cfg, inverters)
 
 
 def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None) -> TaskGraph:

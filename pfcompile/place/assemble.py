@@ -15,7 +15,7 @@ from pfcompile.formats.plan import Plan, PlanConfig, PlannedOp
 from pfcompile.formats.profile import Profile
 from pfcompile.formats.verify import model_hash
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.graph.taskgraph import TaskGraph, TaskGraphs, build_task_graph
 from pfcompile.place.message_order import order_messages
 
 
@@ -63,10 +63,11 @@ def canonical_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
     return {q: [[t.op for t in step] for step in steps] for q, steps in tg.canonical.items()}
 
 
-def baseline_plan(profile: Profile, cfg: PipelineConfig, *, check_memory: bool = True) -> tuple[Plan, ReplayResult]:
+def baseline_plan(profile: Profile, cfg: PipelineConfig, *, check_memory: bool = True,
+                  graphs: TaskGraphs | None = None) -> tuple[Plan, ReplayResult]:
     """The family's plan without K-FAC: the bubble baseline."""
     base_cfg = replace(cfg, kfac=False, refresh_steps=1)
-    tg = build_task_graph(profile, base_cfg)
+    tg = build_task_graph(profile, base_cfg, graphs=graphs)
     plan = assemble(profile, tg, canonical_steps(tg), "none")
     result = finish(plan, profile, {"solver_status": "fixed", "gap": None, "solve_seconds": 0.0,
                                     "refresh_steps_lower_bound": 1}, check_memory=check_memory)

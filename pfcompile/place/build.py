@@ -1,4 +1,4 @@
-"""build_plan: profile + pipeline configuration -> a replayed plan, by any method.
+"""build_plan: profile + pipeline configuration + options -> a replayed plan, by any method.
 
 The one entry point of planning that the CLI, the tests, the benchmarks and the examples
 all call. The methods: "none" (the family's order, K-FAC appended to each step), "greedy"
@@ -15,156 +15,129 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import build_task_graph, one_build_per_graph
+from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
-from pfcompile.place.budget import Budget
 from pfcompile.place.greedy import greedy_steps
+from pfcompile.place.options import Planning, PlanOptions
 
-METHODS = ("none", "greedy", "cpsat")
+# the replayed ops the expected step time (with the ops' spread) may cost at most, and the
+# share of the time left it may take under a wall-clock limit
+EXPECTED_STEP_MAX_OPS = 200_000
+EXPECTED_STEP_SHARE_OF_TIME_LEFT = 0.5
+# the tight first-order baseline is small (proven optimal well within this) and only a reference
+TIGHT_BASELINE_TIME_LIMIT_S = 10.0
 
 
-def build_plan(profile: Profile, cfg: PipelineConfig, method: str = "cpsat", *, where: str = "<plan>",
-               progress=None, describe=None, time_limit: float = 60.0, workers: int = 2,
-               fixed_order: bool = True, refresh_steps: int | None = None,
-               steady_state: bool = True, budget: Budget | None = None,
-               placement: str = "auto", precond: str | None = None) -> tuple[Plan, ReplayResult, ReplayResult]:
-    """The plan of `cfg` by `method` ("none", "greedy" or "cpsat"), replayed.
+def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None, *,
+               where: str = "<plan>", planning: Planning | None = None) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """The plan of `cfg` as `options` ask (pfcompile.place.options.PlanOptions), replayed.
 
     -> (plan, replay result of the plan, replay result of the first-order baseline).
-    `progress(done, total)` and `describe(text)` report progress; `time_limit`, `workers`,
-    `fixed_order`, `refresh_steps` (a fixed k) and `steady_state` (minimise the repeating
-    cycle, not the cycle from idle) are CP-SAT's (per k tried). `budget`: the command's
-    wall-clock limit (pfcompile.place.budget), which caps every CP-SAT call. Each task
-    graph is built once. With `cfg.cluster`, `placement` "auto" puts the family's ranks on
-    the nodes so the heaviest traffic stays inside them (pfcompile.place.topology; the
-    plan's stats["placement"] says what and why), "family" keeps the family's numbering.
-    `precond` "auto" plans with split (PipeFisher's blocks), layers and every-replica
-    preconditioning and keeps the fastest (then the smaller k); "all"/"split"/"layers" set
-    cfg.precond; None keeps it. The plan returned also has the step time with the profile's
-    op-time spread (stats.expected_step_time_ms) where the profile has one."""
-    plan, result, baseline = _build_division(
-        profile, cfg, method, where=where, progress=progress, describe=describe, time_limit=time_limit,
-        workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state,
-        budget=budget, placement=placement, precond=precond)
-    _add_expected_step_time(plan, profile, budget)
+    `planning`: the run's budget, progress reports and task graphs (a fresh one without a
+    limit when None). With `cfg.cluster`, the ranks are first put on the nodes
+    (`options.placement`; the plan's stats["placement"] says what and why). The plan also
+    has the step time with the profile's op-time spread (stats.expected_step_time_ms)
+    where the profile has one."""
+    options = options or PlanOptions()
+    planning = planning or Planning()
+    planning.graphs_of(profile)
+    if options.precond == "auto":
+        plan, result, baseline = _best_division(profile, cfg, options, where, planning)
+    else:
+        if options.precond is not None:
+            cfg = replace(cfg, precond=options.precond)
+        plan, result, baseline = _build_division(profile, cfg, options, where, planning)
+    _add_expected_step_time(plan, profile, planning)
     return plan, result, baseline
 
 
-def _add_expected_step_time(plan: Plan, profile: Profile, budget: Budget | None) -> None:
+def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
+                   planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """precond "auto": plan with every replica preconditioning every layer, with PipeFisher's
+    split and with the layers divided one by one, and keep the fastest (then the smaller k)."""
+    if not (cfg.kfac and cfg.replicas > 1) or options.method == "none":
+        return _build_division(profile, replace(cfg, precond="all"), options, where, planning)
+    budget = planning.budget
+    tried, skipped, longest = [], [], 0.0
+    for division in ("all", "split", "layers"):
+        # under a wall-clock limit, a division is tried only if the time left holds another
+        # planning like the longest so far (the limit is hard: the Python counts)
+        if tried and budget.left() < longest:
+            skipped.append(division)
+            continue
+        t0 = time.monotonic()
+        tried.append(_build_division(profile, replace(cfg, precond=division), options, where, planning))
+        longest = max(longest, time.monotonic() - t0)
+    best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
+    best[0].stats["precond_auto"] = {t[0].config.precond_division: round(t[0].stats["step_time_ms"], 3)
+                                     for t in tried}
+    if skipped:
+        best[0].stats["precond_auto_skipped"] = skipped  # not tried: the time limit would not hold them
+    return best
+
+
+def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) -> None:
     """The step a run sees with the ops' measured spread (check.replay.expected_step_time);
-    under a wall-clock limit only as many replayed ops as half the time left holds at this
-    run's replay speed (at least 3 cycles)."""
-    cap = 200_000
-    if budget is not None and budget.replay_s_per_op:
-        cap = min(cap, int(0.5 * budget.left() / budget.replay_s_per_op))
+    under a wall-clock limit only as many replayed ops as a share of the time left holds at
+    this run's replay speed (at least 3 cycles)."""
+    cap = EXPECTED_STEP_MAX_OPS
+    budget = planning.budget
+    if budget.deadline is not None and budget.replay_s_per_op:
+        cap = min(cap, int(EXPECTED_STEP_SHARE_OF_TIME_LEFT * budget.left() / budget.replay_s_per_op))
     if cap >= 3 * plan.stats.get("tasks", 0):
         expected = expected_step_time(plan, profile, max_instances=cap)
         if expected is not None:
             plan.stats["expected_step_time_ms"] = round(expected, 6)
 
 
-def _build_division(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,
-                    time_limit: float, workers: int, fixed_order: bool, refresh_steps: int | None,
-                    steady_state: bool, budget: Budget | None, placement: str,
-                    precond: str | None) -> tuple[Plan, ReplayResult, ReplayResult]:
-    """build_plan without the expected step time: "auto" tries each division through here."""
-    if precond == "auto":
-        kw = dict(where=where, progress=progress, describe=describe, time_limit=time_limit, workers=workers,
-                  fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state, budget=budget,
-                  placement=placement)
-        if not (cfg.kfac and cfg.replicas > 1) or method == "none":
-            return _build_division(profile, cfg, method, precond="all", **kw)
-        tried, skipped, longest = [], [], 0.0
-        for pc in ("all", "split", "layers"):
-            # under a wall-clock limit, a division is tried only if the time left holds
-            # another planning like the longest so far (the limit is hard: the Python counts)
-            if tried and budget is not None and budget.left() < longest:
-                skipped.append(pc)
-                continue
-            t0 = time.monotonic()
-            tried.append(_build_division(profile, cfg, method, precond=pc, **kw))
-            longest = max(longest, time.monotonic() - t0)
-        best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
-        best[0].stats["precond_auto"] = {t[0].config.precond_division: round(t[0].stats["step_time_ms"], 3)
-                                         for t in tried}
-        if skipped:
-            best[0].stats["precond_auto_skipped"] = skipped  # not tried: the time limit would not hold them
-        return best
-    if precond is not None:
-        cfg = replace(cfg, precond=precond)
+def _build_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
+                    planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """One division of the preconditioning: place the ranks on the nodes, then plan."""
     placed = None
     if cfg.cluster is not None and cfg.rank_map is None:  # where the family's ranks go on the nodes
         from pfcompile.place.topology import choose_rank_map
 
-        rank_map, placed = choose_rank_map(profile, cfg, search=placement == "auto")
+        rank_map, placed = choose_rank_map(profile, cfg, search=options.placement == "auto")
         cfg = replace(cfg, rank_map=rank_map)
-    with one_build_per_graph():
-        plan, result, baseline = _build_plan(
-            profile, cfg, method, where=where, progress=progress, describe=describe, time_limit=time_limit,
-            workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps, steady_state=steady_state,
-            budget=budget)
+    plan, result, baseline = _build_plan(profile, cfg, options, where, planning)
     if placed is not None:
         plan.stats["placement"] = placed
     return plan, result, baseline
 
 
-def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: str, progress, describe,
-                time_limit: float, workers: int, fixed_order: bool, refresh_steps: int | None,
-                steady_state: bool, budget: Budget | None) -> tuple[Plan, ReplayResult, ReplayResult]:
-    if method not in METHODS:
-        raise InputError("--method", None, f"unknown method {method!r} (known: {', '.join(METHODS)})")
+def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
+                planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
+    method, refresh_steps, budget = options.method, options.refresh_steps, planning.budget
+    graphs = planning.graphs_of(profile)
     if refresh_steps is not None and (method != "cpsat" or not cfg.kfac):
         raise InputError("--refresh-steps", None, "a fixed k needs --method cpsat with K-FAC "
                          "(the greedy's k is what its first fit needs)")
-    if refresh_steps is not None and refresh_steps < 1:
-        raise InputError("--refresh-steps", None, f"must be at least 1, got {refresh_steps}")
     t0 = time.perf_counter()
     # the baseline is only a reference here: the memory limit applies to the plan made
     t_base = time.perf_counter()
-    base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac)
-    if budget is not None:  # what a replay costs on this machine now: the budget's reserve scales with it
-        budget.replay_s_per_op = (time.perf_counter() - t_base) / max(1, base_plan.stats.get("tasks", 1))
+    base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac, graphs=graphs)
+    # what a replay costs on this machine now: the budget's reserve scales with it
+    budget.replay_s_per_op = (time.perf_counter() - t_base) / max(1, base_plan.stats.get("tasks", 1))
     # the best first-order plan of the family: the tight baseline, and the step time the k
     # lower bound aims at
-    tight = (tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers, budget=budget)
-             if cfg.kfac else None)
+    tight = tight_baseline(profile, cfg, options, planning) if cfg.kfac else None
     first_order_ms = min(tight.stats["step_time_ms"], baseline.step_time_ms) if tight else baseline.step_time_ms
     if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
     elif method == "none":
-        tg = build_task_graph(profile, replace(cfg, refresh_steps=1))
+        tg = build_task_graph(profile, replace(cfg, refresh_steps=1), graphs=graphs)
         plan = assemble.assemble(profile, tg, assemble.appended_steps(tg), "none")
         result = assemble.finish(plan, profile, {"solver_status": "fixed", "gap": None,
                                                 "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
     elif method == "greedy":
-        tg, steps, info = greedy_steps(profile, cfg, progress=progress)
-        plan = assemble.assemble(profile, tg, steps, "greedy")
-        # below this k no plan runs at the best first-order step time (bounds.py)
-        lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first_order_ms)
-        k = len(next(iter(steps.values())))
-        try:
-            result = assemble.finish(plan, profile, {
-                "solver_status": "greedy", "refresh_steps_lower_bound": lb,
-                "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
-                # greedy has no bound on its own objective; the gap is on k against the bound
-                "gap": round(max(0, k - lb) / k, 6) if lb else None,
-                "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
-        except ReplayError as e:
-            if e.field == "config.memory_limit_bytes":  # PipeFisher's greedy has no memory model
-                raise ReplayError(e.where, e.field, e.message + "; the greedy plans without memory, "
-                                  "try --method cpsat") from None
-            raise
+        plan, result = _greedy_plan(profile, cfg, first_order_ms, where, planning, t0)
     else:
         try:
             from pfcompile.place.solver import solve_plan_replayed
         except ImportError as e:
             raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
-        from pfcompile.place.solver import SolverOptions
-
-        plan, result = solve_plan_replayed(profile, cfg, progress=progress, describe=describe, options=SolverOptions(
-            time_limit=time_limit, workers=workers, fixed_order=fixed_order, refresh_steps=refresh_steps,
-            steady_state=steady_state, first_order_step_ms=first_order_ms, budget=budget))
+        plan, result = solve_plan_replayed(profile, cfg, options, planning, first_order_step_ms=first_order_ms)
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
     if tight is not None:
@@ -178,30 +151,53 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, method: str, *, where: st
     return plan, result, baseline
 
 
-def pareto(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
-           fixed_order: bool = True, steady_state: bool = True, max_extra: int = 8,
-           describe=None) -> list[Plan]:
+def _greedy_plan(profile: Profile, cfg: PipelineConfig, first_order_ms: float, where: str, planning: Planning,
+                 t0: float) -> tuple[Plan, ReplayResult]:
+    """PipeFisher's first fit, replayed; its gap is on k, against the k lower bound."""
+    tg, steps, info = greedy_steps(profile, cfg, progress=planning.progress, graphs=planning.graphs_of(profile))
+    plan = assemble.assemble(profile, tg, steps, "greedy")
+    # below this k no plan runs at the best first-order step time (bounds.py)
+    lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first_order_ms)
+    k = len(next(iter(steps.values())))
+    try:
+        result = assemble.finish(plan, profile, {
+            "solver_status": "greedy", "refresh_steps_lower_bound": lb,
+            "tasks_after_last_step": info["tail_tasks"],  # K-FAC work no bubble could hold
+            # greedy has no bound on its own objective; the gap is on k against the bound
+            "gap": round(max(0, k - lb) / k, 6) if lb else None,
+            "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
+    except ReplayError as e:
+        if e.field == "config.memory_limit_bytes":  # PipeFisher's greedy has no memory model
+            raise ReplayError(e.where, e.field, e.message + "; the greedy plans without memory, "
+                              "try --method cpsat") from None
+        raise
+    return plan, result
+
+
+def pareto(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None, *,
+           max_extra: int = 8, planning: Planning | None = None) -> list[Plan]:
     """CP-SAT plans for k = the k lower bound, +1, ... up to the first k whose step time does
     not fall below the previous one's (at most `max_extra` past the bound): what a
     shorter refresh cycle costs in step time."""
-    tight = tight_baseline(profile, cfg, time_limit=min(time_limit, 10.0), workers=workers)
+    # each k's plan keeps the configuration's division of the preconditioning
+    options = replace(options or PlanOptions(), method="cpsat", precond=None)
+    planning = planning or Planning()
+    tight = tight_baseline(profile, cfg, options, Planning())
     first = min(tight.stats["step_time_ms"], assemble.baseline_plan(profile, cfg, check_memory=False)[1].step_time_ms)
     _, _, info = greedy_steps(profile, cfg)
     lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first) or 1
     plans: list[Plan] = []
     for k in range(lb, lb + max_extra + 1):
-        if describe:
-            describe(f"pareto: k={k}")
-        plan, _, _ = build_plan(profile, cfg, "cpsat", time_limit=time_limit, workers=workers,
-                                fixed_order=fixed_order, refresh_steps=k, steady_state=steady_state)
+        planning.say(f"pareto: k={k}")
+        plan, _, _ = build_plan(profile, cfg, replace(options, refresh_steps=k))
         plans.append(plan)
         if len(plans) > 1 and plan.stats["step_time_ms"] >= plans[-2].stats["step_time_ms"] * (1 - 1e-4):
             break
     return plans
 
 
-def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
-                   budget: Budget | None = None) -> Plan | None:
+def tight_baseline(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None,
+                   planning: Planning | None = None) -> Plan | None:
     """The best first-order plan of the family: the family's forward/backward order with its
     gradient syncs, sends and receives placed by the same CP-SAT machinery (None without
     OR-Tools). The canonical baseline posts every sync at the end of the step; moving a
@@ -211,10 +207,12 @@ def tight_baseline(profile: Profile, cfg: PipelineConfig, *, time_limit: float =
         from pfcompile.place.solver import solve_plan
     except ImportError:
         return None
-    from pfcompile.place.solver import SolverOptions
-
-    return solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), options=SolverOptions(
-        time_limit=time_limit, workers=workers, fixed_order=True, budget=budget))
+    options = options or PlanOptions()
+    first_order = PlanOptions(method="cpsat", time_limit=min(options.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
+                              workers=options.workers, fixed_order=True)
+    planning = planning or Planning()  # its budget and graphs, not its progress reports
+    return solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), first_order,
+                      Planning(budget=planning.budget, graphs=planning.graphs))
 
 
 def add_tight_baseline_stats(plan: Plan, tight: Plan) -> None:

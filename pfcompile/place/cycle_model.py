@@ -25,7 +25,7 @@ from pfcompile.formats.ops import FLOATING_KINDS, P2P_KINDS, Op
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.graph.taskgraph import TaskGraph, TaskGraphs, build_task_graph
 from pfcompile.place.list_schedule import list_schedule
 from pfcompile.place.problem import Problem, Schedule, to_us
 
@@ -52,22 +52,13 @@ class CycleModel:
 # --- graph -> problem ---------------------------------------------------------------------
 
 
-def build_cycle(profile: Profile, cfg: PipelineConfig, k: int, *, fixed_order: bool,
-                refresh: bool = True, group_curvature: bool = False) -> CycleModel:
-    """The Problem of a k-step cycle. `refresh=False` drops the floating K-FAC work (the
-    reference the refresh is measured against). Point-to-point ops are glued to the op they
-    follow or precede (see `_contract`); `group_curvature` makes the curvature ops of one
-    producer one task (fewer tasks, coarser packing, kept tensors held to the group's end)."""
-    return cycle_from_graph(cycle_graph(profile, cfg, k), fixed_order=fixed_order, refresh=refresh,
-                            group_curvature=group_curvature, choose_inverter=cfg.inversion == "balanced")
-
-
-def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int) -> TaskGraph:
+def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int, graphs: TaskGraphs | None = None) -> TaskGraph:
     """The task graph the model is built from: with replicas, every candidate inverts (the
     model's options choose one)."""
     choose = cfg.kfac and cfg.replicas > 1
     choose = choose and cfg.inversion == "balanced"  # the other policies fix the inverters
-    return build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion))
+    return build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion),
+                            graphs=graphs)
 
 
 def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,

@@ -43,7 +43,7 @@ from pfcompile.formats.ops import FLOATING_KINDS
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import TaskGraph, build_task_graph
+from pfcompile.graph.taskgraph import TaskGraph, TaskGraphs, build_task_graph
 
 EPS = 1e-9
 MARGIN_RATIO = 0.05  # pipe-fisher auto_schedule.py: a bubble takes a task only with 5% to spare
@@ -166,11 +166,13 @@ def _check_cycle_size(tg: TaskGraph, floating: list[Task], bubble: dict[int, flo
                          "pfcompile/formats/limits.py)")
 
 
-def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None, bubbles: bool = True):
+def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None, bubbles: bool = True,
+                 graphs: TaskGraphs | None = None):
     """-> (graph of one step, steps[rank][step] op lists, info dict). `bubbles` False: no
     first fit, every K-FAC unit after the step's pipeline work (k = 1), the start CP-SAT
-    stretches from when the bubbles cannot hold the work (CycleTooLong)."""
-    tg = build_task_graph(profile, replace(cfg, refresh_steps=1))
+    stretches from when the bubbles cannot hold the work (CycleTooLong). `graphs`: the
+    planning run's graphs (pfcompile.graph.taskgraph.TaskGraphs)."""
+    tg = build_task_graph(profile, replace(cfg, refresh_steps=1), graphs=graphs)
     orders = {q: steps[0] for q, steps in tg.canonical.items()}
     base = time_fixed_order(tg, orders)
     T = max((e for _, e in base.values()), default=0.0) or 1.0  # all-zero costs: any unit will do

@@ -40,7 +40,7 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import one_build_per_graph
+from pfcompile.graph.taskgraph import TaskGraph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.budget import Budget
@@ -55,6 +55,7 @@ from pfcompile.place.cycle_model import (
     steps_from_schedule,
 )
 from pfcompile.place.list_schedule import list_schedule
+from pfcompile.place.options import Planning, PlanOptions
 from pfcompile.place.problem import Schedule, violations
 
 
@@ -70,27 +71,24 @@ class NoScheduleFound(InputError):
 GROUP_ABOVE = 30000
 
 
-@dataclass
-class SolverOptions:
-    time_limit: float = 60.0  # seconds per solve (each k tried is one solve)
-    workers: int = 2
-    fixed_order: bool = True
-    tolerance: float = 0.005  # accept k when within 0.5% of the no-refresh step time
-    extra_steps: int = 2  # try at most k_lb + extra_steps
-    refresh_steps: int | None = None  # force k
-    group_curvature: bool | None = None  # None: when the curvature ops alone exceed GROUP_ABOVE
-    total_time_limit: float | None = None  # if set: shared evenly by the k tried (overrides time_limit)
-    steady_state: bool = True  # minimise the cycle as it repeats (False: the makespan from idle)
-    first_order_step_ms: float | None = None  # the best first-order step time (None: solved here)
-    # return the greedy's plan when the solver found none faster in its time (the stats then
-    # say `fell_back_to_greedy: true`); off: CP-SAT's own solution, whatever it is
-    fall_back_to_greedy: bool = True
-    # the command's wall-clock budget (pfcompile.place.budget): caps every CP-SAT call and
-    # records the seconds of each stage; None: no limit beyond time_limit
-    budget: Budget | None = None
+# how one k's time limit is shared by its three stages (solve_cycle): the pipeline
+# timeline is usually proven optimal at once, the whole cycle is where the search pays
+STAGE_SHARES = {"pipeline timeline": 0.2, "packing": 0.3, "whole cycle": 0.5}
+# a budget's reserve for what follows the search (assembling, replaying, verifying and
+# writing the plan): a fixed part, plus this many replays at this run's measured seconds per
+# op (before one is measured, the guess below, a slow machine's figure so the limit holds)
+RESERVE_FIXED_S = 2.0
+RESERVE_REPLAYS = 2
+REPLAY_S_PER_OP_GUESS = 8e-4
+# the next k is tried only when the time left holds its graph and warm starts with this
+# margin (the largest k so far is the estimate; a larger k takes longer)
+NEXT_K_MARGIN = 1.2
+# time kept for the greedy's gap when the plan falls back to it: its graph and bounds, with
+# this margin over the largest graph built so far, and a replay's with NEXT_K_MARGIN
+GREEDY_GAP_MARGIN = 1.3
 
 
-def _group(profile: Profile, cfg: PipelineConfig, opts: SolverOptions) -> bool:
+def _group(profile: Profile, cfg: PipelineConfig, opts: PlanOptions) -> bool:
     if opts.group_curvature is not None:
         return opts.group_curvature
     return curvature_ops(profile, cfg) > GROUP_ABOVE
@@ -122,20 +120,22 @@ class CycleSolution:
         return max(0.0, (mk - self.bound) / mk) if mk else 0.0
 
 
-def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptions, *,
-                greedy_steps: dict | None = None, describe=None, unless_out_of_reach: bool = False,
-                warm_only: bool = False) -> CycleSolution:
+def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions, planning: Planning, *,
+                time_limit: float | None = None, greedy_steps: dict | None = None,
+                unless_out_of_reach: bool = False, warm_only: bool = False) -> CycleSolution:
     """Three stages, each warm-starting the next, each stopping early at a proven optimum:
     (1) the pipeline timeline: the k steps without refresh work, on their own model (its
     bound is a lower bound of the whole cycle); (2) the refresh work packed into that
     timeline (per-step tasks pinned); (3) the whole model, which may move the pipeline to
-    make room. `time_limit` is shared 20/30/50 between them. `unless_out_of_reach`: no
+    make room. `time_limit` (default `opts.time_limit`) is shared between them as
+    STAGE_SHARES says. `unless_out_of_reach`: no
     search past the warm starts when the bound already puts this k's step time beyond the
     k rule's tolerance of its timeline (the k cannot be the one accepted; `searched` False).
     `warm_only`: no search past the warm starts whatever the bound says."""
-    budget = opts.budget or Budget()
+    budget = planning.budget
+    time_limit = opts.time_limit if time_limit is None else time_limit
     with budget.stage("graph"):
-        tg = cycle_graph(profile, cfg, k)
+        tg = cycle_graph(profile, cfg, k, planning.graphs_of(profile))
         cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, group_curvature=_group(profile, cfg, opts),
                               choose_inverter=cfg.inversion == "balanced", periodic=opts.steady_state)
         ref_cm = cycle_from_graph(tg, fixed_order=opts.fixed_order, refresh=False, periodic=opts.steady_state)
@@ -146,11 +146,11 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     head, tail = heads_and_tails(p)
     by_head = lambda i: (head[i], i)  # noqa: E731
     canon = _canonical_position(cm)
-    report = _reporter(describe, k, budget)
+    report = _reporter(planning.describe, k, budget)
 
-    def cpsat(problem, share: float, **kw) -> Result:
+    def cpsat(problem, stage: str, **kw) -> Result:
         """One CP-SAT call within the command's budget (skipped when nothing is left)."""
-        limit = budget.cap(share * opts.time_limit)
+        limit = budget.cap(STAGE_SHARES[stage] * time_limit)
         if limit <= 0:
             return Result("UNKNOWN", None, None, 0, 0.0)
         with budget.stage("solve"):
@@ -168,7 +168,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
     if ref_hint.makespan <= ref_lower and not violations(ref_cm.problem, ref_hint):
         ref = Result("OPTIMAL", ref_hint, ref_hint.makespan, ref_hint.makespan, 0.0)
     else:
-        ref = cpsat(ref_cm.problem, 0.2, hint=ref_hint, extra_bound=ref_lower, on_solution=report("pipeline"))
+        ref = cpsat(ref_cm.problem, "pipeline timeline", hint=ref_hint, extra_bound=ref_lower, on_solution=report("pipeline"))
     if ref.status == "INFEASIBLE":  # activations alone do not fit (free order)
         raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
             "--memory-limit", None, "the activations alone do not fit the limit")
@@ -206,7 +206,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
         return CycleSolution(k, cm, Result(status, best, best.makespan, bound, 0.0), best, bound,
                              ref_sched.makespan, source, stages, lower, searched=False)
     if not ok or min(c[1].makespan for c in ok) > bound:
-        pack = cpsat(p, 0.3, hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
+        pack = cpsat(p, "packing", hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
         if pack.schedule is not None:
             cands.append(("timeline+cpsat packing", pack.schedule))
             if not violations(p, pack.schedule):
@@ -216,7 +216,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: SolverOptio
 
     # (3) the whole model, unless the packing is already within 0.01% of the bound
     if best.makespan - bound > 1e-4 * best.makespan:
-        full = cpsat(p, 0.5, hint=best, extra_bound=bound, on_solution=report("whole cycle"))
+        full = cpsat(p, "whole cycle", hint=best, extra_bound=bound, on_solution=report("whole cycle"))
         stages.append("whole cycle")
         if full.status == "INFEASIBLE":
             raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
@@ -308,147 +308,218 @@ def _reporter(describe, k: int, budget: Budget):
     return stage
 
 
-# --- the plan -------------------------------------------------------------------------------
+# --- the plan: the k search, the fall-back, the stats -------------------------------------
 
 
-def solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
-               fixed_order: bool = True, refresh_steps: int | None = None, progress=None, describe=None,
-               options: SolverOptions | None = None) -> Plan:
+def solve_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None,
+               planning: Planning | None = None) -> Plan:
     """The CP-SAT plan: k searched upwards from its lower bound (module docstring), the
     solution replayed; stats carry status, bound, gap and the k search."""
-    return solve_plan_replayed(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                               refresh_steps=refresh_steps, progress=progress, describe=describe,
-                               options=options)[0]
+    return solve_plan_replayed(profile, cfg, options, planning)[0]
 
 
-def solve_plan_replayed(profile: Profile, cfg: PipelineConfig, *, time_limit: float = 60.0, workers: int = 2,
-                        fixed_order: bool = True, refresh_steps: int | None = None, progress=None, describe=None,
-                        options: SolverOptions | None = None) -> tuple[Plan, ReplayResult]:
-    """`solve_plan` and the plan's replay (-> (plan, replay result)). Each task graph is built once."""
-    with one_build_per_graph():
-        return _solve_plan(profile, cfg, time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                           refresh_steps=refresh_steps, progress=progress, describe=describe, options=options)
+@dataclass
+class WarmStart:
+    """PipeFisher's greedy plan of this configuration: the first warm start and the bar the
+    solver must beat. `replayed`: its op lists as a plan in the solver's form, replayed (None
+    when it is not a candidate: no K-FAC, another k asked for, or over the memory limit)."""
+
+    tg: TaskGraph
+    steps: dict
+    info: dict
+    replayed: tuple[Plan, ReplayResult] | None = None
+
+    @property
+    def k(self) -> int:
+        return len(next(iter(self.steps.values())))
 
 
-def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, workers: int, fixed_order: bool,
-                refresh_steps: int | None, progress, describe, options: SolverOptions | None) -> tuple[Plan, ReplayResult]:
-    opts = options or SolverOptions(time_limit=time_limit, workers=workers, fixed_order=fixed_order,
-                                    refresh_steps=refresh_steps)
-    if not opts.time_limit > 0:
-        raise InputError("--time-limit", None, f"must be positive, got {opts.time_limit}")
-    if opts.workers < 1:
-        raise InputError("--workers", None, f"must be at least 1, got {opts.workers}")
+@dataclass
+class KSearch:
+    """What the k search tried, and what it learnt of this machine's speed on the way."""
+
+    tried: list[CycleSolution] = field(default_factory=list)
+    accepted: bool = False
+    python_per_k: float = 0.0  # the most seconds of graph and warm starts one k took
+    graph_per_k: float = 0.0  # of which the graph and the model
+    failure: NoScheduleFound | None = None
+
+    def best(self) -> CycleSolution:
+        return min(self.tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
+
+
+def solve_plan_replayed(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None,
+                        planning: Planning | None = None, *,
+                        first_order_step_ms: float | None = None) -> tuple[Plan, ReplayResult]:
+    """`solve_plan` and the plan's replay (-> (plan, replay result)). `first_order_step_ms`:
+    the best first-order step time, the k lower bound's aim (None: solved here)."""
+    opts = options or PlanOptions()
+    planning = planning or Planning()
+    budget = planning.budget
     t0 = time.perf_counter()
-    if opts.budget is None:
-        opts = replace(opts, budget=Budget())
-    budget = opts.budget
-    with budget.stage("warm start"):
-        greedy_tg, greedy, greedy_info = _greedy(profile, cfg)
-    k_greedy = len(next(iter(greedy.values())))
-    # the greedy's plan, the bar the solver's must beat, replayed now rather than after the
-    # search: the search's deadline then already counts it (the time limit is hard)
-    greedy_replayed = None
-    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, k_greedy):
-        with budget.stage("replay"):
-            greedy_replayed = _replay_greedy(profile, cfg, greedy_tg, greedy, opts)
-    # kept for assembling and replaying the plan at the end: the plan's replay and the
-    # check on writing (about one and a half replays) follow the search, plus a margin,
-    # at the seconds per op this run's first replay took (the machine's load counts),
-    # else ~0.8 ms per op (paper setting at a load average of 10 on 2 cores)
-    ops = sum(len(ops) for steps in greedy.values() for ops in steps) / k_greedy
-    per_op = budget.replay_s_per_op or 8e-4
-    budget.reserve = max(budget.reserve, 2.0 + 2 * per_op * ops * max(k_greedy, opts.refresh_steps or 1, 2))
-    k_lb, target = 1, None
-    if cfg.kfac:
-        target = opts.first_order_step_ms
-        if target is None:  # the tight first-order plan (small: proven optimal in well under a second)
-            target = solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None),
-                                options=replace(opts, time_limit=min(opts.time_limit, 10.0), refresh_steps=None,
-                                                total_time_limit=None)).stats["step_time_ms"]
-        k_lb = refresh_steps_lower_bound_at(greedy_info["kfac_work_ms"], greedy_info["step_work_ms"], target)
-    if opts.refresh_steps:
-        ks = [opts.refresh_steps]
-    else:
-        # from the greedy's k when it is below the bound (a slower step holds more refresh work)
-        k_first = min(k_lb or k_greedy, k_greedy)
-        ks = list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
-    # a k whose bound is already beyond the k rule's tolerance cannot be the one accepted:
-    # it gets its warm starts only, and the search time goes to the ks after it; if no k
-    # is accepted, the best of those gets the time left (the second pass below)
-    total = opts.total_time_limit
-    t_loop = time.perf_counter()
-
-    def share(n_left: int) -> SolverOptions:  # what is left of the total, over the ks left
-        o = opts
-        if total:
-            o = replace(opts, time_limit=max(0.0, total - (time.perf_counter() - t_loop)) / n_left)
-        if budget.deadline is not None and n_left > 1:
-            # under the command's wall-clock limit too: the first k must not take it all
-            o = replace(o, time_limit=min(o.time_limit, max(0.0, budget.left()) / n_left))
-        return o
-
-    # under a wall-clock limit the ks cannot all be searched (at 32 x 128 the graph and warm
-    # starts of one k take ~40 s): every k but the last gets its warm starts only (which
-    # often meet the bound: the k is then accepted at once), and if none is accepted the
-    # best of them is searched with the time left (the second pass)
-    warm_first = budget.deadline is not None
-    tried: list[CycleSolution] = []
-    accepted = False
-    python_per_k = 0.0  # the most seconds of graph and warm start one k took (the next k's estimate)
-    graph_per_k = 0.0  # of which the graph and model
-    kept_for_greedy_gap = False
-    for n, k in enumerate(ks):
-        if progress:
-            progress(n, len(ks))
-        python_s = budget.seconds["graph"] + budget.seconds["warm start"]
-        graph_s = budget.seconds["graph"]
-        if tried and budget.deadline is not None and budget.left() < 1.2 * python_per_k:
-            break  # the next k's graph and warm start alone would not fit in what is left
-        try:
-            sol = solve_cycle(profile, cfg, k, share(len(ks) - n), greedy_steps=greedy if k == k_greedy else None,
-                              describe=describe, unless_out_of_reach=n + 1 < len(ks),
-                              warm_only=warm_first and n + 1 < len(ks))
-        except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
-            failure = e
-            continue
-        tried.append(sol)
-        python_per_k = max(python_per_k, budget.seconds["graph"] + budget.seconds["warm start"] - python_s)
-        graph_per_k = max(graph_per_k, budget.seconds["graph"] - graph_s)
-        if greedy_replayed is not None and not kept_for_greedy_gap and budget.deadline is not None:
-            # should the plan fall back to the greedy's k without it being searched, its gap
-            # needs that k's graph and bounds after the search: keep the time for them
-            budget.reserve += 1.3 * graph_per_k
-            kept_for_greedy_gap = True
-        if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
-            accepted = True
-            break
-        if budget.left() <= 0:  # the command's time is up: keep the best k found so far
-            break
-    if tried and not accepted and budget.left() > 1.2 * python_per_k:  # its graph and warm start again, then a search
-        lead = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
-        if not lead.searched:
-            again = solve_cycle(profile, cfg, lead.k, share(1), greedy_steps=greedy if lead.k == k_greedy else None,
-                                describe=describe)
-            tried[tried.index(lead)] = again
-    if not tried:
-        raise failure
-    best = min(tried, key=lambda s: (round(s.step_time_ms, 3), s.k))
+    warm = warm_start(profile, cfg, opts, planning)
+    keep_time_for_the_plan(budget, warm, opts)
+    k_lb, target = k_lower_bound(profile, cfg, opts, planning, warm, first_order_step_ms)
+    ks = ks_to_try(opts, k_lb, warm.k)
+    search = search_k(profile, cfg, opts, planning, ks, warm)
+    best = search.best()
     steps = steps_from_schedule(best.cm, best.schedule)
     tg = replace(best.cm.tg, cfg=replace(cfg, refresh_steps=best.k))
     plan = assemble.assemble(profile, tg, steps, "cpsat", fixed_order=opts.fixed_order)
-    stats = {
+    stats = solver_stats(profile, cfg, opts, best, search, k_lb, target,
+                         solve_seconds=time.perf_counter() - t0, greedy_info=warm.info)
+    with budget.stage("replay"):
+        t_replay = time.monotonic()
+        result = assemble.finish(plan, profile, stats)
+        t_replay = time.monotonic() - t_replay
+        if warm.replayed is not None:
+            plan, result = no_worse_than_greedy(profile, plan, result, warm.replayed, search.tried, opts)
+    # (the check on writing that follows takes about a replay)
+    if plan.stats.get("fell_back_to_greedy") and plan.stats.get("gap") is None and \
+            budget.left() + budget.reserve > GREEDY_GAP_MARGIN * search.graph_per_k + NEXT_K_MARGIN * t_replay:
+        # the greedy's k was not searched: its gap against the bounds of its own cycle (a
+        # graph and bounds, no search), when the time left holds them
+        with budget.stage("graph"):
+            greedy_gap(profile, cfg, plan, opts, planning)
+    plan.stats["stage_seconds"] = budget.report()
+    planning.report(len(ks), len(ks))
+    return plan, result
+
+
+def warm_start(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning: Planning) -> WarmStart:
+    """The greedy's plan, and its replay when it is a candidate: replayed now rather than
+    after the search, so that the search's deadline already counts it (the limit is hard)."""
+    from pfcompile.place.greedy import CycleTooLong, greedy_steps
+
+    budget, graphs = planning.budget, planning.graphs_of(profile)
+    with budget.stage("warm start"):
+        try:
+            warm = WarmStart(*greedy_steps(profile, cfg, graphs=graphs))
+        except CycleTooLong as e:
+            # bubbles too small for the K-FAC work (a zero-bubble pipeline, a short one): start
+            # from it appended to the step; CP-SAT then stretches the step, k from the k rule
+            tg, steps, info = greedy_steps(profile, cfg, bubbles=False, graphs=graphs)
+            warm = WarmStart(tg, steps, {**info, "bubbles_too_small": e.short})
+    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, warm.k):
+        with budget.stage("replay"):
+            warm.replayed = _replay_greedy(profile, cfg, warm, opts)
+    return warm
+
+
+def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions) -> None:
+    """Reserve the seconds that assembling and replaying the plan and the check on writing it
+    (about one and a half replays) take after the search, plus a margin, at the seconds per
+    op this run's first replay took (the machine's load counts)."""
+    ops = sum(len(ops) for steps in warm.steps.values() for ops in steps) / warm.k
+    per_op = budget.replay_s_per_op or REPLAY_S_PER_OP_GUESS
+    cycle = max(warm.k, opts.refresh_steps or 1, 2)
+    budget.reserve = max(budget.reserve, RESERVE_FIXED_S + RESERVE_REPLAYS * per_op * ops * cycle)
+
+
+def k_lower_bound(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning: Planning, warm: WarmStart,
+                  first_order_step_ms: float | None) -> tuple[int, float | None]:
+    """-> (k_lb, the first-order step time it aims at): below k_lb no plan runs at the best
+    first-order step time (pfcompile.place.bounds). Without K-FAC, (1, None)."""
+    if not cfg.kfac:
+        return 1, None
+    target = first_order_step_ms
+    if target is None:  # the tight first-order plan (small: proven optimal in well under a second)
+        from pfcompile.place.build import TIGHT_BASELINE_TIME_LIMIT_S
+
+        first_order = replace(opts, time_limit=min(opts.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
+                              refresh_steps=None, total_time_limit=None)
+        target = solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), first_order,
+                            Planning(budget=planning.budget, graphs=planning.graphs)).stats["step_time_ms"]
+    return refresh_steps_lower_bound_at(warm.info["kfac_work_ms"], warm.info["step_work_ms"], target), target
+
+
+def ks_to_try(opts: PlanOptions, k_lb: int | None, k_greedy: int) -> list[int]:
+    """The ks in the order the k rule tries them: the asked-for k alone, else from the bound
+    (or the greedy's k when it is below: a slower step holds more refresh work) up to
+    max(that + `extra_steps`, the greedy's k)."""
+    if opts.refresh_steps:
+        return [opts.refresh_steps]
+    k_first = min(k_lb or k_greedy, k_greedy)
+    return list(range(k_first, max(k_first + opts.extra_steps, k_greedy) + 1))
+
+
+def search_k(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning: Planning, ks: list[int],
+             warm: WarmStart) -> KSearch:
+    """Try each k in turn (module docstring: the k rule) and, if none is accepted, search the
+    best of those that got their warm starts only with the time left."""
+    budget = planning.budget
+    search = KSearch()
+    t_loop = time.perf_counter()
+
+    def time_limit(n_left: int) -> float:
+        """One k's time limit: what is left of the total over the ks left, and under the
+        command's wall-clock limit, no more than its share of what is left."""
+        limit = opts.time_limit
+        if opts.total_time_limit:
+            limit = max(0.0, opts.total_time_limit - (time.perf_counter() - t_loop)) / n_left
+        if budget.deadline is not None and n_left > 1:
+            limit = min(limit, max(0.0, budget.left()) / n_left)  # the first k must not take it all
+        return limit
+
+    # under a wall-clock limit the ks cannot all be searched (at the largest sizes the graph
+    # and warm starts of one k take tens of seconds): every k but the last gets its warm
+    # starts only (which often meet the bound: the k is then accepted at once)
+    warm_first = budget.deadline is not None
+    kept_for_greedy_gap = False
+    for n, k in enumerate(ks):
+        planning.report(n, len(ks))
+        python_s = budget.seconds["graph"] + budget.seconds["warm start"]
+        graph_s = budget.seconds["graph"]
+        if search.tried and budget.deadline is not None and budget.left() < NEXT_K_MARGIN * search.python_per_k:
+            break  # the next k's graph and warm start alone would not fit in what is left
+        try:
+            sol = solve_cycle(profile, cfg, k, opts, planning, time_limit=time_limit(len(ks) - n),
+                              greedy_steps=warm.steps if k == warm.k else None,
+                              unless_out_of_reach=n + 1 < len(ks), warm_only=warm_first and n + 1 < len(ks))
+        except NoScheduleFound as e:  # not proven impossible: a longer cycle may still be found
+            search.failure = e
+            continue
+        search.tried.append(sol)
+        search.python_per_k = max(search.python_per_k,
+                                  budget.seconds["graph"] + budget.seconds["warm start"] - python_s)
+        search.graph_per_k = max(search.graph_per_k, budget.seconds["graph"] - graph_s)
+        if warm.replayed is not None and not kept_for_greedy_gap and budget.deadline is not None:
+            # should the plan fall back to the greedy's k without it being searched, its gap
+            # needs that k's graph and bounds after the search: keep the time for them
+            budget.reserve += GREEDY_GAP_MARGIN * search.graph_per_k
+            kept_for_greedy_gap = True
+        if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+            search.accepted = True
+            break
+        if budget.left() <= 0:  # the command's time is up: keep the best k found so far
+            break
+    if not search.tried:
+        raise search.failure
+    if not search.accepted and budget.left() > NEXT_K_MARGIN * search.python_per_k:
+        lead = search.best()
+        if not lead.searched:  # its graph and warm starts again, then a search with the time left
+            again = solve_cycle(profile, cfg, lead.k, opts, planning, time_limit=time_limit(1),
+                                greedy_steps=warm.steps if lead.k == warm.k else None)
+            search.tried[search.tried.index(lead)] = again
+    return search
+
+
+def solver_stats(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, best: CycleSolution, search: KSearch,
+                 k_lb: int, target: float | None, *, solve_seconds: float, greedy_info: dict) -> dict:
+    """The plan's stats from the solver: status, bounds, gap, the k search and how it ran."""
+    return {
         "solver_status": best.result.status,
         "objective_step_time_ms": round(best.step_time_ms, 6),
         "best_bound_step_time_ms": round(best.bound / best.k / 1000, 6),
         "gap": round(best.gap, 6),
-        "solve_seconds": round(time.perf_counter() - t0, 3),
+        "solve_seconds": round(solve_seconds, 3),
         "refresh_steps_lower_bound": k_lb,
         "refresh_steps_bound_step_time_ms": None if target is None else round(target, 6),
         "lower_bounds_ms": best.lower.as_dict(1 / 1000 / best.k),
         "solution_from": best.hint_source,
         "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
                       "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
-                     for s in tried],
+                     for s in search.tried],
         "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
                    f"k steps without refresh work; else the least step time"),
         "curvature_grouped": _group(profile, cfg, opts),
@@ -463,31 +534,13 @@ def _solve_plan(profile: Profile, cfg: PipelineConfig, *, time_limit: float, wor
         # why the search started from the K-FAC work appended to the step, not in bubbles
         **({"bubbles_too_small": greedy_info["bubbles_too_small"]} if "bubbles_too_small" in greedy_info else {}),
     }
-    with budget.stage("replay"):
-        t_replay = time.monotonic()
-        result = assemble.finish(plan, profile, stats)
-        t_replay = time.monotonic() - t_replay
-        if greedy_replayed is not None:
-            plan, result = _no_worse_than_greedy(profile, cfg, plan, result, greedy_replayed, tried, opts)
-    # (the check on writing that follows takes about a replay)
-    if plan.stats.get("fell_back_to_greedy") and plan.stats.get("gap") is None and \
-            budget.left() + budget.reserve > 1.3 * graph_per_k + 1.2 * t_replay:
-        # the greedy's k was not searched: its gap against the bounds of its own cycle (a
-        # graph and bounds, no search), when the time left holds them
-        with budget.stage("graph"):
-            _greedy_gap(profile, cfg, plan, opts)
-    plan.stats["stage_seconds"] = budget.report()
-    if progress:
-        progress(len(ks), len(ks))
-    return plan, result
 
 
-def _replay_greedy(profile: Profile, cfg: PipelineConfig, tg, greedy: dict,
-                   opts: SolverOptions) -> tuple[Plan, ReplayResult] | None:
+def _replay_greedy(profile: Profile, cfg: PipelineConfig, warm: WarmStart,
+                   opts: PlanOptions) -> tuple[Plan, ReplayResult] | None:
     """The greedy's op lists as a plan (the solver's method and order), replayed; None if
     over the memory limit (the greedy has no memory model)."""
-    k = len(next(iter(greedy.values())))
-    other = assemble.assemble(profile, replace(tg, cfg=replace(cfg, refresh_steps=k)), greedy, "cpsat",
+    other = assemble.assemble(profile, replace(warm.tg, cfg=replace(cfg, refresh_steps=warm.k)), warm.steps, "cpsat",
                               fixed_order=opts.fixed_order)
     try:
         return other, replay(other, profile)
@@ -495,12 +548,11 @@ def _replay_greedy(profile: Profile, cfg: PipelineConfig, tg, greedy: dict,
         return None
 
 
-def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, replayed: ReplayResult,
-                          greedy_replayed: tuple[Plan, ReplayResult], tried: list,
-                          opts: SolverOptions) -> tuple[Plan, ReplayResult]:
-    """The greedy's plan (`_replay_greedy`) if it is faster than what the solver found in
-    its time (grouped curvature cannot take the greedy's split placement as a warm start):
-    the planner then never returns worse than the baseline it is compared with."""
+def no_worse_than_greedy(profile: Profile, plan: Plan, replayed: ReplayResult, greedy_replayed: tuple[Plan, ReplayResult],
+                         tried: list[CycleSolution], opts: PlanOptions) -> tuple[Plan, ReplayResult]:
+    """The greedy's plan if it is faster than what the solver found in its time (grouped
+    curvature cannot take the greedy's split placement as a warm start): the planner then
+    never returns worse than the baseline it is compared with."""
     other, result = greedy_replayed
     k = other.refresh_steps
     ours = plan.stats["step_time_ms"]
@@ -525,11 +577,11 @@ def _no_worse_than_greedy(profile: Profile, cfg: PipelineConfig, plan: Plan, rep
     return other, assemble.finish(other, profile, stats, replayed=result)
 
 
-def _greedy_gap(profile: Profile, cfg: PipelineConfig, plan: Plan, opts: SolverOptions) -> None:
+def greedy_gap(profile: Profile, cfg: PipelineConfig, plan: Plan, opts: PlanOptions, planning: Planning) -> None:
     """The greedy's plan's gap against pfcompile.place.bounds' lower bounds of its k's cycle
     (set in its stats: gap, best_bound_step_time_ms, lower_bounds_ms)."""
     k = plan.refresh_steps
-    cm = cycle_from_graph(cycle_graph(profile, cfg, k), fixed_order=opts.fixed_order,
+    cm = cycle_from_graph(cycle_graph(profile, cfg, k, planning.graphs_of(profile)), fixed_order=opts.fixed_order,
                           group_curvature=_group(profile, cfg, opts), choose_inverter=cfg.inversion == "balanced",
                           periodic=opts.steady_state)
     lower = lower_bounds(cm.problem)
@@ -537,17 +589,3 @@ def _greedy_gap(profile: Profile, cfg: PipelineConfig, plan: Plan, opts: SolverO
     plan.stats["gap"] = round(max(0.0, (mk - lower.makespan) / mk), 6) if mk else 0.0
     plan.stats["best_bound_step_time_ms"] = round(lower.makespan / k / 1000, 6)
     plan.stats["lower_bounds_ms"] = lower.as_dict(1 / 1000 / k)
-
-
-def _greedy(profile: Profile, cfg: PipelineConfig):
-    """PipeFisher's greedy: (its one-step graph, op lists, info: k, bubbles, K-FAC work):
-    the warm start and the bar to beat."""
-    from pfcompile.place.greedy import CycleTooLong, greedy_steps
-
-    try:
-        return greedy_steps(profile, cfg)
-    except CycleTooLong as e:
-        # bubbles too small for the K-FAC work (a zero-bubble pipeline, a short one): start
-        # from it appended to the step; CP-SAT then stretches the step, k from the k rule
-        tg, steps, info = greedy_steps(profile, cfg, bubbles=False)
-        return tg, steps, {**info, "bubbles_too_small": e.short}
