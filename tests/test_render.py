@@ -185,6 +185,128 @@ def test_large_plan_is_collapsed_automatically_and_says_so(tmp_path):
     assert len(svg_groups(tmp_path / "g.svg", "node")) == 2 * 4 * 8 + 16 + 4
 
 
+# --- graph: program order and stubs, on a K-FAC plan made by the planner -----------------------
+
+@pytest.fixture(scope="module")
+def kfac_plan(tmp_path_factory):
+    """The planner's 1f1b plan of bert-tiny on 2 devices: its refresh spans several steps."""
+    path = tmp_path_factory.mktemp("kfac") / "plan.json"
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-tiny-cpu.json"),
+                           "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "-o", str(path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert made.returncode == 0, made.stderr
+    plan = load_plan(str(path))
+    assert plan.refresh_steps >= 2
+    return plan
+
+
+DOT_NODE = re.compile(r'^\t+(\w+) \[label=("(?:[^"\\]|\\.)*"|[^ \]]+)([^\]]*)\]$', re.M)  # labels span lines
+DOT_EDGE = re.compile(r"^\t+(\w+) -> (\w+)(?: \[(.*)\])?$", re.M)
+
+
+def dot_parts(source: str):
+    """(labels by node id, stub node ids, [(tail, head, attributes)]) of graphviz source."""
+    labels = {m[1]: m[2].strip('"') for m in DOT_NODE.finditer(source)}
+    stubs = {m[1] for m in DOT_NODE.finditer(source) if "class=stub" in m[3]}
+    edges = [(m[1], m[2], m[3] or "") for m in DOT_EDGE.finditer(source)]
+    return labels, stubs, edges
+
+
+def order_chains(edges) -> list[list[str]]:
+    """The node ids linked by the invisible order edges, as chains from first to last."""
+    nxt = {a: b for a, b, attrs in edges if "style=invis" in attrs}
+    assert len(nxt) == len({a for a, b, attrs in edges if "style=invis" in attrs}), "an order edge forks"
+    chains = []
+    for first in set(nxt) - set(nxt.values()):
+        chain = [first]
+        while chain[-1] in nxt:
+            chain.append(nxt[chain[-1]])
+        chains.append(chain)
+    return chains
+
+
+@pytest.mark.parametrize("collapse", [False, "layer", "stage"])
+def test_graph_draws_each_devices_ops_in_the_plans_order(kfac_plan, collapse):
+    from pfcompile.render.graph import graph_source
+
+    plan = kfac_plan
+    g, nodes, _ = graph_source(plan, collapse=collapse)
+    labels, _, edges = dot_parts(g.source)
+    chains = order_chains(edges)
+    node_of = {n.id: n for n in nodes}
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            cluster = {n.id for n in nodes if (n.rank, n.step) == (q, t)}
+            chain = next((c for c in chains if c[0] in cluster), [])
+            assert set(chain) == cluster  # one chain through all of the device's ops of the step
+            listed = [str(p.op) for p in ops]
+            if not collapse:
+                assert [labels[i] for i in chain] == listed
+            else:  # a group sits where its first op is listed
+                first = [min(listed.index(str(task.op)) for task in node_of[i].tasks) for i in chain]
+                assert first == sorted(first) and len(set(first)) == len(first)
+
+
+@pytest.mark.parametrize("collapse", [False, "layer"])
+def test_inputs_from_another_step_or_device_are_labelled_stubs(kfac_plan, collapse):
+    from pfcompile.render.graph import graph_source
+
+    plan = kfac_plan
+    g, nodes, _ = graph_source(plan, TaskFilter(steps={1}), collapse=collapse)
+    labels, stubs, edges = dot_parts(g.source)
+    assert len({labels[s] for s in stubs}) == len(stubs)  # one stub per producer
+    fed_by = {(a, b) for a, b, attrs in edges if "style=invis" not in attrs}
+    # curvature of step 1 reads the activations (A) or output gradients (B) of step 0's pass
+    checked = 0
+    for node in nodes:
+        for task in node.tasks:
+            if task.op.kind in ("curv_a", "curv_b"):
+                pass_ = "F" if task.op.kind == "curv_a" else "B"
+                producer = f"{pass_}{plan.layer_stage[task.op.layer]}.{task.op.mb} (step 0)"
+                assert any(labels[s] == producer and (s, node.id) in fed_by for s in stubs), (task, producer)
+                checked += 1
+    assert checked >= 4
+    # a stub is drawn dashed, without fill, and feeds only ops that are drawn
+    assert all(re.search(rf'\t{s} \[.*style="dashed,rounded"', g.source) for s in stubs)
+    assert not re.search(r"\ts\d+ \[.*fillcolor", g.source)
+    assert all(b in labels and b not in stubs for a, b in fed_by if a in stubs)
+
+    # the other device left out: each receive is fed by a stub naming the send on device 0
+    g, nodes, _ = graph_source(plan, TaskFilter(ranks={1}, steps={1}), collapse=False)
+    labels, stubs, edges = dot_parts(g.source)
+    receives = [n for n in nodes if n.tasks[0].op.kind == "recv_act"]
+    assert receives
+    for node in receives:
+        op = node.tasks[0].op
+        send = f"SA{op.stage}.{op.mb}>1 (device 0)"
+        assert any(labels[a] == send and b == node.id for a, b, _ in edges if a in stubs)
+
+
+def test_dot_lays_a_device_step_out_left_to_right_in_program_order(kfac_plan, tmp_path):
+    from pfcompile.render.graph import graph_source, render_graph
+
+    plan = kfac_plan
+    data, n_nodes, collapsed = render_graph(plan, "svg", TaskFilter(steps={1}), collapse=False)
+    assert collapsed is None
+    out = tmp_path / "g.svg"
+    out.write_bytes(data)
+    root = ET.parse(out).getroot()
+    x_of, stub_labels = {}, []
+    for grp in root.iter(f"{SVG_NS}g"):
+        if grp.get("class") in ("node", "node stub"):
+            x_of[grp.find(f"{SVG_NS}title").text] = float(grp.find(f"{SVG_NS}text").get("x"))
+        if grp.get("class") == "node stub":
+            stub_labels.append(grp.find(f"{SVG_NS}text").text)
+    _, nodes, _ = graph_source(plan, TaskFilter(steps={1}), collapse=False)
+    assert n_nodes == len(nodes) == sum(len(steps[1]) for steps in plan.ranks)
+    for q in range(plan.world_size):
+        row = [x_of[n.id] for n in nodes if n.rank == q]
+        assert [str(n.tasks[0].op) for n in nodes if n.rank == q] == [str(p.op) for p in plan.ranks[q][1]]
+        assert all(a < b for a, b in zip(row, row[1:])), f"device {q}'s ops are not left to right"
+    assert stub_labels and all(lbl.endswith("(step 0)") for lbl in stub_labels)
+    assert "U0 (step 0)" in stub_labels  # the forwards wait on the previous step's update
+
+
 # --- trace ---------------------------------------------------------------------------------
 
 def test_trace_has_one_complete_event_per_op_with_the_plans_durations(tmp_path):

@@ -1,11 +1,18 @@
 """The task graph drawn by graphviz `dot`: one cluster per device and step, edges for dependencies.
 
+A device's ops read left to right in execution order (the order of its op list in the
+plan; a group in the collapsed view sits at its first op), held there by invisible,
+heavily weighted edges between consecutive nodes (and one `group` per row). An input whose producer is not drawn
+(another step, device or layer left out by the filter) is a dashed, unfilled stub naming
+that producer and where it runs, one per producer (per producer group when collapsed),
+so no op is drawn without its inputs.
+
 Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable task by
 task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
 with its sends and receives, the refresh's K-FAC work of one layer (curvature, factor
 sync, inversion, broadcast), and each stage's update (gradient sync, preconditioning,
-optimizer step). When even that is too many nodes for `dot` (its layout time grows fast:
-1,728 nodes took over four minutes), the K-FAC work is grouped per stage instead.
+optimizer step). When even that is too many nodes for `dot` (its layout time grows much
+faster than the node count), the K-FAC work is grouped per stage instead.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pfcompile.render.style import GROUPS, color_of, group_of, label_of
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
 AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group K-FAC per stage
 COLLAPSE_LEVELS = ("layer", "stage")
+ORDER_WEIGHT = "1000"  # holds a device's consecutive ops in one straight row against the dependency edges
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Node:
     label: str
     color: str
     start: float
+    position: int  # its first op's place in the plan's op lists (rank, step, list order)
     tasks: list[Task] = field(default_factory=list)
 
 
@@ -88,28 +97,74 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
     return f"update stage {key[1]}", GROUPS["step"][1]
 
 
+def _node_key(task: Task, plan: Plan, collapse: str | None) -> tuple:
+    """(rank, step, what): one node per task, or per group at level `collapse`."""
+    return (task.rank, task.step) + (_collapsed_key(task, plan, collapse) if collapse else (task.op,))
+
+
+def _node_label(key: tuple, plan: Plan, collapse: str | None) -> tuple[str, str]:
+    return _collapsed_label(key[2:], plan) if collapse else (str(key[2]), color_of(key[2].kind))
+
+
 def build_nodes(plan: Plan, tasks: list[Task], collapse: str | None,
                 times: dict[Task, tuple[float, float]] | None = None) -> tuple[list[Node], dict[Task, Node]]:
-    """Nodes for the kept tasks (one per task, or per group at level `collapse`), and the
-    map task -> its node. `times`: the plan's (start, end) of each task."""
+    """Nodes for the kept tasks (one per task, or per group at level `collapse`), each
+    device's and step's in program order, and the map task -> its node. `times`: the
+    plan's (start, end) of each task."""
     times = planned_times(plan) if times is None else times
+    position = {t: i for i, t in enumerate(tasks_of(plan))}
     nodes: dict[tuple, Node] = {}
     of_task: dict[Task, Node] = {}
-    for task in sorted(tasks, key=lambda t: (t.rank, t.step, times[t][0])):
-        key = (task.rank, task.step) + (_collapsed_key(task, plan, collapse) if collapse else (task.op,))
+    for task in sorted(tasks, key=position.__getitem__):
+        key = _node_key(task, plan, collapse)
         node = nodes.get(key)
         if node is None:
-            if collapse:
-                label, color = _collapsed_label(key[2:], plan)
-            else:
-                label, color = str(task.op), color_of(task.op.kind)
-            node = nodes[key] = Node(f"n{len(nodes)}", task.rank, task.step, label, color, times[task][0])
+            label, color = _node_label(key, plan, collapse)
+            node = nodes[key] = Node(f"n{len(nodes)}", task.rank, task.step, label, color, times[task][0],
+                                     position[task])
         node.tasks.append(task)
         of_task[task] = node
     for node in nodes.values():
         if collapse and len(node.tasks) > 1:
             node.label += f"\n{len(node.tasks)} ops"
     return list(nodes.values()), of_task
+
+
+@dataclass
+class Stub:
+    """A producer that is not drawn, standing in for it at the edges into drawn ops."""
+    id: str
+    rank: int
+    step: int
+    name: str
+    consumers: set[str] = field(default_factory=set)  # node ids
+
+    def label(self, nodes: dict[str, Node], several_steps: bool) -> str:
+        """Its name, and what sets it apart from the ops it feeds: device, step, or neither
+        (then the --layers filter left it out). The step is named whenever several are
+        drawn, so that no two stubs read alike."""
+        where = []
+        if any(nodes[c].rank != self.rank for c in self.consumers):
+            where.append(f"device {self.rank}")
+        if several_steps or any(nodes[c].step != self.step for c in self.consumers):
+            where.append(f"step {self.step}")
+        return f"{self.name} ({', '.join(where) or 'not drawn'})"
+
+
+def build_stubs(plan: Plan, all_tasks: list[Task], kept: set[Task], of_task: dict[Task, Node],
+                collapse: str | None) -> list[Stub]:
+    """One stub per producer outside `kept` (per producer group when collapsed) that a kept
+    task depends on, with the nodes it feeds."""
+    stubs: dict[tuple, Stub] = {}
+    for producer, consumer in dependencies(plan, all_tasks):
+        if consumer in kept and producer not in kept:
+            key = _node_key(producer, plan, collapse)
+            stub = stubs.get(key)
+            if stub is None:
+                name = _node_label(key, plan, collapse)[0]
+                stub = stubs[key] = Stub(f"s{len(stubs)}", producer.rank, producer.step, name)
+            stub.consumers.add(of_task[consumer].id)
+    return list(stubs.values())
 
 
 def require_dot() -> None:
@@ -152,8 +207,25 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
                                     "fontsize": "10", "fontcolor": "white"},
                          edge_attr={"color": "#555555", "arrowsize": "0.6"})
     by_cluster: dict[tuple[int, int], list[Node]] = defaultdict(list)
-    for node in nodes:
+    for node in nodes:  # in program order (build_nodes)
         by_cluster[(node.rank, node.step)].append(node)
+    by_id = {n.id: n for n in nodes}
+    stubs = build_stubs(plan, all_tasks, kept_keys, of_task, collapse)
+    # a stub sits in the innermost cluster holding all the ops it feeds, so it is drawn beside them
+    stubs_in: dict[tuple, list[Stub]] = defaultdict(list)  # (rank, step), (rank,) or () for the top
+    for stub in stubs:
+        fed = {(by_id[c].rank, by_id[c].step) for c in stub.consumers}
+        ranks = {r for r, _ in fed}
+        where = next(iter(fed)) if len(fed) == 1 else (next(iter(ranks)),) if len(ranks) == 1 else ()
+        stubs_in[where].append(stub)
+
+    several_steps = len({n.step for n in nodes}) > 1
+
+    def draw_stubs(where, key: tuple) -> None:
+        for stub in stubs_in[key]:
+            where.node(stub.id, stub.label(by_id, several_steps), style="dashed,rounded", color="#777777",
+                       fontcolor="#333333", _attributes={"class": "stub"})
+
     for rank in sorted({r for r, _ in by_cluster}):
         with g.subgraph(name=f"cluster_rank{rank}") as dev:
             stages = ", ".join(f"stage {s} (replica {r})" for s, r in plan.stages_of(rank))
@@ -161,9 +233,18 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
             for step in sorted(s for r, s in by_cluster if r == rank):
                 with dev.subgraph(name=f"cluster_rank{rank}_step{step}") as box:
                     box.attr(label=f"step {step} of {plan.refresh_steps}", style="dashed", color="#999999")
-                    for node in sorted(by_cluster[(rank, step)], key=lambda n: n.start):
-                        box.node(node.id, node.label, fillcolor=node.color)
+                    for node in by_cluster[(rank, step)]:
+                        box.node(node.id, node.label, fillcolor=node.color, group=f"r{rank}s{step}")
+                    draw_stubs(box, (rank, step))
+            draw_stubs(dev, (rank,))
+    draw_stubs(g, ())
+    for row in by_cluster.values():  # execution order: each node one column right of the one before
+        for a, b in zip(row, row[1:]):
+            g.edge(a.id, b.id, style="invis", weight=ORDER_WEIGHT)
 
+    # a dependency against the drawing order (a collapsed group's inputs may come after its
+    # first op) does not place nodes: program order wins and the layout stays acyclic
+    order = {n.id: (n.start, n.rank, n.step, n.position) for n in nodes}
     edges = set()
     for producer, consumer in dependencies(plan, all_tasks):
         if producer in kept_keys and consumer in kept_keys:
@@ -171,15 +252,19 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
             if a is not b:
                 edges.add((a.id, b.id, producer.rank != consumer.rank))
     for a_id, b_id, cross in sorted(edges):
-        g.edge(a_id, b_id, **({"color": "#c0392b", "style": "bold"} if cross else {}))
+        g.edge(a_id, b_id, **({"color": "#c0392b", "style": "bold"} if cross else {}),
+               **({} if order[a_id] < order[b_id] else {"constraint": "false"}))
+    for stub in stubs:
+        for consumer in sorted(stub.consumers):
+            g.edge(stub.id, consumer, style="dashed", color="#777777")
     peers = {(of_task[a].id, of_task[b].id) for a, b in collective_peers(plan, kept)}
     for a_id, b_id in sorted(peers):
         g.edge(a_id, b_id, style="dashed", dir="none", constraint="false", color="#b07aa1")
-    _legend(g, {group_of(t.op.kind) for t in kept}, collapse)
+    _legend(g, {group_of(t.op.kind) for t in kept}, collapse, bool(stubs))
     return g, nodes, collapse
 
 
-def _legend(g, groups: set[str], collapse: str | None) -> None:
+def _legend(g, groups: set[str], collapse: str | None, stubs: bool) -> None:
     if collapse:
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
                 *([(label_of("bwd_weight"), GROUPS["bwd_weight"][1])] if "bwd_weight" in groups else []),
@@ -189,6 +274,9 @@ def _legend(g, groups: set[str], collapse: str | None) -> None:
         rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
     cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)
     cells += '<TR><TD><FONT COLOR="#c0392b">&#8594;</FONT></TD><TD ALIGN="LEFT">between devices</TD></TR>'
+    if stubs:
+        cells += ('<TR><TD><FONT COLOR="#777777">&#8674;</FONT></TD>'
+                  '<TD ALIGN="LEFT">from an op not drawn (dashed box: it, and its step or device)</TD></TR>')
     g.node("legend", f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">{cells}</TABLE>>',
            shape="plaintext", style="", fontcolor="black", _attributes={"class": "legend"})
 
