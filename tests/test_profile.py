@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -376,3 +377,18 @@ def test_cold_cache_sweeps_before_every_repeat():
     prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
                          progress=False, cold=True)
     assert prof.provenance["cold_cache"] is True and all(p.fwd_ms > 0 for p in prof.parts)
+
+
+def test_a_user_models_profile_runs_the_runtime_probe_with_its_code(tmp_path):
+    """The probe is a torchrun job of the runtime, which imports a user's model only when told
+    to (--model-code): without it the probe fails and the overheads fall back to zero."""
+    out = tmp_path / "mine.json"
+    env_path = str(ROOT / "examples")
+    r = subprocess.run([sys.executable, "-m", "pfcompile", "profile", "--model", "my_model:build", "--micro-batch", "2",
+                        "--seq-len", "16", "--repeats", "3", "--warmup", "1", "-o", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": env_path})
+    assert r.returncode == 0, r.stderr[-2000:]
+    prof = load_profile(str(out))
+    assert prof.provenance["runtime_note"].startswith("runtime overheads measured by running the runtime")
+    assert prof.runtime.step_ms > 0 and prof.runtime.recv_ms > 0

@@ -41,9 +41,14 @@ def measure_runtime(profile: Profile, device: torch.device,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
                plan_path, "--steps", str(steps), "--warmup", "2", "--data", "synthetic", "--trace", trace_path,
                "--device", device.type]
+        name = profile.model.get("name", "")
+        if ":" in name:  # a user's model: the runtime imports its code only when told to
+            cmd += ["--model-code", name]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode or not os.path.exists(trace_path):
-            tail = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-1:] or ["no output"]
+            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+            # the runtime's own one-line error, not torchrun's banner after it
+            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
             return RuntimeOverheads(), None, {}, {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads "
                                                               f"from the message benchmark only"}
         trace = load_measured(trace_path)
