@@ -160,9 +160,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime import train_config  # noqa: E402
 from runtime.comm import free_port  # noqa: E402
 from runtime.data import make_stream  # noqa: E402
+from runtime.job_config import JobConfig  # noqa: E402
 from runtime.kfac import make_layers  # noqa: E402
 from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
@@ -240,8 +240,8 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True, dtype: str 
     n, k = plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     model = build_model(spec, seed=0, dtype=prec.param_dtype)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
-    # The runtime's defaults (runtime.train_config) with the plan's refresh interval and inversion.
-    defaults = train_config.load(None)
+    # The runtime's defaults (runtime.job_config) with the plan's refresh interval and inversion.
+    defaults = JobConfig()
     kcfg = replace(defaults.kfac_config(), refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
     layers = make_layers(kfac_linears(model), kcfg, n) if kfac else []
     stage_of = dict(zip(plan["layers"], plan["layer_stage"]))
