@@ -18,6 +18,7 @@ from pfcompile.formats.jsonio import check_output_dir, check_output_path
 from pfcompile.formats.ops import stage_served
 from runtime import job_config
 from runtime.job_config import JobConfig
+from runtime.metrics import RUNS_DIR
 
 # The flags: each sets one key, after the file and the --set overrides (`--steps 20` is
 # `--set train.steps=20`); what a key means is its help in runtime.job_config.
@@ -52,7 +53,9 @@ SHORTHANDS = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m runtime",
-        description="Run a pfcompile plan with torch.distributed (gloo on CPU, NCCL on CUDA).",
+        description="Run a pfcompile plan with torch.distributed (gloo on CPU, NCCL on CUDA).\n"
+                    "Without --log-dir, the metrics, the effective config and the summary go to a new\n"
+                    f"run folder, {RUNS_DIR}/PLAN-UTCTIME/ (printed at the start).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_help())
     p.add_argument("plan", help="plan JSON written by `pfcompile plan`")
     p.add_argument("--config", default=None, metavar="TRAIN.toml", help="the run's config (TOML, the sections below)")
@@ -131,7 +134,7 @@ def make_job(cfg: JobConfig, plan_path: str, rank: int, world_size: int) -> Job:
     one-line InputError."""
     from pfcompile.formats.plan import load_plan
 
-    _check_outputs(cfg)
+    _check_outputs(cfg, rank)
     plan = load_plan(plan_path)
     where = plan_path
     if plan.world_size != world_size:
@@ -151,7 +154,7 @@ def make_job(cfg: JobConfig, plan_path: str, rank: int, world_size: int) -> Job:
     return Job(cfg, plan_path, plan, spec, rank, world_size, prec, device_type, tags, data, val_data)
 
 
-def _check_outputs(cfg: JobConfig) -> None:
+def _check_outputs(cfg: JobConfig, rank: int) -> None:
     """Every output path, and the cores for --pin-cpus, before any work: a bad one found
     after training started would waste the run (or, for the trace, all of it)."""
     r = cfg.runtime
@@ -162,6 +165,8 @@ def _check_outputs(cfg: JobConfig) -> None:
                        ("runtime.trace", check_output_path), ("checkpoint.save_model", check_output_path)):
         if cfg.get(key) is not None:
             check(cfg.get(key), ": ".join(p for p in cfg.origin(key) if p))
+    if cfg.log.dir is None and rank == 0:  # rank 0 makes the run folder in the current one
+        check_output_dir(RUNS_DIR, f"{RUNS_DIR} (the run folder's parent; or give --log-dir)")
 
 
 def _check_data(cfg: JobConfig, plan, spec, where: str):

@@ -125,14 +125,14 @@ class Eval:
 class Log:
     every: int = setting(10, "reduce metrics across ranks and write them every L steps (1: a synchronisation "
                              "every step)", at_least(1))
-    dir: str | None = setting(None, "metrics.jsonl, TensorBoard events, train.toml (default: checkpoint.dir)",
-                              NOT_EMPTY)
+    dir: str | None = setting(None, "metrics.jsonl, TensorBoard events, train.toml, summary.json; default: a new "
+                                    "run folder runs/PLAN-UTCTIME/ (with checkpoint.dir too)", NOT_EMPTY)
     json: bool = setting(False, "print the summary as one JSON object (what a person reads goes to stderr)")
 
 
 @dataclass
 class Checkpoint:
-    dir: str | None = setting(None, "per-rank checkpoints and the effective config, train.toml", NOT_EMPTY)
+    dir: str | None = setting(None, "per-rank checkpoints and a copy of train.toml (the metrics: log.dir)", NOT_EMPTY)
     every: int = setting(0, "checkpoint every C steps (0: never)", at_least(0))
     keep: int = setting(1, "complete checkpoints kept, the newest (one at least: the one to resume from)",
                         at_least(1))

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from runtime import affinity, checkpoint, comm, export, faults, measure
 from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
 from runtime.interpreter import Interpreter
-from runtime.metrics import Metrics
+from runtime.metrics import RUNS_DIR, Metrics, make_run_folder
 
 # Python's cyclic garbage collector runs when a rank has allocated enough container
 # objects: at a different moment on each rank, and a full collection walks every object
@@ -95,7 +96,8 @@ def run(job) -> measure.Summary | None:
         if world.rank == 0:
             # With --json, stdout is for the summary object: what a person reads goes to stderr.
             say = sys.stderr if cfg.log.json else sys.stdout
-            log_dir = cfg.log.dir or ckpt.dir
+            log_dir = cfg.log.dir or make_run_folder(RUNS_DIR, Path(job.plan_path).stem)
+            print(f"runtime: run folder {log_dir}", file=say, flush=True)
             _announce(cfg, [d for d in dict.fromkeys([log_dir, ckpt.dir]) if d], say)
             metrics = Metrics(log_dir, steps, first, mb_size * N * seq_len)
         before_step = faults.crash_hook(world.rank)
@@ -133,8 +135,10 @@ def run(job) -> measure.Summary | None:
         clean = True
         if world.rank != 0:
             return None
+        summary = _summary(job, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
+        metrics.summary(summary.__dict__)
         metrics.close()
-        return _summary(job, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
+        return summary
     finally:
         gc.enable()
         comm.shutdown(clean)

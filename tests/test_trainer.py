@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def load_trained_initial(meta: dict) -> dict:
 
 def test_resumed_run_logs_the_same_losses(tmp_path, data):
     """Two steps, checkpoint, stop; a second launch resumes to the end. Its log (appended to
-    the first's) equals the uninterrupted run's."""
+    the first's in the same --log-dir) equals the uninterrupted run's."""
     if ("1f1b", 2) in RUNS:
         plan, want = RUNS[("1f1b", 2)]
     else:
@@ -168,12 +169,13 @@ def test_resumed_run_logs_the_same_losses(tmp_path, data):
         want, _ = metrics(tmp_path / "whole")
     ckpt = tmp_path / "ckpt"
     common = ["--config", str(data["config"]), "--data", str(data["train"]), "--val-data", str(data["val"]),
-              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--set", "kfac.damping=2e-3"]
+              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--set", "kfac.damping=2e-3",
+              "--log-dir", str(tmp_path / "log")]
     first = torchrun(plan, 2, *common, "--set", "train.steps=2", "--set", "schedule.decay_steps=3")
     assert first.returncode == 0, first.stdout[-3000:]
     second = torchrun(plan, 2, *common, "--resume")
     assert second.returncode == 0 and "resumed from" in second.stdout, second.stdout[-3000:]
-    got, _ = metrics(ckpt)  # the log dir defaults to the checkpoint dir
+    got, _ = metrics(tmp_path / "log")
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step in got:
         assert math.isclose(got[step]["loss"], want[step]["loss"], rel_tol=1e-9), step
@@ -244,6 +246,42 @@ def test_bad_data_and_contradicting_keys_are_one_line_errors(tmp_path, data):
 
 
 # --- the config: run folder, round trip, flags as keys --------------------------------------------
+def test_a_run_without_log_dir_leaves_its_run_folder(tmp_path):
+    """No --log-dir: rank 0 makes runs/PLAN-UTCTIME/ in the current folder (the torchrun
+    helper runs in tmp_path), says so, and leaves there one metrics line per step, the
+    summary --json printed, and the effective config, which --config reads back to itself."""
+    plan = make_plan(tmp_path, "1f1b", 2)
+    r = torchrun(plan, 2, "--steps", "4", "--json", "--set", "kfac.damping=3e-4", "--set", "optimizer.adam_betas=[0.8,0.9]")
+    assert r.returncode == 0, r.stdout[-3000:]
+    said = re.search(r"^runtime: run folder (runs/1f1b-2x1-\d{8}-\d{6})$", r.stdout, re.M)
+    assert said, r.stdout[-3000:]
+    folder = tmp_path / said.group(1)
+    rows, evals = metrics(folder)
+    assert sorted(rows) == [1, 2, 3, 4] and sorted(evals) == [4]
+    printed = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
+    assert json.loads((folder / "summary.json").read_text()) == printed
+    assert [rows[s]["loss"] for s in sorted(rows)] == printed["losses"]
+
+    saved = (folder / "train.toml").read_text()
+    cfg = job_config.load(str(folder / "train.toml"))
+    assert cfg.kfac.damping == 3e-4 and cfg.optimizer.adam_betas == (0.8, 0.9) and cfg.train.steps == 4
+    assert cfg.log.json and cfg.runtime.dtype == "float64" and cfg.kfac.refresh_steps == 2  # flags and the plan's
+    again = prepare(build_parser().parse_args([str(plan), "--config", str(folder / "train.toml")]), 0, 2)
+    assert again.config.to_toml() == saved
+
+
+def test_run_folders_started_in_the_same_second_do_not_clash(tmp_path, monkeypatch):
+    import time
+
+    from runtime.metrics import make_run_folder
+
+    frozen = time.gmtime(0)
+    monkeypatch.setattr(time, "gmtime", lambda *a: frozen)
+    made = [make_run_folder(str(tmp_path / "runs"), "plan") for _ in range(3)]
+    base = str(tmp_path / "runs" / "plan-19700101-000000")
+    assert made == [base, base + "-2", base + "-3"] and all(Path(m).is_dir() for m in made)
+
+
 def _value_for(flag: str, kw: dict) -> tuple[list[str], str]:
     """(the flag's arguments, the same as a --set value), each unlike the key's default."""
     if kw.get("action") == "store_true":
