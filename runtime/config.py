@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             value = kw.get("metavar") or "|".join(kw["choices"])
         shown = f.default is not None and f.default is not False
-        default = f"; default {job_config._toml_value(f.default)}" if shown else ""
+        default = f"; default {job_config.toml_value(f.default)}" if shown else ""
         names = (flag, "-o") if flag == "--trace" else (flag,)
         p.add_argument(*names, dest=key, default=None, help=f"{f.metadata['help']} (= --set {key}={value}{default})",
                        **kw)
@@ -88,8 +88,8 @@ def _keys_help() -> str:
     for section in job_config.SECTIONS:
         lines.append(f"  [{section}]")
         for f in dataclasses.fields(getattr(JobConfig(), section)):
-            setting = f.name if f.default is None else f"{f.name} = {job_config._toml_value(f.default)}"
-            lines.append(f"    {setting:<34} {f.metadata['help']}")
+            setting = f.name if f.default is None else f"{f.name} = {job_config.toml_value(f.default)}"
+            lines.append(f"    {setting:<36} {f.metadata['help']}")
     return "\n".join(lines)
 
 

@@ -183,11 +183,11 @@ class JobConfig:
 
     def set(self, key: str, value, where: str) -> None:
         """Set "section.key" to a value of the field's type (ints are accepted for floats)."""
-        section_name, _, name = key.partition(".")
-        section = getattr(self, section_name, None) if section_name in SECTIONS else None
-        if section is None or name not in _types(type(section)):
-            known = [k for k in KEYS if k.startswith(section_name + ".")] or KEYS
+        if key not in KEYS:
+            known = [k for k in KEYS if k.startswith(key.partition(".")[0] + ".")] or KEYS
             raise InputError(where, key, f"unknown key; known: {', '.join(known)}")
+        section_name, _, name = key.partition(".")
+        section = getattr(self, section_name)
         setattr(section, name, _typed(_types(type(section))[name], value, where, key))
         self.source[key] = where
 
@@ -206,11 +206,6 @@ class JobConfig:
 
     def error(self, key: str, message: str) -> InputError:
         return InputError(*self.origin(key), message)
-
-    def label(self, key: str) -> str:
-        """`key` as an error message names it: the flag that set it, else the key."""
-        where, name = self.origin(key)
-        return name or where
 
     # --- what the rest of the runtime builds from it ---------------------------------------------
     def kfac_config(self):
@@ -243,7 +238,7 @@ class JobConfig:
         lines = []
         for name, table in self.to_dict().items():
             lines += ([""] if lines else []) + [f"[{name}]"]
-            lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None]
+            lines += [f"{key} = {toml_value(value)}" for key, value in table.items() if value is not None]
         return "\n".join(lines) + "\n"
 
 
@@ -368,12 +363,13 @@ def _parse_value(text: str):
         return text
 
 
-def _toml_value(value) -> str:
+def toml_value(value) -> str:
+    """A value as TOML writes it (train.toml; the defaults --help shows)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         # JSON's escapes are TOML's; DEL, which JSON leaves as it is, TOML wants escaped
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
