@@ -57,7 +57,8 @@ echo "== 2. a 1-stage K-FAC plan of $FIRST, run by the runtime on $KIND"
 $PY -m pfcompile plan "$OUT/profiles/$FIRST-$KIND.json" --schedule gpipe --stages 1 --micro-batches 4 \
     --method greedy -o "$OUT/plan-1stage.json" > /dev/null
 $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m runtime "$OUT/plan-1stage.json" \
-    --device "$KIND" --data synthetic --steps 6 --trace "$OUT/measured-1stage.trace.json" | tail -4
+    --device "$KIND" --data synthetic --steps 6 --trace "$OUT/measured-1stage.trace.json" --log-dir "$OUT/run-1stage" \
+    | tail -4
 
 echo "== 3. single-process trainer and K-FAC on $DEV vs CPU float64 ($CHECK_MODEL)"
 $PY benchmarks/gpu_check.py --device "$DEV" --model "$CHECK_MODEL" $CHECK_FLAGS

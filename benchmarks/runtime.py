@@ -265,20 +265,19 @@ def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps:
     modules and optimizers by stage."""
     import torch
 
-    from runtime import loop
-    from runtime.config import build_parser, prepare
+    from runtime import job_config, loop
+    from runtime.config import make_job
     from runtime.metrics import Metrics
 
-    args = build_parser().parse_args([plan_path, "--data", "synthetic"])
-    job = prepare(args, rank, world_size)
-    parts = loop.build_rank(job, args, world)
+    job = make_job(job_config.load(overrides=["data.path=synthetic"]), plan_path, rank, world_size)
+    parts = loop.build_rank(job, world)
     parts.timeline.start()
     if parts_out is not None:
         parts_out.update({s: (sr.module, sr.optimizer) for s, sr in parts.stages.items()})
     losses = torch.zeros(total_steps, dtype=torch.float64)
     metrics = Metrics(None, total_steps, 0, 1) if rank == 0 else None
     pending: list[tuple] = []
-    log_every = job.train["log.every"]
+    log_every = job.config.log.every
 
     def one_step(step: int) -> float:
         pending.append(loop.train_step(parts, step))

@@ -1,8 +1,9 @@
 """`torchrun --nproc-per-node N -m runtime PLAN`: execute a compiled plan.
 
-Where things live: runtime.config (flags, validation of flags, config, plan, model and data
-against the job), runtime.train_config (the TOML training config), runtime.build (this
-rank's stages, K-FAC layers, optimizers, the update), runtime.loop (the training loop),
+Where things live: runtime.job_config (the run's settings: typed sections, the TOML file,
+--set), runtime.config (the flags, each a shorthand for one key; validation of the config,
+plan, model and data against the job), runtime.build (this rank's stages, K-FAC layers,
+optimizers, the update), runtime.loop (the training loop, given the job),
 runtime.checkpoint (save / resume), runtime.metrics (metrics log, progress), runtime.export
 (the trained model file), runtime.measure (timeline, summary), runtime.faults (fault
 injection for tests).
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.interpreter import NonFiniteError
     from runtime.loop import run
     try:
-        summary = run(job, args)
+        summary = run(job)
     except CommTimeout as e:
         return _fail(rank, e, EXIT_COMM)
     except NonFiniteError as e:
@@ -43,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         return _fail(rank, e, EXIT_INPUT)
     if summary is not None:
-        if not args.json:
+        if not job.config.log.json:
             print(summary.loss_curve(), flush=True)
             print(summary.line(), flush=True)
-            if args.pin_cpus:
+            if job.config.runtime.pin_cpus:
                 print("runtime: pinned: " + ", ".join(f"rank {q} -> cpus {','.join(map(str, c))}"
                                                       for q, c in enumerate(summary.cpus)), flush=True)
             for line in summary.memory_lines():

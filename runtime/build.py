@@ -17,7 +17,7 @@ def build_stages(job, world, kfac_cfg, optim_cfg) -> dict[int, StageReplica]:
     N = plan.config.micro_batches
     stages = {}
     for s, r in plan.stages_of(job.rank):
-        module = Stage(job.spec, plan.partition[s], seed=job.seed, dtype=job.dtype).to(world.device)
+        module = Stage(job.spec, plan.partition[s], seed=job.config.train.seed, dtype=job.dtype).to(world.device)
         layers = _kfac_layers(job, s, module, kfac_cfg, N) if plan.config.kfac else {}
         stages[s] = StageReplica(
             stage=s, replica=r, module=module, kfac=layers,
@@ -35,7 +35,7 @@ def _kfac_layers(job, s: int, module, kfac_cfg, N: int) -> dict[int, kfac.KfacLa
         if plan.layer_stage[i] != s:
             continue
         if name not in linears:
-            raise InputError(job.where, f"layers[{i}]", f"{name!r} is not a K-FAC Linear of stage {s} "
+            raise InputError(job.plan_path, f"layers[{i}]", f"{name!r} is not a K-FAC Linear of stage {s} "
                              f"(its layers: {', '.join(linears) or 'none'})")
         layers[i] = kfac.KfacLayer(name, linears[name], kfac_cfg, loss_divisor=N)
         layers[i].attach()

@@ -8,9 +8,8 @@ Why each choice:
   gloo the next receive of the rank's op list is posted ahead (`Mailbox.post`, the
   interpreter's `recv_ahead`): gloo pairs a send with its receive before moving the data,
   so a receive posted only when it is needed, after its send was posted, waits for the
-  sender's gloo thread to answer while the sender computes (measured on 2 CPU ranks: 0.2-0.3
-  ms median, ~1 ms mean, p90 3-4 ms per message); posted ahead, the data moves when the
-  send is posted. Not on NCCL: its point-to-point ops run in issue order on one stream per
+  sender's gloo thread to answer while the sender computes (a delay on every message);
+  posted ahead, the data moves when the send is posted. Not on NCCL: its point-to-point ops run in issue order on one stream per
   peer, and a receive posted ahead of a send to the same peer can deadlock the pair.
 - Tags are optional (`tags=False`, the default on NCCL). NCCL ignores point-to-point tags
   and matches the messages between a pair of ranks in issue order (pytorch/pytorch#94819);

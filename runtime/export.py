@@ -64,9 +64,10 @@ def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict) -> None:
     write_json(spec_path(path), spec)
 
 
-def model_spec(job, train_cfg, val_batches: int) -> dict:
+def model_spec(job, val_batches: int) -> dict:
     """What load_trained and runtime.evaluate need: the model, its dtype, and the evaluation
-    batches of the run (so a single process evaluates on exactly the same batches)."""
+    batches of the run (so a single process evaluates on exactly the same batches); and the
+    run's config (`job`: runtime.job_config's sections), which made it."""
     plan, cfg = job.plan, job.spec.cfg
     N = plan.config.micro_batches
     built_in = ":" not in plan.model["name"]
@@ -74,4 +75,4 @@ def model_spec(job, train_cfg, val_batches: int) -> dict:
             "dtype": str(job.dtype).removeprefix("torch."), "part_names": list(job.spec.part_names),
             "eval": {"batch_size": int(plan.model["micro_batch"]) * N, "micro_batches": N,
                      "seq_len": int(plan.model["seq_len"]), "batches": val_batches, "kind": cfg.kind},
-            "train": train_cfg.values}
+            "job": job.config.to_dict()}

@@ -34,8 +34,8 @@ from runtime.split_backward import WeightPasses
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """Whether every element is finite, as a 0-d bool tensor. For float32/bfloat16 the sum in
     float64 is finite exactly when every element is (a NaN or inf propagates; finite float32
-    values cannot overflow a float64 sum): one reduction, 6x cheaper than isfinite(t).all()
-    (0.25 ms per bert-mini forward), which materialises a bool tensor first."""
+    values cannot overflow a float64 sum): one reduction, cheaper than isfinite(t).all(),
+    which materialises a bool tensor first and runs after every forward."""
     if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return torch.isfinite(t.sum(dtype=torch.float64))
     return torch.isfinite(t).all()

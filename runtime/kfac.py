@@ -163,8 +163,8 @@ class KfacLayer:
     def update_factor(self, factor: str) -> None:
         """EMA one factor from this cycle's accumulator, once per cycle: in place, with the
         count folded into the weight (two passes over d², not the six of acc / n, a finite
-        check, old * ema, new * (1 - ema) and their sum: 6 ms per 1025² float32 factor on
-        the 2-core CPU, as much as the factor's Cholesky inverse)."""
+        check, old * ema, new * (1 - ema) and their sum, which for a large factor cost as
+        much as its inverse)."""
         if factor in self._ema_done:
             return
         d = self.dims[factor]

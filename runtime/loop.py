@@ -11,21 +11,21 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import write_atomic
 from runtime import affinity, checkpoint, comm, export, faults, measure
 from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
 from runtime.interpreter import Interpreter
-from runtime.metrics import Metrics
+from runtime.metrics import RUNS_DIR, Metrics, make_run_folder
 
 # Python's cyclic garbage collector runs when a rank has allocated enough container
 # objects: at a different moment on each rank, and a full collection walks every object
-# torch made (tens of ms), so the other ranks wait for it. Like torchtitan, the loop turns
+# torch made, so the other ranks wait for it. Like torchtitan, the loop turns
 # automatic collection off and collects the young generations every GC_EVERY steps on all
 # ranks at once.
 GC_EVERY = 50
@@ -44,19 +44,19 @@ class RankParts:
     optim_cfg: object
 
 
-def build_rank(job, args, world) -> RankParts:
+def build_rank(job, world) -> RankParts:
     """This rank's stages, data, timeline, update and interpreter (after init_world)."""
-    plan, train = job.plan, job.train
+    plan, cfg = job.plan, job.config
     N = plan.config.micro_batches
     comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-    kfac_cfg, optim_cfg = train.kfac_config(), train.optim_config()
+    kfac_cfg, optim_cfg = cfg.kfac_config(), cfg.optim_config()
     stages = build_stages(job, world, kfac_cfg, optim_cfg)
     mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
-    stream, val_batches = _data(job, args, mb_size * N, seq_len)
+    stream, val_batches = _data(job, mb_size * N, seq_len)
     timeline = measure.Timeline(world.rank, device_type=world.device.type)
-    update = Update(kfac_cfg, train["optimizer.max_grad_norm"], world)
+    update = Update(kfac_cfg, cfg.optimizer.max_grad_norm, world)
     interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
-                         timeline, tags=job.p2p_tags, recv_ahead=args.recv_ahead)
+                         timeline, tags=job.p2p_tags, recv_ahead=cfg.runtime.recv_ahead)
     return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg)
 
 
@@ -74,36 +74,37 @@ def train_step(r: RankParts, step: int) -> tuple:
     return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, step % interp.k == 0 and kfac)
 
 
-def run(job, args) -> measure.Summary | None:
+def run(job) -> measure.Summary | None:
     """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
-    plan, train = job.plan, job.train
-    steps = job.steps
-    if args.pin_cpus:  # before the process group and torch's thread pool start their threads
-        affinity.pin(affinity.share(args.threads))
-    torch.set_num_threads(args.threads)
-    world = comm.init_world(args.timeout, job.device_type)
+    plan, cfg = job.plan, job.config
+    steps, ckpt, rt = cfg.train.steps, cfg.checkpoint, cfg.runtime
+    if rt.pin_cpus:  # before the process group and torch's thread pool start their threads
+        affinity.pin(affinity.share(rt.threads))
+    torch.set_num_threads(rt.threads)
+    world = comm.init_world(rt.timeout, job.device_type)
     clean = False
     try:
-        r = build_rank(job, args, world)
+        r = build_rank(job, world)
         stages, interp, timeline, N = r.stages, r.interp, r.timeline, r.interp.N
         mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
-        if args.checkpoint_dir:
-            checkpoint.clean_temporary(args.checkpoint_dir, world.rank)  # a killed write's leftovers
-        first = checkpoint.resume(args.checkpoint_dir, world, stages) if args.resume else 0
+        if ckpt.dir:
+            checkpoint.clean_temporary(ckpt.dir, world.rank)  # a killed write's leftovers
+        first = checkpoint.resume(ckpt.dir, world, stages) if ckpt.resume else 0
         if first >= steps:
-            raise InputError("--steps", None, f"{steps}, but the checkpoint is already at step {first}")
-        log_dir = args.log_dir or args.checkpoint_dir
+            raise cfg.error("train.steps", f"{steps}, but the checkpoint is already at step {first}")
         metrics = say = None
         if world.rank == 0:
             # With --json, stdout is for the summary object: what a person reads goes to stderr.
-            say = sys.stderr if args.json else sys.stdout
-            _announce(train, [d for d in {log_dir, args.checkpoint_dir} if d], say)
+            say = sys.stderr if cfg.log.json else sys.stdout
+            log_dir = cfg.log.dir or make_run_folder(RUNS_DIR, Path(job.plan_path).stem)
+            print(f"runtime: run folder {log_dir}", file=say, flush=True)
+            _announce(cfg, [d for d in dict.fromkeys([log_dir, ckpt.dir]) if d], say)
             metrics = Metrics(log_dir, steps, first, mb_size * N * seq_len)
         before_step = faults.crash_hook(world.rank)
         poison = faults.poison_hook(world.rank, stages)
         losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
         pending: list[tuple] = []  # train_step's rows until the next reduction
-        every, log_every = train["eval.every"], train["log.every"]
+        every, log_every = cfg.eval.every, cfg.log.every
         val_batches = r.val_batches
         dist.barrier()
         timeline.start()  # all ranks measure from (about) the same instant
@@ -120,39 +121,41 @@ def run(job, args) -> measure.Summary | None:
                 flush(world, pending, losses, metrics)
             if evaluate_now:
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
-            if args.checkpoint_every and done % args.checkpoint_every == 0:
-                checkpoint.save_rank(args.checkpoint_dir, done, world, stages, keep=args.keep)
-                if args.save_model_every_checkpoint:
-                    _save_model(job, args, train, world, stages, len(val_batches or []))
+            if ckpt.every and done % ckpt.every == 0:
+                checkpoint.save_rank(ckpt.dir, done, world, stages, keep=ckpt.keep)
+                if ckpt.save_model_every_checkpoint:
+                    _save_model(job, world, stages, len(val_batches or []))
 
-        if args.save_model:
-            _save_model(job, args, train, world, stages, len(val_batches or []))
+        if ckpt.save_model:
+            _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         gathered = comm.gather_json(world, timeline.to_json())
-        if args.checkpoint_every:  # every rank has saved (the gather met them all): prune for real
-            checkpoint.prune(args.checkpoint_dir, world.rank, world.world_size, args.keep)
+        if ckpt.every:  # every rank has saved (the gather met them all): prune for real
+            checkpoint.prune(ckpt.dir, world.rank, world.world_size, ckpt.keep)
         clean = True
         if world.rank != 0:
             return None
+        summary = _summary(job, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
+        metrics.summary(summary.__dict__)
         metrics.close()
-        return _summary(job, args, measure.align([measure.Timeline.from_json(d) for d in gathered]), losses, first)
+        return summary
     finally:
         gc.enable()
         comm.shutdown(clean)
 
 
-def _data(job, args, batch_size: int, seq_len: int):
+def _data(job, batch_size: int, seq_len: int):
     """The training stream and the fixed evaluation batches (None without held-out data)."""
-    kind, train = job.spec.cfg.kind, job.train
-    seed = train["train.seed"]
+    kind, cfg = job.spec.cfg.kind, job.config
+    seed = cfg.train.seed
     if job.data is not None:
         stream = make_stream(kind, batch_size, seq_len, seed=seed, token_file=job.data)
         val = job.val_data and make_stream(kind, batch_size, seq_len, seed=0, token_file=job.val_data)
     else:
-        synthetic = args.data == "synthetic"
+        synthetic = cfg.data.path == "synthetic"
         stream = make_stream(kind, batch_size, seq_len, seed=seed, synthetic=synthetic, vocab=job.spec.cfg.vocab)
         val = make_stream(kind, batch_size, seq_len, seed=0, split="val", synthetic=synthetic, vocab=job.spec.cfg.vocab)
-    return stream, (val.fixed_batches(train["eval.batches"]) if val else None)
+    return stream, (val.fixed_batches(cfg.eval.batches) if val else None)
 
 
 def _lr(optim_cfg, step: int, kfac: bool) -> float:
@@ -197,27 +200,27 @@ def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -
     return loss
 
 
-def _save_model(job, args, train, world, stages, val_batches: int) -> None:
+def _save_model(job, world, stages, val_batches: int) -> None:
     tensors = export.gather_model(world, job.plan, stages)
     if world.rank == 0:
-        export.save_model(args.save_model, tensors, export.model_spec(job, train, val_batches))
+        export.save_model(job.config.checkpoint.save_model, tensors, export.model_spec(job, val_batches))
 
 
-def _announce(train, dirs: list[str], say) -> None:
+def _announce(cfg, dirs: list[str], say) -> None:
     """Rank 0: print the effective config and save it (train.toml) where the run writes."""
-    text = train.to_toml()
+    text = cfg.to_toml()
     print("runtime: effective config (plan-fixed keys from the plan):\n" + text.rstrip(), file=say, flush=True)
     for d in dirs:
         write_atomic(os.path.join(d, "train.toml"), text)
 
 
-def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor, first: int) -> measure.Summary:
+def _summary(job, timelines: list[measure.Timeline], losses: torch.Tensor, first: int) -> measure.Summary:
     """Rank 0: the run's summary over the steps after warm-up, and the measured trace if asked."""
-    plan = job.plan
+    plan, rt = job.plan, job.config.runtime
     k = plan.refresh_steps
-    steps = job.steps
+    steps = job.config.train.steps
     last = steps - 1
-    warmup = args.warmup if args.warmup is not None else (k if steps - first > 2 * k else 1)
+    warmup = rt.warmup if rt.warmup is not None else (k if steps - first > 2 * k else 1)
     summary = measure.summarize(timelines, float(losses[last]) if last >= first else None,
                                 plan.stats.get("step_time_ms"), first + warmup, steps, first,
                                 losses[first:].tolist(), predicted_ops=[
@@ -226,9 +229,9 @@ def _summary(job, args, timelines: list[measure.Timeline], losses: torch.Tensor,
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
                                 memory_limit=plan.config.memory_limit_bytes,
                                 expected_ms=plan.stats.get("expected_step_time_ms"))
-    if args.trace:
-        measure.write_measured_trace(args.trace, timelines, {
-            "plan": os.path.abspath(args.plan), "steps": steps, "summary": summary.line(),
-            **measure.plan_identity(args.plan, plan), "warmup_steps": first + warmup,
+    if rt.trace:
+        measure.write_measured_trace(rt.trace, timelines, {
+            "plan": os.path.abspath(job.plan_path), "steps": steps, "summary": summary.line(),
+            **measure.plan_identity(job.plan_path, plan), "warmup_steps": first + warmup,
             "dtype": job.precision.name, "device_type": job.device_type, "cpus": summary.cpus})
     return summary

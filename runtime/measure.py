@@ -3,8 +3,8 @@ renderer's format (pfcompile.formats.trace), and the one-line summary of a run.
 
 Times are milliseconds from a start instant all ranks agree on (a barrier right before the
 first step), so the ranks' rows line up in the trace like the plan's predicted rows. A
-barrier releases the ranks up to a few ms apart (measured 2 ms on 2 CPU ranks), which
-would put a message's receive before its send; ranks on one host share the monotonic clock
+barrier releases the ranks some time apart, which would put a message's receive before
+its send; ranks on one host share the monotonic clock
 that perf_counter reads, so `align` moves every such rank onto rank 0's origin exactly.
 Ranks on other hosts keep their barrier origin.
 
@@ -140,7 +140,7 @@ class Summary:
     # last, over the steps between, averaged over the ranks (None under two timed steps).
     # step_ms also counts how far the ranks' first starts and last ends lie apart (in 1F1B
     # the last stage starts a step while the first still finishes the previous one): over
-    # n steps that is 1/n of a backward pass more, ~0.4% at 28 steps of bert-mini.
+    # n steps that is 1/n of a backward pass more.
     period_ms: float | None = None
 
     def over_limit(self) -> list[int]:

@@ -136,9 +136,9 @@ class MemoryMeter:
         a K-FAC op's layer."""
         if self.cuda:
             return
-        # Recount only what the op can change, and only where: this runs after every op (on
-        # bert-tiny with K-FAC, recounting everything cost ~2% of the step). An op's stage and
-        # layer are this rank's: its handler has already run on them.
+        # Recount only what the op can change, and only where: this runs after every op, and
+        # recounting everything each time would be a visible share of the step. An op's stage
+        # and layer are this rank's: its handler has already run on them.
         if kind == "step":  # zero_grad, the optimizer's state, the inverses coming into force
             self.resident = self._resident()
         elif kind in GRAD_KINDS:  # gradients appear

@@ -8,19 +8,44 @@ metrics.jsonl has one object per line:
         preconditioning, rank 0's wall time, and whether a refresh cycle started
     {"step": 20, "eval": true, "loss": 3.75, "perplexity": 42.5, "batches": 8}   per evaluation
 A resumed run appends: for a step logged twice, the last line is the one that counts.
+
+The log folder (log.dir, else a new run folder, `make_run_folder`) also gets train.toml,
+the effective config (runtime.loop), and summary.json, the run's summary: the object
+`--json` prints.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import sys
 import time
 
+from pfcompile.formats.jsonio import write_json
+
+RUNS_DIR = "runs"  # without log.dir, a run's folder is made in here, in the current folder
+
+
+def make_run_folder(root: str, name: str) -> str:
+    """A new folder root/NAME-UTCTIME (YYYYMMDD-HHMMSS), as Lightning's lightning_logs/ and
+    torchtitan's outputs/ give every run its own; a run started in the same second as
+    another gets -2, -3, ..."""
+    base = os.path.join(root, f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    os.makedirs(root, exist_ok=True)
+    for n in itertools.count(1):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(path)  # atomic: of two runs, one makes it, the other takes the next suffix
+            return path
+        except FileExistsError:
+            continue
+
 
 class Metrics:
     def __init__(self, log_dir: str | None, total_steps: int, first_step: int, tokens_per_step: int):
+        self.dir = log_dir
         self.total, self.first, self.tokens_per_step = total_steps, first_step, tokens_per_step
         self.file = None
         self.tb = None
@@ -62,6 +87,10 @@ class Metrics:
             self.tb.add_scalar("eval/loss", loss, step)
             self.tb.add_scalar("eval/perplexity", row["perplexity"], step)
         return row
+
+    def summary(self, summary: dict) -> None:
+        if self.dir:
+            write_json(os.path.join(self.dir, "summary.json"), summary)
 
     def _write(self, row: dict) -> None:
         if self.file:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-NAMES = ("float32", "float64", "bfloat16")
+from runtime.job_config import DTYPES as NAMES  # runtime.dtype's choices, named once
 
 
 @dataclass(frozen=True)

@@ -157,22 +157,23 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
 
 def train_reference(spec, cfg, stream, micro_batches: int, *, kfac: bool = True, kl_groups_of=None,
                     dtype: torch.dtype | None = None, steps: int | None = None, precision=None):
-    """The single-process run of a training config (runtime.train_config.TrainConfig with
-    the plan-fixed keys filled): the same model seed, optimizer, schedule, K-FAC settings and
-    clipping as `torchrun -m runtime` with that config. `kl_groups_of(layers)` groups the
-    layers for the KL clip (the pipeline clips per stage). Returns (model, step losses)."""
+    """The single-process run of a config (runtime.job_config.JobConfig with the plan-fixed
+    keys filled): the same model seed, optimizer, schedule, K-FAC settings and clipping as
+    `torchrun -m runtime` with that config. `kl_groups_of(layers)` groups the layers for
+    the KL clip (the pipeline clips per stage). Returns (model, step losses)."""
     from runtime.kfac import make_layers
     from runtime.models import build_model, kfac_linears
     from runtime.optim import build_optimizer
 
-    model = build_model(spec, seed=cfg["train.seed"], dtype=dtype)
+    seed = cfg.train.seed
+    model = build_model(spec, seed=seed, dtype=dtype)
     kcfg = cfg.kfac_config()
     layers = make_layers(kfac_linears(model), kcfg, micro_batches) if kfac else []
     groups = kl_groups_of(layers) if kl_groups_of and layers else None
     opt = build_optimizer(model, layers, cfg.optim_config())
     losses = []
-    for step in range(cfg["train.steps"] if steps is None else steps):
+    for step in range(cfg.train.steps if steps is None else steps):
         losses.append(train_step(model, layers, opt, stream.batch(step), step, micro_batches,
-                                 kcfg if kfac else None, kl_groups=groups, seed=cfg["train.seed"],
-                                 max_grad_norm=cfg["optimizer.max_grad_norm"], precision=precision))
+                                 kcfg if kfac else None, kl_groups=groups, seed=seed,
+                                 max_grad_norm=cfg.optimizer.max_grad_norm, precision=precision))
     return model, losses

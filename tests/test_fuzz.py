@@ -225,8 +225,10 @@ def mutate_profile(rng, obj) -> None:
 def _torchrun_losses(plan: Path, steps: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
            str(plan), "--dtype", "float64", "--data", "synthetic", "--steps", str(steps), "--json", "--timeout", "60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
+    # in the plan's (temporary) folder, where the run folder goes
+    return subprocess.Popen(cmd, cwd=plan.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _losses(p: subprocess.Popen) -> list[float]:

@@ -142,12 +142,15 @@ def test_runtime_flags_are_refused_before_work(tmp_path, plan_path, flags, needl
 
 # --- real runs of a one-rank plan (python -m runtime, no torchrun) -----------------------------------
 
-def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+def _run(plan: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """One rank of `plan`, run in the plan's (temporary) folder, where its run folder goes."""
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
+           **(env or {})}
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
-    return subprocess.run([sys.executable, "-m", "runtime", *args, "--data", "synthetic", "--timeout", "30"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "runtime", plan, *args, "--data", "synthetic", "--timeout", "30"],
+                          cwd=Path(plan).parent, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

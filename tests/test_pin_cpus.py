@@ -31,8 +31,10 @@ def plan(tmp_path_factory) -> Path:
 def run(plan: Path, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime", str(plan), "--steps", "3", "--data", "synthetic", "--json", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=180)
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    # in the plan's (temporary) folder, where the run folder goes
+    return subprocess.run(cmd, cwd=plan.parent, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
+                                                     **(env or {})}, capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="two ranks pinned need two cores")

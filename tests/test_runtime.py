@@ -160,9 +160,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from runtime import train_config  # noqa: E402
 from runtime.comm import free_port  # noqa: E402
 from runtime.data import make_stream  # noqa: E402
+from runtime.job_config import JobConfig  # noqa: E402
 from runtime.kfac import make_layers  # noqa: E402
 from runtime.models import build_model, build_stage, kfac_linears, resolve_config, resolve_model, split_parts  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
@@ -202,11 +202,14 @@ def make_plan(tmp: Path, schedule: str, D: int, R: int = 1, kfac: bool = True, n
 
 def torchrun(plan: Path, nproc: int, *args: str, launcher: list[str] = (), env: dict | None = None,
              wait: bool = True, timeout: float = 180):
+    """The runtime on `plan`, run in the plan's folder (a temporary one): a run without
+    --log-dir makes its run folder there, runs/PLAN-UTCTIME/, not in the repository."""
     cmd = [*TORCHRUN, *(launcher or ["--standalone"]), "--nproc-per-node", str(nproc),
            "-m", "runtime", str(plan), "--dtype", "float64", "--data", "pydoc", *args]
-    python_path = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
+    python_path = os.pathsep.join(p for p in (str(ROOT), EXAMPLES, os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **(env or {})}
-    p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, cwd=plan.parent, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
     if not wait:
         return p
     out, _ = p.communicate(timeout=timeout)
@@ -240,8 +243,8 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True, dtype: str 
     n, k = plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     model = build_model(spec, seed=0, dtype=prec.param_dtype)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
-    # The runtime's defaults (runtime.train_config) with the plan's refresh interval and inversion.
-    defaults = train_config.load(None)
+    # The runtime's defaults (runtime.job_config) with the plan's refresh interval and inversion.
+    defaults = JobConfig()
     kcfg = replace(defaults.kfac_config(), refresh_steps=k, inverse=plan["config"].get("inverse", "cholesky"))
     layers = make_layers(kfac_linears(model), kcfg, n) if kfac else []
     stage_of = dict(zip(plan["layers"], plan["layer_stage"]))
@@ -397,8 +400,13 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     # keep its previous file until then).
     step_dirs = sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step-"))
     assert step_dirs[-1] == "step-00000005" and len(step_dirs) <= 2
-    # Beside them: the effective config and the metrics log (its default place).
-    assert {"train.toml", "metrics.jsonl"} <= {d.name for d in ckpt.iterdir()}
+    # Beside them: the effective config; the metrics go to each attempt's run folder, the
+    # last of which logged steps up to 5 and the summary.
+    assert "train.toml" in {d.name for d in ckpt.iterdir()}
+    attempts = sorted((tmp_path / "runs").glob(f"{plan.stem}-*"))
+    assert len(attempts) == 2, attempts
+    logged = [json.loads(line)["step"] for line in (attempts[-1] / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1] == 5 and json.loads((attempts[-1] / "summary.json").read_text())["steps"] == 5
 
 
 def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):

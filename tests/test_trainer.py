@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,8 @@ from test_runtime import ROOT, make_plan, model_spec, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import load_plan
-from runtime import train_config
-from runtime.config import build_parser, prepare
+from runtime import job_config
+from runtime.config import SHORTHANDS, build_parser, load_config, prepare
 from runtime.data import make_stream, open_token_file
 from runtime.models import load_trained
 from runtime.optim import OptimConfig
@@ -89,13 +90,13 @@ def metrics(log_dir: Path) -> tuple[dict, dict]:
 
 def reference(plan_path: Path, data: dict, steps: int | None = None):
     plan = load_plan(str(plan_path))
-    cfg = train_config.load(str(data["config"]))
-    train_config.apply_plan(cfg, plan, str(plan_path))
+    cfg = job_config.load(str(data["config"]))
+    job_config.apply_plan(cfg, plan, str(plan_path))
     spec = model_spec(plan.model["name"])
     n = plan.config.micro_batches
     batch, seq = plan.model["micro_batch"] * n, plan.model["seq_len"]
     tokens = open_token_file(str(data["train"]), spec.cfg.vocab, batch, seq)
-    stream = make_stream(spec.cfg.kind, batch, seq, seed=cfg["train.seed"], token_file=tokens)
+    stream = make_stream(spec.cfg.kind, batch, seq, seed=cfg.train.seed, token_file=tokens)
     stage_of = dict(zip(plan.layers, plan.layer_stage))
 
     def per_stage(layers):
@@ -114,9 +115,9 @@ def test_config_run_equals_single_process(tmp_path, data, schedule, D):
     assert "damping = 0.002" in r.stdout and (out / "train.toml").is_file()  # the effective config, printed and saved
 
     # The effective config, saved by the run and read back, holds the file and the override.
-    saved = train_config.load(str(out / "train.toml"))
-    assert saved["kfac.damping"] == 2e-3 and saved["schedule.decay"] == "polynomial"
-    assert saved["kfac.refresh_steps"] == 2  # filled from the plan
+    saved = job_config.load(str(out / "train.toml"))
+    assert saved.kfac.damping == 2e-3 and saved.schedule.decay == "polynomial"
+    assert saved.kfac.refresh_steps == 2  # filled from the plan
 
     overridden = data["dir"] / f"override-{schedule}.toml"
     overridden.write_text(CONFIG.replace("damping = 1e-3", "damping = 2e-3"))
@@ -152,12 +153,12 @@ def test_config_run_equals_single_process(tmp_path, data, schedule, D):
 
 def load_trained_initial(meta: dict) -> dict:
     from runtime.models import build_model
-    return build_model(model_spec(meta["model"]), seed=meta["train"]["train.seed"], dtype=torch.float64).state_dict()
+    return build_model(model_spec(meta["model"]), seed=meta["job"]["train"]["seed"], dtype=torch.float64).state_dict()
 
 
 def test_resumed_run_logs_the_same_losses(tmp_path, data):
     """Two steps, checkpoint, stop; a second launch resumes to the end. Its log (appended to
-    the first's) equals the uninterrupted run's."""
+    the first's in the same --log-dir) equals the uninterrupted run's."""
     if ("1f1b", 2) in RUNS:
         plan, want = RUNS[("1f1b", 2)]
     else:
@@ -168,12 +169,13 @@ def test_resumed_run_logs_the_same_losses(tmp_path, data):
         want, _ = metrics(tmp_path / "whole")
     ckpt = tmp_path / "ckpt"
     common = ["--config", str(data["config"]), "--data", str(data["train"]), "--val-data", str(data["val"]),
-              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--set", "kfac.damping=2e-3"]
+              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--set", "kfac.damping=2e-3",
+              "--log-dir", str(tmp_path / "log")]
     first = torchrun(plan, 2, *common, "--set", "train.steps=2", "--set", "schedule.decay_steps=3")
     assert first.returncode == 0, first.stdout[-3000:]
     second = torchrun(plan, 2, *common, "--resume")
     assert second.returncode == 0 and "resumed from" in second.stdout, second.stdout[-3000:]
-    got, _ = metrics(ckpt)  # the log dir defaults to the checkpoint dir
+    got, _ = metrics(tmp_path / "log")
     assert sorted(got) == [1, 2, 3, 4, 5]
     for step in got:
         assert math.isclose(got[step]["loss"], want[step]["loss"], rel_tol=1e-9), step
@@ -231,15 +233,109 @@ def test_bad_data_and_contradicting_keys_are_one_line_errors(tmp_path, data):
                       ("kfac.inverse=eigen", "--set: kfac.inverse: is 'eigen' but the plan fixes it at 'cholesky'"),
                       ("kfac.fisher=mc", "kfac.fisher: 'mc': the pipeline runtime computes only the empirical Fisher"),
                       ("kfac.dampng=1", "--set: kfac.dampng: unknown key; known: kfac.damping"),
-                      ("schedule.decay=exp", "--set: schedule.decay: 'exp': must be one of constant, linear, cosine")):
+                      ("schedule.decay=exp", "--set: schedule.decay: must be one of constant, linear, cosine, "
+                                             "polynomial, got 'exp'")):
         assert want in _prepare(plan, "--set", key), key
     # A key that agrees with the plan is accepted.
     a = build_parser().parse_args([str(plan), "--set", "kfac.refresh_steps=2", "--data", str(data["train"])])
-    assert prepare(a, 0, 2).train["kfac.refresh_steps"] == 2
+    assert prepare(a, 0, 2).config.kfac.refresh_steps == 2
 
     # The command line: exit 2, one line on stderr, nothing else.
     r = run_single(str(plan), "--data", cases["odd"][0], world_size=2)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and cases["odd"][1] in r.stderr, r.stderr
+
+
+# --- the config: run folder, round trip, flags as keys --------------------------------------------
+def test_a_run_without_log_dir_leaves_its_run_folder(tmp_path):
+    """No --log-dir: rank 0 makes runs/PLAN-UTCTIME/ in the current folder (the torchrun
+    helper runs in tmp_path), says so, and leaves there one metrics line per step, the
+    summary --json printed, and the effective config, which --config reads back to itself."""
+    plan = make_plan(tmp_path, "1f1b", 2)
+    r = torchrun(plan, 2, "--steps", "4", "--json", "--set", "kfac.damping=3e-4", "--set", "optimizer.adam_betas=[0.8,0.9]")
+    assert r.returncode == 0, r.stdout[-3000:]
+    said = re.search(r"^runtime: run folder (runs/1f1b-2x1-\d{8}-\d{6})$", r.stdout, re.M)
+    assert said, r.stdout[-3000:]
+    folder = tmp_path / said.group(1)
+    rows, evals = metrics(folder)
+    assert sorted(rows) == [1, 2, 3, 4] and sorted(evals) == [4]
+    printed = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
+    assert json.loads((folder / "summary.json").read_text()) == printed
+    assert [rows[s]["loss"] for s in sorted(rows)] == printed["losses"]
+
+    saved = (folder / "train.toml").read_text()
+    cfg = job_config.load(str(folder / "train.toml"))
+    assert cfg.kfac.damping == 3e-4 and cfg.optimizer.adam_betas == (0.8, 0.9) and cfg.train.steps == 4
+    assert cfg.log.json and cfg.runtime.dtype == "float64" and cfg.kfac.refresh_steps == 2  # flags and the plan's
+    again = prepare(build_parser().parse_args([str(plan), "--config", str(folder / "train.toml")]), 0, 2)
+    assert again.config.to_toml() == saved
+
+
+def test_run_folders_started_in_the_same_second_do_not_clash(tmp_path, monkeypatch):
+    import time
+
+    from runtime.metrics import make_run_folder
+
+    frozen = time.gmtime(0)
+    monkeypatch.setattr(time, "gmtime", lambda *a: frozen)
+    made = [make_run_folder(str(tmp_path / "runs"), "plan") for _ in range(3)]
+    base = str(tmp_path / "runs" / "plan-19700101-000000")
+    assert made == [base, base + "-2", base + "-3"] and all(Path(m).is_dir() for m in made)
+
+
+def _value_for(flag: str, kw: dict) -> tuple[list[str], str]:
+    """(the flag's arguments, the same as a --set value), each unlike the key's default."""
+    if kw.get("action") == "store_true":
+        return [flag], "true"
+    if flag == "--p2p-tags":
+        return [flag, "off"], "false"
+    if "choices" in kw:
+        return [flag, kw["choices"][-1]], kw["choices"][-1]
+    text = {int: "3", float: "2.5"}.get(kw.get("type"), "some/file.bin")
+    return [flag, text], text
+
+
+def test_every_flag_is_a_shorthand_for_its_key(tmp_path):
+    base = ["--set", "checkpoint.dir=ck", "--set", "checkpoint.save_model=m.safetensors"]  # what some keys need
+    for flag, key, kw in SHORTHANDS:
+        args, value = _value_for(flag, kw)
+        by_flag = load_config(build_parser().parse_args(["plan.json", *base, *args]))
+        by_set = load_config(build_parser().parse_args(["plan.json", *base, "--set", f"{key}={value}"]))
+        assert by_flag.to_dict() == by_set.to_dict(), flag
+        assert by_flag.get(key) != job_config.JobConfig().get(key), flag
+        assert by_flag.origin(key) == (flag, None) and by_set.origin(key) == ("--set", key)
+    # the flag wins over --set, which wins over the file
+    toml = tmp_path / "t.toml"
+    toml.write_text("[train]\nsteps = 7\nseed = 5\n")
+    cfg = load_config(build_parser().parse_args(["p.json", "--config", str(toml), "--set", "train.steps=8", "--seed", "9"]))
+    assert (cfg.train.steps, cfg.train.seed) == (8, 9)
+
+
+def test_config_round_trips_and_bad_keys_are_one_line_errors(tmp_path):
+    cfg = job_config.JobConfig()
+    cfg.data.path = 'a "quoted" \\ path\twith\x7fodd characters'
+    cfg.optimizer.adam_betas = (0.8, 0.95)
+    cfg.runtime.p2p_tags, cfg.runtime.timeout, cfg.log.json, cfg.kfac.refresh_steps = False, 1e-3, True, 3
+    path = tmp_path / "round.toml"
+    path.write_text(cfg.to_toml())
+    assert job_config.load(str(path)).to_dict() == cfg.to_dict()
+
+    def refused(text: str | None = None, *overrides: str) -> str:
+        path.write_text(text or "")
+        with pytest.raises(InputError) as e:
+            job_config.load(str(path), list(overrides))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert refused("[kfac]\ndamping = 'x'\n") == f"{path}: kfac.damping: must be a number, got 'x'"
+    assert refused("[runtime]\nthreads = 0\n") == f"{path}: runtime.threads: must be in 1..1024, got 0"
+    assert refused("[nope]\nx = 1\n").startswith(f"{path}: nope.x: unknown key; known: train.steps, train.seed, ")
+    assert refused("steps = 3\n") == f"{path}: steps: must be a [section] table, e.g. [kfac] with damping = 1e-4"
+    assert refused(None, "train.steps=1.5") == "--set: train.steps: must be an integer, got 1.5"
+    assert refused(None, "runtime.p2p_tags=on") == "--set: runtime.p2p_tags: must be true or false, got 'on'"
+    assert refused(None, "optimizer.adam_betas=[0.9]") == (
+        "--set: optimizer.adam_betas: must be a list of 2 numbers, got [0.9]")
+    assert refused("[checkpoint]\nevery = 2\n") == (
+        f"{path}: checkpoint.every: needs a checkpoint folder (checkpoint.dir, --checkpoint-dir)")
 
 
 def test_prepare_data_is_deterministic_and_byte_level_covers_any_text(tmp_path):
