@@ -73,7 +73,7 @@ fi
 
 say "4/5 run the plan: torchrun --nproc-per-node 2 -m runtime ($STEPS steps, pydoc MLM)"
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime "$OUT/plan.json" \
-      --steps "$STEPS" --trace "$OUT/measured.trace.json" 2>&1 | grep -v '^W[0-9]' | tee "$OUT/run1.txt" || exit 1
+      --steps "$STEPS" --trace "$OUT/measured.trace.json" --log-dir "$OUT/run1" 2>&1 | grep -v '^W[0-9]' | tee "$OUT/run1.txt" || exit 1
 
 say "5/5 where the time went, then calibrate the profile from this run, re-plan and run again"
 "$PY" -m pfcompile inspect "$OUT/measured.trace.json" --against "$OUT/plan.json" --profile "$OUT/bert-tiny.json"
@@ -83,11 +83,12 @@ cat "$OUT/calibrate.txt" >&2
 "$PY" -m pfcompile plan "$OUT/bert-tiny.calibrated.json" --schedule 1f1b --stages 2 --micro-batches 4 \
       --method cpsat --time-limit 10 --workers 2 -o "$OUT/plan.calibrated.json" > /dev/null
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
-      "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" 2>&1 \
+      "$OUT/plan.calibrated.json" --steps "$STEPS" --seed 1 --trace "$OUT/measured.calibrated.trace.json" \
+      --log-dir "$OUT/run2" 2>&1 \
   | grep -v '^W[0-9]' | tee "$OUT/run2.txt" > /dev/null || exit 1
 # The first plan once more, as a yardstick: how far two runs of one plan lie apart here.
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m runtime \
-      "$OUT/plan.json" --steps "$STEPS" --seed 1 2>&1 | grep -v '^W[0-9]' > "$OUT/run3.txt" || exit 1
+      "$OUT/plan.json" --steps "$STEPS" --seed 1 --log-dir "$OUT/run3" 2>&1 | grep -v '^W[0-9]' > "$OUT/run3.txt" || exit 1
 echo "the second run, replayed with its own op times:"
 "$PY" -m pfcompile inspect "$OUT/measured.calibrated.trace.json" --against "$OUT/plan.calibrated.json" \
       --profile "$OUT/bert-tiny.calibrated.json" | sed -n '/replayed with/,$p' | tail -n +2
