@@ -35,7 +35,8 @@ TUNE_SEEDS = (100, 101)
 
 
 def run_one(job: dict) -> dict:
-    """One training run in a worker process (one thread: two jobs share the two cores)."""
+    """One training run in a worker process (one thread, so that --jobs runs side by side
+    do not oversubscribe the cores)."""
     import torch
 
     torch.set_num_threads(1)

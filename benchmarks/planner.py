@@ -9,8 +9,9 @@ baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are rep
     .venv/bin/python benchmarks/planner.py --only scaling --big   # adds 32 stages x 128 micro-batches
     .venv/bin/python benchmarks/planner.py --only scaling --sizes 32x128 --instance-limit 100
 
-Scaling uses a 32-block model with BERT-Large's per-block costs (profiles/bert-large-p100-
-ref.json has 24 blocks; 32 stages need at least 32 parts), so every D cuts it evenly.
+Scaling uses a 32-block model with BERT-Large's per-block costs
+(profiles/bert-large-p100-ref.json has 24 blocks; 32 stages need at least 32 parts), so
+every D cuts it evenly.
 """
 
 from __future__ import annotations

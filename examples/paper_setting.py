@@ -12,8 +12,8 @@ Then the simulated time to a target loss. How the two measurements are combined:
 - steps_kfac / steps_first_order: the median, over seeds, of the steps K-FAC needs to reach
   AdamW's validation loss at step 1000, measured by benchmarks/convergence.py on bert-tiny
   MLM (read from its --json output). ASSUMED to carry over to BERT phase-1 pre-training: the
-  paper takes its ratio from real BERT-Large runs (NVIDIA's LAMB baseline vs K-FAC), which
-  this machine cannot do.
+  paper takes its ratio from real BERT-Large runs (NVIDIA's LAMB baseline vs K-FAC), far
+  beyond what a CPU can train.
 - step_kfac / step_first_order = 1 + step overhead of the plan (CP-SAT's), measured here by
   the planner's replay on the reference profile. The planned step includes the refresh
   cycle's K-FAC work amortised over its k steps.

@@ -21,7 +21,8 @@ from runtime.kfac import KfacConfig
 from runtime.optim import OptimConfig
 from runtime.train import RunConfig, run_training
 
-# Tuned by benchmarks/convergence.py (bert-tiny, batch 32 x 64 characters; see its grid).
+# Tuned by benchmarks/convergence.py (bert-tiny, batch 32 x 64 characters; see its grid and
+# benchmarks/results/2026-11-30-convergence.md).
 ADAMW = OptimConfig(adam_lr=1e-3)
 KFAC_OPTIM = OptimConfig(lr=0.1, momentum=0.9, adam_lr=1e-3)
 KFAC = KfacConfig(damping=1e-4, ema=0.9, refresh_steps=5, kl_clip=1e-5)

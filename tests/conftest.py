@@ -1,4 +1,4 @@
-"""Shared test set-up, kept minimal: the suite runs beside other jobs on 2 cores."""
+"""Shared test set-up, kept minimal: the suite may share a small CPU with other jobs."""
 
 import os
 
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def ops_only_tiny(tmp_path_factory):
     """The committed bert-tiny profile without its runtime overheads (`runtime`: 0), for tests
-    that need a plan shaped by the ops alone: the measured ~1.8 ms of runtime work per step
+    that need a plan shaped by the ops alone: the runtime work per step the profile records
     fills most of a 4-stage Chimera's bubble on bert-tiny, and its K-FAC work would then need
     a refresh cycle over the planner's limit."""
     from pathlib import Path

@@ -151,12 +151,11 @@ def test_fixed_k_over_the_memory_limit_names_the_smallest_limit():
 
 
 def test_cpsat_stretches_the_step_when_the_bubbles_cannot_hold_kfac(tmp_path):
-    """A 4-stage Chimera of bert-tiny with the runtime's measured overheads leaves ~0.3-1 ms
-    of bubble per step (as measured, 07:32 and 18:45) against ~30 ms of K-FAC work, here x10
-    so that no refresh cycle up to the limit holds it whatever the profile measured: the
-    greedy (bubbles only) refuses, naming the ways out; CP-SAT starts from the work appended
-    to the step and stretches the step, a plan faster than the appended one that the replay
-    accepts, at the k it is given too."""
+    """A 4-stage Chimera of bert-tiny with the runtime's measured overheads leaves little
+    bubble per step next to its K-FAC work, here x10 so that no refresh cycle up to the limit
+    holds it whatever the profile measured: the greedy (bubbles only) refuses, naming the
+    ways out; CP-SAT starts from the work appended to the step and stretches the step, a plan
+    faster than the appended one that the replay accepts, at the k it is given too."""
     prof = load_profile(os.path.join(ROOT, "profiles", "bert-tiny-cpu.json"))
     for l in prof.kfac_layers:
         l.curv_a_ms, l.curv_b_ms, l.precond_ms = 10 * l.curv_a_ms, 10 * l.curv_b_ms, 10 * l.precond_ms

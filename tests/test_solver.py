@@ -171,8 +171,8 @@ def _ops(plan, kind):
     return [(q, po.op) for q, steps in enumerate(plan.ranks) for ops in steps for po in ops if po.op.kind == kind]
 
 
-# (family, fixed order) where CP-SAT's own plan is strictly faster than PipeFisher's greedy
-# (measured: 1f1b free 15.30 vs 15.40 ms, interleaved 15.40 vs 15.50, chimera 16.50 vs 16.65)
+# (family, fixed order) where CP-SAT's own plan is faster than PipeFisher's greedy on these
+# synthetic profiles by more than the 0.05 ms the test asks for
 GREEDY_BEATEN = {("1f1b", False), ("interleaved", True), ("interleaved", False), ("chimera", True),
                  ("chimera", False)}
 
@@ -216,8 +216,7 @@ def test_a_plan_that_falls_back_to_the_greedy_says_so():
     cfg = PipelineConfig(**kw)
     greedy, _, _ = build_plan(prof, cfg, PlanOptions("greedy"))
     # a lax k rule (accept the first k tried, within 100% of the no-refresh step): CP-SAT
-    # keeps a short cycle that is slower than the greedy's longer one (k 2, 18.4 ms against
-    # k 5, 15.4 ms)
+    # keeps a short cycle that is slower than the greedy's longer one
     lax = dict(time_limit=2, workers=1, tolerance=1.0, extra_steps=0)
     own = solve_plan(prof, cfg, PlanOptions(**lax, fall_back_to_greedy=False))
     assert own.stats["fell_back_to_greedy"] is False and own.refresh_steps < greedy.refresh_steps

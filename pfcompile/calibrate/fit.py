@@ -201,10 +201,9 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     if recvs:
         link, recv_ms = fit_receives(recvs, profile.comm.p2p, stat)
     # Receives have no spread of their own: a send ends when it is posted, so a receive posted
-    # after it may still wait for the data, and its duration's tail (p90 ~3 ms against a
-    # 0.1 ms median) is the message's lag, which the replay already makes; drawn as well, it
-    # over-predicted the demo's second runs by 5-7% (11:30 set, ratios 0.875-1.038, against
-    # 0.911-1.079 with compute ops and sends alone).
+    # after it may still wait for the data, and its duration's long tail is the message's lag,
+    # which the replay already makes; drawing it as well would count that wait twice and
+    # over-predict the step.
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
                                  op_spread={**old.op_spread, **fit_spread(by_key)})

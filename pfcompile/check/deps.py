@@ -1,4 +1,4 @@
-"""The dependency rules of the plan semantics, read from a plan alone (DESIGN.md), as the
+"""The dependency rules of the plan semantics, read from a plan alone (docs/design.md §4.1), as the
 task graph of a plan. The rules are defined in pfcompile.formats.rules (the contract
 package: the runtime's verifier applies them too) and re-exported here.
 

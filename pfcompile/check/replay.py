@@ -1,10 +1,10 @@
 """Replay a plan: an event simulator that checks it and predicts its timeline.
 
-Written from the plan semantics alone (DESIGN.md; pfcompile/formats/plan.py), independently of
-any placement method: it reads each rank's op lists, takes durations and memory effects
-from pfcompile.graph.costs (the profile's numbers), and executes the lists in order, as the
-runtime would, for `cycles` back-to-back refresh cycles (2 by default, so the cycle
-boundary is exercised). It
+Written from the plan semantics alone (docs/design.md §3-4, this replay §10;
+pfcompile/formats/plan.py), independently of any placement method: it reads each rank's op
+lists, takes durations and memory effects from pfcompile.graph.costs (the profile's
+numbers), and executes the lists in order, as the runtime would, for `cycles` back-to-back
+refresh cycles (2 by default, so the cycle boundary is exercised). It
 
 - checks the ops of the cycle and the per-pair message order with the contract's rules
   (pfcompile.formats.rules.check_ops, pfcompile.formats.verify.check_pair_order: the same

@@ -1,7 +1,8 @@
 """`pfcompile inspect FILE`: a profile or a plan as tables (or `--json`).
 
-Dispatches on the file's `schema`; the tables themselves are drawn by the format's
-module (`profile.format_profile`, `plan_view.format_plan`), which import no torch.
+Dispatches on the file's `schema`; the tables themselves are drawn by
+`pfcompile.formats.profile.format_profile` and `pfcompile.render.text.format_plan`, which
+import no torch.
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ MAX_REPLICAS = 256          # copies of each stage
 MAX_WORLD_SIZE = 4096       # ranks of one plan
 MAX_MICRO_BATCHES = 16384   # micro-batches per step, all replicas together
 # Steps of one refresh cycle: the greedy needs k >= K-FAC work / bubble per step, and the
-# plan lists every step's ops k times (gpipe, 2 stages, 256 micro-batches of bert-tiny
-# needs k = 129: 272,000 ops, 7.5 minutes of greedy on the loaded 2-core VM).
+# plan lists every step's ops k times, so a pipeline with almost no bubble (gpipe, 2 stages,
+# 256 micro-batches of bert-tiny needs k = 129: 272,000 ops) takes minutes to plan.
 MAX_REFRESH_STEPS = 64
 # The planners hold every op of the cycle as Python objects (task graph, orders, replay
-# state): measured ~2.4 kB per op (the run above peaked at 653 MB), so a million ops is
-# ~2.5 GB, the most a planning host is assumed to spare. A plan file lists as many ops.
+# state), about 2.5 kB per op, so a million ops is about 2.5 GB, the most a planning host
+# is assumed to spare. A plan file lists as many ops.
 MAX_TASKS = 1_000_000
 
 # Predicted times: a cycle longer than a day is a corrupt number, not a schedule.

@@ -43,8 +43,8 @@ the rest), "adamw" the first-order baseline (AdamW on everything). A version-1 p
 no such field: it still loads, with a one-line warning, and its step is ESTIMATED
 (`estimated_step_ms`): the optimizer streams parameters, gradients and state, 7 passes over
 the parameter bytes for AdamW and 5 for SGD-momentum, at 2 GB/s on a CPU (one core,
-single-threaded torch, measured 0.1-0.7 GB/s-of-parameters on bert-tiny/mini parts, where
-per-tensor overheads dominate) and 200 GB/s on a GPU.
+single-threaded torch; small parts run slower, where per-tensor overheads dominate) and
+200 GB/s on a GPU.
 
 `runtime` (optional in every version; absent: all 0, the ops alone) is what the runtime itself
 costs around the ops, per rank: `op_ms` the interpreter's dispatch of one op (the gap between an
@@ -67,9 +67,10 @@ so the expected step is longer than the step of mean op times). Fitted from a me
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.split_backward runs them: B, the input gradient
 (and the non-Linear parameters'), and W, each nn.Linear's weight gradient from the kept
-input and output gradient. They need not add up to `bwd_ms` (B+W measured 1.0-1.4x the
-whole backward per part on CPU, bert-tiny/mini: two passes, and B keeps what W reads). `null` (a reference profile
-whose source published only the whole backward) and version-2 profiles (which load with a
+input and output gradient. They need not add up to `bwd_ms`: B + W costs more than the
+whole backward (two passes, and B keeps what W reads; see
+benchmarks/results/2026-11-30-split-backward.md). `null` (a reference profile whose source
+published only the whole backward) and version-2 profiles (which load with a
 one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half of `bwd_ms`
 each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
 FLOPs, input gradient and weight gradient). `wgrad_bytes` (version 3, optional) is what the

@@ -4,7 +4,7 @@ The task graph (what a planner places) and the replay (what checks a plan) must 
 on what an op costs, so both ask a `Costs`. It knows the partition (parts of each model
 stage), the K-FAC layers of each stage, the number of replicas and the inversion method.
 
-Memory model (DESIGN.md, plan semantics):
+Memory model (docs/design.md §5.4):
 - resident per rank: parameters + gradients + optimizer state of the stages it holds
   (runtime.optim: SGD momentum on the K-FAC layers' weights and biases, AdamW's two moments
   on the rest; AdamW on everything without K-FAC), and per K-FAC layer held: accumulators

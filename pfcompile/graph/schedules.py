@@ -4,7 +4,7 @@ A family fixes, for one training step, the order in which each rank runs the for
 backward passes of its (stage, micro-batch) pairs; the point-to-point ops and the end of
 step (sync_grad, precond, step) follow from it. Without K-FAC this is the bubble baseline.
 
-Layout (DESIGN.md, shared plan semantics): D = stages (devices per pipeline), v =
+Layout (docs/design.md §3.1): D = stages (devices per pipeline), v =
 virtual_stages, S = D·v model stages, N = micro_batches of ALL replicas, R = replicas.
 - gpipe / 1f1b:  rank = r·D + s, W = D·R
 - interleaved:   rank = r·D + (s mod D): device d holds stages d, d+D, ..., d+(v-1)·D
@@ -35,7 +35,7 @@ class PipelineConfig:
     `inversion`: "balanced" inverts each factor on ONE replica of its stage (round-robin
     weighted by load, then broadcast; CP-SAT chooses the replica), "all" inverts on every
     replica (no broadcast), "pipefisher" PipeFisher's split (floor(blocks/R) blocks of the
-    stage to each replica, the rest on every replica; taskgraph.replica_share).
+    stage to each replica, the rest on every replica; costs.replica_share).
     `refresh_steps` is k, the cycle length; planners that choose k overwrite it.
     """
 

@@ -13,7 +13,7 @@ All bounds relax the problem (drop constraints), so each is below every feasible
   its work and the waits its dependencies force on it: a path that leaves the rank and
   comes back (a micro-batch's forward to the last stage and its backward back; a step's
   update to the next step's forward through the other stages) is a wait inside the span
-  (`rank_span_bound`).
+  (`rank_span_bounds`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Bounds:
     critical_path: int
     device_work: int
     shared_work: int
-    rank_span: int = 0  # periodic problems only (rank_span_bound)
+    rank_span: int = 0  # periodic problems only (rank_span_bounds)
 
     @property
     def makespan(self) -> int:

@@ -64,10 +64,10 @@ class NoScheduleFound(InputError):
 
 
 # curvature ops per cycle above which a producer's curvature ops are one task. Grouping
-# makes the model smaller but the packing coarse: with the rank-span bound the list
-# schedules of the ungrouped cycle reach the bound where the grouped ones stay 2-10% off
-# (scaling rows, chimera 4 x 16 k 10: 0.26% against 9.8%; 1f1b 4 x 16 k 7: 0% against
-# 5.9%), so only the largest cycles (32 x 128: 49152 curvature ops) are grouped
+# makes the model smaller but the packing coarse (ungrouped list schedules reach the
+# rank-span bound where grouped ones stay several percent off), so only the largest cycles
+# (32 x 128: 49152 curvature ops) are grouped; benchmarks/results/2026-11-30-planner-scaling.md
+# has the ungrouped rows' gaps
 GROUP_ABOVE = 30000
 
 
@@ -187,8 +187,8 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
             balanced = balanced_options(p)
             cands.append(("balanced list", list_schedule(p, first=cm.per_step, order_key=by_head,
                                                          options=balanced)))
-            # the work with the most after it first (chimera 4 x 4, k 11: 0.4% from the
-            # bound, against 2.6% by earliest start)
+            # the work with the most after it first: on Chimera it packs closer to the bound
+            # than earliest start does
             cands.append(("balanced list, longest tail first",
                           list_schedule(p, first=cm.per_step, order_key=lambda i: (-tail[i], i), options=balanced)))
         if greedy_steps is not None:

@@ -1,7 +1,7 @@
 """A model's parts timed as the runtime runs them: each part is `runtime.models.Stage` over
 that one part with its K-FAC hooks attached and capturing (a refresh step, the costlier
 case); forward, backward, the split backward's B and W (runtime.split_backward), and the
-optimizer step (runtime.build.make_update), with the bytes each keeps."""
+optimizer step (runtime.build.Update), with the bytes each keeps."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
 
 
 def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
-    """The `step` op over this part's parameters, as runtime.build.make_update runs it: KL clip
+    """The `step` op over this part's parameters, as runtime.build.Update runs it: KL clip
     over its K-FAC layers then the K-FAC optimizer (SGD-momentum + AdamW), and the first-order
     baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
     clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
