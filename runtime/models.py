@@ -341,7 +341,7 @@ class BuiltinModel:
 
 
 def _valid_names() -> str:
-    return ", ".join(MODEL_CONFIGS) + ", or package.module:function"
+    return ", ".join(MODEL_CONFIGS) + ", hf:PATH (a transformers config.json or model directory), or package.module:function"
 
 
 def resolve_config(name_or_spec: str | ModelConfig | dict, vocab: int | None = None, seq_len: int | None = None) -> ModelConfig:
@@ -367,11 +367,16 @@ def resolve_config(name_or_spec: str | ModelConfig | dict, vocab: int | None = N
 def resolve_model(name_or_spec, vocab: int | None = None, seq_len: int | None = None):
     """Anything naming a model -> an object with `cfg`, `part_names`, `build_part(name, seed)`.
 
-    Accepts a built-in name, a ModelConfig, a spec object, or "package.module:function"
-    (the function is called with no arguments and must return a spec object).
+    Accepts a built-in name, a ModelConfig, a spec object, "hf:PATH" (a `transformers`
+    config or model directory: runtime.hf) or "package.module:function" (the function is
+    called with no arguments and must return a spec object).
     """
     if hasattr(name_or_spec, "build_part") and hasattr(name_or_spec, "part_names"):
         return name_or_spec
+    if isinstance(name_or_spec, str) and name_or_spec.startswith("hf:"):
+        from runtime import hf
+
+        return hf.resolve(name_or_spec, seq_len)
     if isinstance(name_or_spec, str) and ":" in name_or_spec:
         mod_name, _, fn_name = name_or_spec.partition(":")
         try:
@@ -474,8 +479,9 @@ def kfac_linears(module_with_parts: nn.Module,
 # --- a trained model file ----------------------------------------------------------------------
 def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineModel, dict]:
     """The unpipelined model of a `--save-model` file (model.safetensors with model.json
-    beside it) and its spec. A user model's code is imported only if `model_code` names it.
-    Raises ModelSpecError (one line) on a missing or mismatched pair."""
+    beside it) and its spec. A user model's code is imported only if `model_code` names it;
+    a `transformers` model is rebuilt from the config.json saved beside. Raises
+    ModelSpecError (one line) on a missing or mismatched pair."""
     import json
     from pathlib import Path
 
@@ -488,7 +494,13 @@ def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineMode
         name = meta["model"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelSpecError(f"{spec_file}: not a model spec written with the safetensors file ({type(e).__name__})") from None
-    if ":" in name:
+    hf_names = name.startswith("hf:")
+    if hf_names:  # saved in the transformers layout, its config.json beside (runtime.hf)
+        config = spec_file.parent / "config.json"
+        if not config.is_file():
+            raise ModelSpecError(f"{config}: missing: the transformers config saved with {path}")
+        spec = resolve_model(f"hf:{config}")
+    elif ":" in name:
         if model_code != name:
             raise ModelSpecError(f"{spec_file}: model is user code {name!r}; pass --model-code {name} to allow importing it")
         spec = resolve_model(name)
@@ -499,6 +511,11 @@ def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineMode
         state = load_file(path)
     except (OSError, SafetensorError) as e:
         raise ModelSpecError(f"{path}: cannot read safetensors ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if hf_names:
+        try:
+            state = spec.pipeline_state_dict(state)
+        except ModelSpecError as e:
+            raise ModelSpecError(f"{path}: {e}") from None
     missing = set(model.state_dict()) ^ set(state)
     if missing:
         raise ModelSpecError(f"{path}: tensors do not match model {name!r} (e.g. {sorted(missing)[0]!r})")
