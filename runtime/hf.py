@@ -15,7 +15,7 @@ The cut (the Llama module layout: Llama, Mistral, Qwen2, Qwen3):
 Each part is the `transformers` module itself (materialised from a meta-device model), so
 it computes what the uncut model computes. Random weights follow `transformers`'
 initialisation (N(0, initializer_range), unit norms), drawn per (seed, part name) like the
-built-in models. A config with tied embeddings (tie_word_embeddings) is trained UNTIED: the
+built-in models; weights in the folder replace them (the seed then changes nothing). A config with tied embeddings (tie_word_embeddings) is trained UNTIED: the
 head starts as a copy of the embedding, and a saved model says tie_word_embeddings false.
 
 Saved models (runtime --save-model DIR/model.safetensors) use the `transformers` parameter

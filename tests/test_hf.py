@@ -198,3 +198,18 @@ def test_bad_hf_models_are_one_line_errors(tmp_path):
     # through the CLI: exit status 2 and one line
     one_line_error(cli("profile", "--model", f"hf:{tmp_path / 'nope.json'}", "-o", str(tmp_path / "p.json")),
                    "--model", "no such file")
+
+
+def test_runtime_rejects_model_code_and_a_missing_config(tmp_path):
+    """The runtime rebuilds an hf: model from the plan's name: --model-code has nothing to
+    allow, and a config gone since planning is named in one line, before any collective."""
+    from test_runtime import run_single
+
+    config = write_config(tmp_path / "tiny")
+    plan = make_plan(tmp_path, "1f1b", 2, name=f"hf:{config}")
+    r = run_single(str(plan), "--model-code", "my_model:build", world_size=2)
+    assert r.returncode == 2 and "--model-code" in r.stderr and "a transformers config" in r.stderr, r.stderr
+    config.unlink()
+    r = run_single(str(plan), world_size=2)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "model.name" in lines[0] and "no such file" in lines[0], r.stderr
