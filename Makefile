@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	  apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,hf]'
 	touch $(STAMP)
 
 # graphviz's `dot` renders the schedule graph; Debian's package provides it.

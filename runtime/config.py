@@ -218,10 +218,20 @@ def _device_and_precision(cfg: JobConfig, plan, where: str):
 
 def _resolve_model(plan, cfg: JobConfig, where: str):
     """The plan's model spec. User code is imported only when the command line names the
-    same code (--model-code), so a plan file alone never runs code."""
+    same code (--model-code), so a plan file alone never runs code; an "hf:PATH" model is a
+    transformers config (data), rebuilt from the plan's name (a relative PATH from the
+    current directory)."""
     from runtime.models import MODEL_CONFIGS, ModelSpecError, resolve_config, resolve_model
 
     name = plan.model.get("name")
+    if name.startswith("hf:"):  # a transformers config or model directory: data, not code
+        if cfg.runtime.model_code is not None:
+            raise cfg.error("runtime.model_code", f"{cfg.runtime.model_code!r} but the plan's model is {name!r}, "
+                                                  "a transformers config (no code to allow)")
+        try:
+            return resolve_model(name, seq_len=plan.model.get("seq_len"))
+        except ModelSpecError as e:
+            raise InputError(where, "model.name", str(e)) from None
     if ":" in name:
         if cfg.runtime.model_code != name:
             raise InputError(where, "model.name", f"is user code {name!r}; pass --model-code {name} to allow importing it")

@@ -4,7 +4,9 @@ each stage; replicas are equal) into a safetensors file, with the model's spec b
 unpipelined model in a single process; `python -m runtime.evaluate` evaluates it.
 
 Parameter names are the unpipelined model's (`parts.block0.attn.q.weight`): a stage's
-names are already those of the whole model, so the stages' dicts simply merge.
+names are already those of the whole model, so the stages' dicts simply merge. A
+`transformers` model ("hf:PATH") is written with its `transformers` names and config.json
+(runtime.hf), so it loads back into `transformers`.
 """
 
 from __future__ import annotations
@@ -55,12 +57,24 @@ def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
     return out if world.rank == 0 else None
 
 
-def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict) -> None:
-    """model.safetensors (the tensors, the spec also in its metadata) and model.json (the spec)."""
+def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict, model=None) -> None:
+    """model.safetensors (the tensors, the spec also in its metadata) and model.json (the spec).
+
+    A `transformers` model (`model`: a runtime.hf.HFModel) is saved in its own layout: the
+    tensors by their `transformers` names and config.json beside, so the folder loads with
+    AutoModelForCausalLM.from_pretrained (which wants the file named model.safetensors and
+    the metadata format "pt")."""
     from safetensors.torch import save
 
+    from runtime.hf import HFModel
+
     spec = {"format": FORMAT, **spec}
-    write_atomic(path, save({n: t.contiguous() for n, t in tensors.items()}, metadata={FORMAT: json.dumps(spec)}))
+    metadata = {FORMAT: json.dumps(spec)}
+    if isinstance(model, HFModel):
+        tensors = model.hf_state_dict(tensors)
+        metadata["format"] = "pt"
+        model.save_config(Path(path).parent, getattr(torch, spec["dtype"]))
+    write_atomic(path, save({n: t.contiguous() for n, t in tensors.items()}, metadata=metadata))
     write_json(spec_path(path), spec)
 
 

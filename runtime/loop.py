@@ -203,7 +203,7 @@ def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -
 def _save_model(job, world, stages, val_batches: int) -> None:
     tensors = export.gather_model(world, job.plan, stages)
     if world.rank == 0:
-        export.save_model(job.config.checkpoint.save_model, tensors, export.model_spec(job, val_batches))
+        export.save_model(job.config.checkpoint.save_model, tensors, export.model_spec(job, val_batches), job.spec)
 
 
 def _announce(cfg, dirs: list[str], say) -> None:

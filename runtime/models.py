@@ -11,6 +11,11 @@ the same Linear layers (q, k, v, out, fc1, fc2) either way. The head is a final 
 plus the vocabulary projection; BERT and GPT differ only in the attention mask and in the
 targets the data builds (masked tokens vs. the next token).
 
+The Llama family (arch "llama", kind "gpt") is the decoder LLMs people train: RMSNorm,
+rotary positions (no position table), SwiGLU, grouped-query attention, bias-free Linears
+and an untied output head; K-FAC covers attn.q/k/v/out and mlp.gate/up/down. A Hugging
+Face `transformers` model ("hf:PATH") is cut into the same parts by runtime.hf.
+
 Part call convention (what a pipeline passes between stages):
     embed(tokens[b,T]) -> h[b,T,H];  block(h) -> h;  head(h, targets[b,T]) -> scalar loss
     (mean over target tokens, -100 ignored); head(h) -> logits[b,T,V].
@@ -33,7 +38,9 @@ import torch.nn.functional as F
 # building a model does not read the corpus.
 CORPUS_VOCAB = 100
 BERT_VOCAB = 30522
+LLAMA3_VOCAB = 128256
 IGNORE_INDEX = -100
+ARCHS = ("gpt2", "llama", "hf")
 
 
 class ModelSpecError(ValueError):
@@ -51,12 +58,28 @@ class ModelConfig:
     vocab: int = CORPUS_VOCAB
     max_seq_len: int = 128
     dropout: float = 0.0
+    arch: str = "gpt2"       # "gpt2": LayerNorm, learned positions, GELU; "llama": see the module doc; "hf"
+    kv_heads: int = 0        # grouped-query attention's key/value heads (llama); 0: as many as heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5   # RMSNorm's epsilon (llama)
 
     def __post_init__(self):
         if self.kind not in ("bert", "gpt"):
             raise ModelSpecError(f"model {self.name!r}: kind must be 'bert' or 'gpt', got {self.kind!r}")
-        if self.hidden % self.heads:
+        if self.arch not in ARCHS:
+            raise ModelSpecError(f"model {self.name!r}: arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch == "llama" and self.kind != "gpt":
+            raise ModelSpecError(f"model {self.name!r}: arch 'llama' is a causal LM (kind 'gpt'), got {self.kind!r}")
+        # an hf model's head size is its config's (head_dim), not hidden / heads
+        if self.arch != "hf" and self.hidden % self.heads:
             raise ModelSpecError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.kv_heads and self.heads % self.kv_heads:
+            raise ModelSpecError(f"model {self.name!r}: heads {self.heads} is not divisible by kv_heads {self.kv_heads}")
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without grouped-query attention)."""
+        return self.heads // (self.kv_heads or self.heads)
 
     @property
     def causal(self) -> bool:
@@ -78,7 +101,19 @@ def _family(kind: str) -> dict[str, ModelConfig]:
             for s, (n, h, heads, vocab, seq) in sizes.items()}
 
 
-MODEL_CONFIGS: dict[str, ModelConfig] = {**_family("bert"), **_family("gpt")}
+def _llama_family() -> dict[str, ModelConfig]:
+    """CPU sizes (the SwiGLU width ~8/3 of hidden, as Llama's) and the shapes of Llama-3.2-1B
+    and Llama-3-8B for profiling on a GPU (their rope scaling is left out: it changes no cost)."""
+    sizes = {"tiny": (2, 64, 4, 2, 176, CORPUS_VOCAB, 128, 1e4),
+             "mini": (4, 256, 8, 2, 688, CORPUS_VOCAB, 128, 1e4),
+             "1b": (16, 2048, 32, 8, 8192, LLAMA3_VOCAB, 131072, 5e5),
+             "8b": (32, 4096, 32, 8, 14336, LLAMA3_VOCAB, 8192, 5e5)}
+    return {f"llama-{s}": ModelConfig(f"llama-{s}", "gpt", n, h, heads, ffn, vocab, seq, arch="llama",
+                                      kv_heads=kv, rope_theta=theta)
+            for s, (n, h, heads, kv, ffn, vocab, seq, theta) in sizes.items()}
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {**_family("bert"), **_family("gpt"), **_llama_family()}
 
 
 # --- parts -------------------------------------------------------------------------------
@@ -153,6 +188,100 @@ class Head(nn.Module):
         return logits if targets is None else lm_loss(logits, targets)
 
 
+# --- Llama-style parts -----------------------------------------------------------------------
+class LlamaEmbed(nn.Module):
+    """Token embedding only: positions enter each block's attention as rotations."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok(tokens)
+
+
+def rotary(t: int, head_dim: int, theta: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [t, head_dim] of rotary positions 0..t-1 (the two-halves layout of
+    Hugging Face's Llama), computed in float64 and cast to `like`'s dtype."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=like.device) / head_dim)
+    freqs = torch.arange(t, dtype=torch.float64, device=like.device)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(like.dtype), emb.sin().to(like.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query attention with rotary positions and bias-free projections."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.groups, self.head_dim, self.theta = cfg.heads, cfg.groups, cfg.hidden // cfg.heads, cfg.rope_theta
+        kv = cfg.heads // cfg.groups * self.head_dim
+        # Registration order is execution order: kfac_linears relies on it.
+        self.q = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.k = nn.Linear(cfg.hidden, kv, bias=False)
+        self.v = nn.Linear(cfg.hidden, kv, bias=False)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        split = lambda y: y.view(b, t, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        cos, sin = rotary(t, self.head_dim, self.theta, q)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.groups > 1:  # each key/value head serves `groups` query heads
+            k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+        # SDPA, as Llama trainers run it: at the 1b/8b shapes an explicit T x T softmax
+        # would be the memory the profile measures.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, t, h))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = GQAttention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm1(h))
+        return h + self.mlp(self.norm2(h))
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm and the untied, bias-free vocabulary projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.proj(self.norm(h))
+        return logits if targets is None else lm_loss(logits, targets)
+
+
+PART_CLASSES = {"gpt2": (Embed, Block, Head), "llama": (LlamaEmbed, LlamaBlock, LlamaHead)}
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over target tokens (targets == -100 are ignored)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -168,7 +297,7 @@ def part_seed(seed: int, part_name: str) -> int:
 
 
 def _init_weights(module: nn.Module) -> None:
-    # GPT-2/BERT initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm.
+    # GPT-2/BERT (and Llama) initialisation: N(0, 0.02) weights, zero biases, unit norms.
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
@@ -178,12 +307,15 @@ def _init_weights(module: nn.Module) -> None:
 
 def build_part(cfg: ModelConfig, part_name: str, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """Build one part deterministically from (seed, part name)."""
+    if cfg.arch not in PART_CLASSES:
+        raise ModelSpecError(f"model {cfg.name!r}: arch {cfg.arch!r} is built by its own spec (resolve_model)")
+    embed, block, head = PART_CLASSES[cfg.arch]
     if part_name == "embed":
-        make = Embed
+        make = embed
     elif part_name == "head":
-        make = Head
+        make = head
     elif re.fullmatch(r"block\d+", part_name) and int(part_name[5:]) < cfg.layers:
-        make = Block
+        make = block
     else:
         raise ModelSpecError(f"model {cfg.name!r} has no part {part_name!r} (parts: embed, block0..block{cfg.layers - 1}, head)")
     with torch.random.fork_rng(devices=[]):
@@ -209,7 +341,7 @@ class BuiltinModel:
 
 
 def _valid_names() -> str:
-    return ", ".join(MODEL_CONFIGS) + ", or package.module:function"
+    return ", ".join(MODEL_CONFIGS) + ", hf:PATH (a transformers config.json or model directory), or package.module:function"
 
 
 def resolve_config(name_or_spec: str | ModelConfig | dict, vocab: int | None = None, seq_len: int | None = None) -> ModelConfig:
@@ -235,11 +367,16 @@ def resolve_config(name_or_spec: str | ModelConfig | dict, vocab: int | None = N
 def resolve_model(name_or_spec, vocab: int | None = None, seq_len: int | None = None):
     """Anything naming a model -> an object with `cfg`, `part_names`, `build_part(name, seed)`.
 
-    Accepts a built-in name, a ModelConfig, a spec object, or "package.module:function"
-    (the function is called with no arguments and must return a spec object).
+    Accepts a built-in name, a ModelConfig, a spec object, "hf:PATH" (a `transformers`
+    config or model directory: runtime.hf) or "package.module:function" (the function is
+    called with no arguments and must return a spec object).
     """
     if hasattr(name_or_spec, "build_part") and hasattr(name_or_spec, "part_names"):
         return name_or_spec
+    if isinstance(name_or_spec, str) and name_or_spec.startswith("hf:"):
+        from runtime import hf
+
+        return hf.resolve(name_or_spec, seq_len)
     if isinstance(name_or_spec, str) and ":" in name_or_spec:
         mod_name, _, fn_name = name_or_spec.partition(":")
         try:
@@ -342,8 +479,9 @@ def kfac_linears(module_with_parts: nn.Module,
 # --- a trained model file ----------------------------------------------------------------------
 def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineModel, dict]:
     """The unpipelined model of a `--save-model` file (model.safetensors with model.json
-    beside it) and its spec. A user model's code is imported only if `model_code` names it.
-    Raises ModelSpecError (one line) on a missing or mismatched pair."""
+    beside it) and its spec. A user model's code is imported only if `model_code` names it;
+    a `transformers` model is rebuilt from the config.json saved beside. Raises
+    ModelSpecError (one line) on a missing or mismatched pair."""
     import json
     from pathlib import Path
 
@@ -356,7 +494,13 @@ def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineMode
         name = meta["model"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelSpecError(f"{spec_file}: not a model spec written with the safetensors file ({type(e).__name__})") from None
-    if ":" in name:
+    hf_names = name.startswith("hf:")
+    if hf_names:  # saved in the transformers layout, its config.json beside (runtime.hf)
+        config = spec_file.parent / "config.json"
+        if not config.is_file():
+            raise ModelSpecError(f"{config}: missing: the transformers config saved with {path}")
+        spec = resolve_model(f"hf:{config}")
+    elif ":" in name:
         if model_code != name:
             raise ModelSpecError(f"{spec_file}: model is user code {name!r}; pass --model-code {name} to allow importing it")
         spec = resolve_model(name)
@@ -367,6 +511,11 @@ def load_trained(path: str, model_code: str | None = None) -> tuple[PipelineMode
         state = load_file(path)
     except (OSError, SafetensorError) as e:
         raise ModelSpecError(f"{path}: cannot read safetensors ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if hf_names:
+        try:
+            state = spec.pipeline_state_dict(state)
+        except ModelSpecError as e:
+            raise ModelSpecError(f"{path}: {e}") from None
     missing = set(model.state_dict()) ^ set(state)
     if missing:
         raise ModelSpecError(f"{path}: tensors do not match model {name!r} (e.g. {sorted(missing)[0]!r})")

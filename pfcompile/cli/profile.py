@@ -23,7 +23,8 @@ def register(sub) -> None:
                     "and preconditioning with the runtime's own code, measure message costs in a "
                     "2-rank process group, and write a versioned profile. With --reference, convert "
                     "PipeFisher's published per-block measurements instead.")
-    p.add_argument("--model", default="bert-tiny", help="built-in model name or package.module:function (default bert-tiny)")
+    p.add_argument("--model", default="bert-tiny", help="built-in model name, hf:PATH (a transformers config.json or model "
+                   "directory) or package.module:function (default bert-tiny)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help=f"sequences per micro-batch (default {DEFAULT_MICRO_BATCH}; reference {REFERENCE_MICRO_BATCH})")
     p.add_argument("--seq-len", type=int, default=None,

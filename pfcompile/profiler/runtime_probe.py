@@ -42,7 +42,7 @@ def measure_runtime(profile: Profile, device: torch.device,
                plan_path, "--steps", str(steps), "--warmup", "2", "--data", "synthetic", "--trace", trace_path,
                "--device", device.type]
         name = profile.model.get("name", "")
-        if ":" in name:  # a user's model: the runtime imports its code only when told to
+        if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
             cmd += ["--model-code", name]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode or not os.path.exists(trace_path):
