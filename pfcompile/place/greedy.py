@@ -234,7 +234,7 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None, bubbles: 
             in_bubbles[t.rank] += tg.duration(t)
     step_work = {q: sum(tg.duration(t) for t in ts) for q, ts in orders.items()}  # every step's own work
     info = {"step_time_model_ms": T, "tail_tasks": sum(len(g) for g in tail), "bubble_ms": bubble,
-            "kfac_work_ms": work, "bubble_work_ms": in_bubbles, "step_work_ms": step_work, "refresh_steps": k}
+            "refresh_work_ms": work, "bubble_work_ms": in_bubbles, "step_work_ms": step_work, "refresh_steps": k}
     return tg, steps, info
 
 
