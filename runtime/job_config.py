@@ -1,6 +1,6 @@
 """The runtime's settings as typed sections, one dataclass each, held by a JobConfig (as
-torchtitan's JobConfig): [train] [optimizer] [schedule] [kfac] [data] [eval] [log]
-[checkpoint] [runtime]. Every setting of a run is one key of one section; its type is the
+torchtitan's JobConfig): [train] [optimizer] [schedule] [kfac] [shampoo] [muon] [data] [eval]
+[log] [checkpoint] [runtime]. Every setting of a run is one key of one section; its type is the
 field's annotation, its default the field's default, its valid range the field's `check`.
 
 Where a run's values come from, later wins: the defaults here, then the TOML file
@@ -16,7 +16,12 @@ data.micro_batches: they may be written (and then must agree), never changed her
 back.
 
 Defaults are the values benchmarks/convergence.py selected for bert-tiny (K-FAC: lr 0.1,
-momentum 0.9, damping 1e-4, EMA 0.9, KL clip 1e-5; AdamW lr 1e-3).
+momentum 0.9, damping 1e-4, EMA 0.9, KL clip 1e-5; AdamW lr 1e-3). [muon] has
+torch.optim.Muon's defaults except adjust_lr_fn, "match_rms_adamw": it scales the update to
+AdamW's RMS, so Muon's lr is on AdamW's scale (Moonshot's "Muon is Scalable for LLM Training").
+
+Which optimizer a pipeline run uses is the plan's choice (kfac | shampoo | muon | adamw);
+the single-process trainer takes it as an argument (runtime.train.train_reference).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
 DTYPES = ("float32", "float64", "bfloat16")  # runtime.precision's, named here where no torch is imported
+OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optim.build_optimizer's
 
 
 # --- valid ranges: (predicate, what the message says a value must be) ------------------------------
@@ -104,6 +110,30 @@ class Kfac:
     fisher: str = setting("empirical", "empirical (the pipeline runtime's only kind) | mc", one_of("empirical", "mc"))
     refresh_steps: int | None = setting(None, "fixed by the plan", at_least(1))
     inverse: str | None = setting(None, "fixed by the plan", one_of("cholesky", "eigen"))
+
+
+@dataclass
+class Shampoo:
+    beta2: float = setting(0.99, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
+                           (lambda v: 0 < v <= 1, "in (0, 1]"))
+    epsilon: float = setting(1e-6, "damping relative to the statistic's largest eigenvalue", POSITIVE_FINITE)
+    graft: str = setting("sgd", "sgd (the raw gradient's norm per layer) | none", one_of("sgd", "none"))
+
+
+@dataclass
+class Muon:
+    lr: float = setting(1e-3, "Muon learning rate of the covered weights (before the shape adjustment)",
+                        FINITE_NONNEGATIVE)
+    weight_decay: float = setting(0.1, "decoupled weight decay (times lr)", FINITE_NONNEGATIVE)
+    momentum: float = setting(0.95, "momentum (an EMA of the gradient)", FINITE_NONNEGATIVE)
+    nesterov: bool = setting(True, "Nesterov momentum")
+    ns_coefficients: tuple[float, float, float] = setting((3.4445, -4.775, 2.0315),
+                                                          "Newton-Schulz quintic coefficients a, b, c")
+    ns_steps: int = setting(5, "Newton-Schulz iterations", between(0, 99))
+    eps: float = setting(1e-7, "floor of the norm the iteration's input is divided by", FINITE_NONNEGATIVE)
+    ns_dtype: str = setting("bfloat16", "dtype of the iteration: " + " | ".join(DTYPES), one_of(*DTYPES))
+    adjust_lr_fn: str = setting("match_rms_adamw", "original (sqrt(max(1, out/in))) | match_rms_adamw "
+                                "(0.2 sqrt(max(out, in)))", one_of("original", "match_rms_adamw"))
 
 
 @dataclass
@@ -172,6 +202,8 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     schedule: Schedule = field(default_factory=Schedule)
     kfac: Kfac = field(default_factory=Kfac)
+    shampoo: Shampoo = field(default_factory=Shampoo)
+    muon: Muon = field(default_factory=Muon)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
     log: Log = field(default_factory=Log)
@@ -217,6 +249,23 @@ class JobConfig:
         return KfacConfig(damping=k.damping, ema=k.ema, damping_mode=k.damping_mode, inverse=k.inverse or "cholesky",
                           fisher=k.fisher, kl_clip=k.kl_clip if k.kl_clip > 0 else None,
                           refresh_steps=k.refresh_steps or 1)
+
+    def shampoo_config(self):
+        """runtime.shampoo.ShampooConfig of [shampoo]; its refresh period is the plan's
+        (kfac.refresh_steps once apply_plan has filled it in; 1 before)."""
+        from runtime.shampoo import ShampooConfig
+
+        s = self.shampoo
+        return ShampooConfig(beta2=s.beta2, epsilon=s.epsilon, graft=s.graft, refresh_steps=self.kfac.refresh_steps or 1)
+
+    def muon_config(self):
+        """runtime.muon.MuonConfig of [muon]."""
+        from runtime.muon import MuonConfig
+
+        m = self.muon
+        return MuonConfig(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                          ns_coefficients=m.ns_coefficients, eps=m.eps, ns_steps=m.ns_steps,
+                          adjust_lr_fn=m.adjust_lr_fn, ns_dtype=m.ns_dtype)
 
     def optim_config(self):
         """runtime.optim.OptimConfig of [optimizer] and [schedule] (max_grad_norm is the

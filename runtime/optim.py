@@ -1,6 +1,9 @@
 """The optimizer of one stage (or the whole model): SGD with momentum on the K-FAC layers'
 preconditioned gradients, AdamW on everything K-FAC does not cover (embeddings, LayerNorms,
-the head). Without K-FAC layers it is plain AdamW, the first-order baseline.
+the head). Without K-FAC layers it is plain AdamW, the first-order baseline. Shampoo's
+layers (runtime.shampoo) take the same SGD-momentum on their weights' grafted
+preconditioned gradients; Muon's (runtime.muon) their own update (MuonOptimizer). Both
+cover only the weights: the layers' biases go to AdamW with the rest.
 
 Both learning rates follow one schedule (`lr_factor`): linear warm-up over warmup_steps,
 then constant, linear, cosine or polynomial decay to final_lr_ratio over decay_steps.
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from runtime.job_config import DECAYS  # the schedule's names live with the [schedule] section
+from runtime.job_config import DECAYS, OPTIMIZERS  # names live with their config sections
 
 
 @dataclass
@@ -57,12 +60,20 @@ class OptimConfig:
         return r + (1.0 - r) * (1.0 - p) ** self.power
 
 
+def covered_parameters(layer) -> tuple[torch.Tensor, ...]:
+    """The parameters a layer's optimizer covers: a K-FAC layer all of its Linear's (weight
+    and bias), a Shampoo or Muon layer its `covered` (the weight)."""
+    covered = getattr(layer, "covered", None)
+    return tuple(layer.module.parameters()) if covered is None else covered
+
+
 class KfacOptimizer:
-    """SGD-momentum for K-FAC-covered parameters + AdamW for the rest, stepped together."""
+    """SGD-momentum for K-FAC-covered parameters + AdamW for the rest, stepped together.
+    Also Shampoo's optimizer: SGD-momentum on the covered weights, AdamW on the rest."""
 
     def __init__(self, module: nn.Module, kfac_layers, cfg: OptimConfig):
         self.cfg = cfg
-        covered = {id(p) for l in kfac_layers for p in l.module.parameters()}
+        covered = {id(p) for l in kfac_layers for p in covered_parameters(l)}
         kfac_params = [p for p in module.parameters() if id(p) in covered and p.requires_grad]
         other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
         self.sgd = torch.optim.SGD(kfac_params, lr=cfg.lr, momentum=cfg.momentum,
@@ -113,6 +124,54 @@ class KfacOptimizer:
             self.adamw.load_state_dict(sd["adamw"])
 
 
+class MuonOptimizer:
+    """Muon's update on the covered weights (their gradients orthogonalised by the layers'
+    `orthogonalize`) + AdamW for the rest, stepped together; both rates follow the schedule."""
+
+    def __init__(self, module: nn.Module, muon_layers, cfg: OptimConfig):
+        self.cfg = cfg
+        self.layers = list(muon_layers)
+        covered = {id(p) for l in self.layers for p in l.covered}
+        other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
+        self.adamw = torch.optim.AdamW(other, lr=cfg.adam_lr, betas=cfg.adam_betas,
+                                       weight_decay=cfg.adam_weight_decay) if other else None
+        self.steps = 0
+
+    def warmup_factor(self, step: int | None = None) -> float:
+        """The schedule's factor for the next update (or for step `step`)."""
+        return self.cfg.lr_factor(self.steps if step is None else step)
+
+    @property
+    def lr(self) -> float:
+        """The Muon learning rate in effect for the next step (before the shape adjustment)."""
+        return self.layers[0].cfg.lr * self.warmup_factor() if self.layers else 0.0
+
+    def zero_grad(self) -> None:
+        for l in self.layers:
+            l.module.weight.grad = None
+        if self.adamw:
+            self.adamw.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        f = self.warmup_factor()
+        for l in self.layers:
+            l.apply(l.cfg.lr * f)
+        if self.adamw:
+            for g in self.adamw.param_groups:
+                g["lr"] = self.cfg.adam_lr * f
+            self.adamw.step()
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        """The step count and AdamW's state; the momentum buffers are the layers' (state_dict)."""
+        return {"steps": self.steps, "adamw": self.adamw.state_dict() if self.adamw else None}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps = int(sd["steps"])
+        if self.adamw:
+            self.adamw.load_state_dict(sd["adamw"])
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """The factor that clips a gradient of global norm `norm` to `max_norm` (torch's
     clip_grad_norm_ rule); 1.0 when clipping is off (max_norm <= 0) or not needed."""
@@ -128,7 +187,7 @@ def raw_grad_norm_sq(module: nn.Module, kfac_layers) -> torch.Tensor:
     one multi-tensor kernel (torch._foreach_norm, as clip_grad_norm_ computes them), their
     squares summed in float64, one device->host copy: a norm per tensor in float64 would
     convert every gradient, every step, for a difference of ~1e-6 relative in the norm."""
-    covered = {id(p) for l in kfac_layers for p in l.module.parameters()}
+    covered = {id(p) for l in kfac_layers for p in covered_parameters(l)}
     parts = [l.raw_grad_sq.detach().double().reshape(()) for l in kfac_layers if l.raw_grad_sq is not None]
     grads = [p.grad.detach() for p in module.parameters() if id(p) not in covered and p.grad is not None]
     if grads:
@@ -152,6 +211,21 @@ def scale_all_grads(module: nn.Module, kfac_layers, c: float) -> None:
             l.kl_term = l.kl_term * (c * c)
 
 
-def build_optimizer(stage_module: nn.Module, kfac_layers, cfg: OptimConfig | None = None) -> KfacOptimizer:
-    """The optimizer of one stage: pass the stage's own K-FAC layers (or [] for AdamW only)."""
-    return KfacOptimizer(stage_module, list(kfac_layers), cfg or OptimConfig())
+def build_optimizer(stage_module: nn.Module, layers, cfg: OptimConfig | None = None,
+                    optimizer: str = "kfac") -> KfacOptimizer | MuonOptimizer:
+    """The optimizer of one stage: pass the stage's own layers of `optimizer` (KfacLayer,
+    ShampooLayer, MuonLayer; [] for AdamW only, which "kfac" without layers also is)."""
+    from runtime.kfac import KfacLayer
+    from runtime.muon import MuonLayer
+    from runtime.shampoo import ShampooLayer
+
+    layers, cfg = list(layers), cfg or OptimConfig()
+    kind = {"kfac": KfacLayer, "shampoo": ShampooLayer, "muon": MuonLayer, "adamw": ()}.get(optimizer)
+    if kind is None:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    wrong = [l.name for l in layers if not isinstance(l, kind)]
+    if wrong:
+        raise ValueError(f"optimizer {optimizer!r} got layers of another kind: {', '.join(wrong)}")
+    if optimizer == "muon":
+        return MuonOptimizer(stage_module, layers, cfg)
+    return KfacOptimizer(stage_module, layers, cfg)

@@ -6,6 +6,12 @@ One step (see runtime.kfac for the refresh cycle):
         run curv_a(m), curv_b(m)
     refresh step: invert A and B of every layer (pending until step t + k)
     precondition every layer; KL-clip per group; optimizer step
+
+Shampoo (runtime.shampoo) and Muon (runtime.muon) steps, by the cfg passed:
+    Shampoo: refresh step: activate() every layer; forward/backward of every micro-batch;
+        update_stats (snapshot on refresh steps); refresh step: compute_root L and R
+        (pending until step t + k); precondition; clip; optimizer step
+    Muon: forward/backward of every micro-batch; clip; orthogonalize; optimizer step
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import torch.nn as nn
 from runtime.data import Batch, split_micro_batches
 from runtime.kfac import KfacConfig, KfacLayer, apply_kl_clip, capturing
 from runtime.models import IGNORE_INDEX, lm_loss
+from runtime.muon import MuonConfig
 from runtime.optim import clip_coefficient, raw_grad_norm_sq, scale_all_grads
+from runtime.shampoo import ShampooConfig
 
 
 def sample_targets(logits: torch.Tensor, targets: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -47,10 +55,16 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
     `max_grad_norm` > 0 clips the back-propagated gradient to that global norm (before
     preconditioning; applied after it, which is the same by linearity). `stats`, if given,
     receives "grad_norm" (before clipping).
+
+    With a ShampooConfig or MuonConfig as `cfg`, `kfac_layers` are that optimizer's layers
+    (runtime.shampoo.ShampooLayer, runtime.muon.MuonLayer); `kl_groups` and `seed` are unused.
     """
     import contextlib
     device_type = next(model.parameters()).device.type
     amp = (lambda: precision.autocast(device_type)) if precision is not None else contextlib.nullcontext
+    if isinstance(cfg, (ShampooConfig, MuonConfig)):
+        return _matrix_step(model, kfac_layers, optimizer, batch, step, micro_batches, cfg, amp,
+                            max_grad_norm, stats)
     M = micro_batches
     use_kfac = bool(kfac_layers) and cfg is not None
     refresh = use_kfac and step % cfg.refresh_steps == 0
@@ -100,6 +114,45 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
     return float(torch.stack(losses).mean())
 
 
+def _matrix_step(model, layers, optimizer, batch, step: int, M: int, cfg, amp, max_grad_norm: float,
+                 stats: dict | None) -> float:
+    """One Shampoo or Muon step (train_step with its cfg), in the order a pipeline runs it."""
+    shampoo = isinstance(cfg, ShampooConfig)
+    refresh = shampoo and step % cfg.refresh_steps == 0
+    if refresh:
+        for l in layers:
+            l.activate()
+    optimizer.zero_grad()
+    losses = []
+    for tokens, targets in split_micro_batches(batch, M):
+        with amp():
+            loss = model(tokens, targets)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    if shampoo:
+        for l in layers:
+            l.update_stats(snapshot=refresh)
+        if refresh:
+            for l in layers:
+                l.compute_root("L")
+                l.compute_root("R")
+        for l in layers:
+            l.precondition()
+        # The preconditioned gradient is homogeneous in G: clipping it equals clipping G.
+        norm = float(raw_grad_norm_sq(model, layers)) ** 0.5
+        scale_all_grads(model, [], clip_coefficient(norm, max_grad_norm))
+    else:
+        # G feeds the momentum buffer and NS normalises its input: clip before orthogonalising.
+        norm = float(raw_grad_norm_sq(model, [])) ** 0.5
+        scale_all_grads(model, [], clip_coefficient(norm, max_grad_norm))
+        for l in layers:
+            l.orthogonalize()
+    if stats is not None:
+        stats["grad_norm"] = norm
+    optimizer.step()
+    return float(torch.stack(losses).mean())
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[Batch]) -> float:
     """Mean loss over fixed batches (each batch's mean over its target tokens)."""
@@ -129,24 +182,45 @@ class Curve:
     val: list[tuple[int, float]] = field(default_factory=list)
 
 
-def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
-                 progress: Callable[[int, float], None] | None = None) -> Curve:
-    """Train a built-in model on the pydoc corpus; K-FAC if `kfac` is set, else AdamW only."""
-    from runtime.data import make_stream
+def make_optimizer_layers(model: nn.Module, optimizer: str, cfg, micro_batches: int) -> list:
+    """The covered layers (runtime.models.kfac_linears) of `optimizer` with its config: K-FAC's
+    with hooks attached, Shampoo's, Muon's; none for AdamW."""
+    from runtime import muon, shampoo
     from runtime.kfac import make_layers
-    from runtime.models import build_model, kfac_linears, resolve_config
+    from runtime.models import kfac_linears
+
+    if optimizer == "adamw":
+        return []
+    make = {"kfac": lambda named: make_layers(named, cfg, micro_batches),
+            "shampoo": lambda named: shampoo.make_layers(named, cfg),
+            "muon": lambda named: muon.make_layers(named, cfg)}[optimizer]
+    return make(kfac_linears(model))
+
+
+def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
+                 progress: Callable[[int, float], None] | None = None,
+                 second_order: ShampooConfig | MuonConfig | None = None) -> Curve:
+    """Train a built-in model on the pydoc corpus; K-FAC if `kfac` is set, Shampoo or Muon if
+    `second_order` is (then `kfac` must be None), else AdamW only."""
+    from runtime.data import make_stream
+    from runtime.models import build_model, resolve_config
     from runtime.optim import build_optimizer
 
+    if kfac is not None and second_order is not None:
+        raise ValueError("run_training: give kfac or second_order, not both")
+    name = ("kfac" if kfac else "shampoo" if isinstance(second_order, ShampooConfig)
+            else "muon" if isinstance(second_order, MuonConfig) else "adamw")
+    step_cfg = kfac or second_order
     cfg = resolve_config(run.model, seq_len=run.seq_len)
     model = build_model(cfg, seed=run.seed)
-    layers = make_layers(kfac_linears(model), kfac, run.micro_batches) if kfac else []
-    opt = build_optimizer(model, layers, optim_cfg)
+    layers = make_optimizer_layers(model, name, step_cfg, run.micro_batches)
+    opt = build_optimizer(model, layers, optim_cfg, optimizer=name)
     data_seed = run.seed if run.data_seed is None else run.data_seed
     train = make_stream(cfg.kind, run.batch_size, run.seq_len, seed=data_seed)
     val = make_stream(cfg.kind, run.batch_size, run.seq_len, seed=0, split="val").fixed_batches(run.eval_batches)
     curve = Curve()
     for step in range(run.steps):
-        loss = train_step(model, layers, opt, train.batch(step), step, run.micro_batches, kfac, seed=run.seed)
+        loss = train_step(model, layers, opt, train.batch(step), step, run.micro_batches, step_cfg, seed=run.seed)
         curve.train.append((step, loss))
         if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
             curve.val.append((step + 1, evaluate(model, val)))
@@ -156,24 +230,28 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
 
 
 def train_reference(spec, cfg, stream, micro_batches: int, *, kfac: bool = True, kl_groups_of=None,
-                    dtype: torch.dtype | None = None, steps: int | None = None, precision=None):
+                    dtype: torch.dtype | None = None, steps: int | None = None, precision=None,
+                    optimizer: str | None = None):
     """The single-process run of a config (runtime.job_config.JobConfig with the plan-fixed
     keys filled): the same model seed, optimizer, schedule, K-FAC settings and clipping as
-    `torchrun -m runtime` with that config. `kl_groups_of(layers)` groups the layers for
-    the KL clip (the pipeline clips per stage). Returns (model, step losses)."""
-    from runtime.kfac import make_layers
-    from runtime.models import build_model, kfac_linears
+    `torchrun -m runtime` with that config. `optimizer` is the plan's choice (kfac | shampoo |
+    muon | adamw; default: kfac if `kfac`, else adamw), its settings [kfac], [shampoo] or [muon].
+    `kl_groups_of(layers)` groups the layers for the KL clip (the pipeline clips per stage).
+    Returns (model, step losses)."""
+    from runtime.models import build_model
     from runtime.optim import build_optimizer
 
+    name = optimizer or ("kfac" if kfac else "adamw")
     seed = cfg.train.seed
     model = build_model(spec, seed=seed, dtype=dtype)
-    kcfg = cfg.kfac_config()
-    layers = make_layers(kfac_linears(model), kcfg, micro_batches) if kfac else []
-    groups = kl_groups_of(layers) if kl_groups_of and layers else None
-    opt = build_optimizer(model, layers, cfg.optim_config())
+    step_cfg = {"kfac": cfg.kfac_config, "shampoo": cfg.shampoo_config, "muon": cfg.muon_config,
+                "adamw": lambda: None}[name]()
+    layers = make_optimizer_layers(model, name, step_cfg, micro_batches)
+    groups = kl_groups_of(layers) if kl_groups_of and layers and name == "kfac" else None
+    opt = build_optimizer(model, layers, cfg.optim_config(), optimizer=name)
     losses = []
     for step in range(cfg.train.steps if steps is None else steps):
         losses.append(train_step(model, layers, opt, stream.batch(step), step, micro_batches,
-                                 kcfg if kfac else None, kl_groups=groups, seed=seed,
+                                 step_cfg, kl_groups=groups, seed=seed,
                                  max_grad_norm=cfg.optimizer.max_grad_norm, precision=precision))
     return model, losses

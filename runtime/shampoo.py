@@ -1,0 +1,178 @@
+"""Shampoo for the weights of nn.Linear layers, one function per unit of work a plan schedules.
+
+For a weight W (out x in) with gradient G the statistics are
+    L <- β₂ L + (1 - β₂) G Gᵀ   (out x out),   R <- β₂ R + (1 - β₂) Gᵀ G   (in x in)
+(β₂ = 1: the plain sums L += G Gᵀ, R += Gᵀ G of the original Shampoo), both starting at 0,
+and the preconditioned gradient is L^(-1/4) G R^(-1/4), grafted ("sgd") onto the raw
+gradient's Frobenius norm per layer: Shampoo chooses the direction, the gradient the step
+length, so the covered weights' SGD learning rate keeps its meaning.
+
+Damping is relative: a root is (S + ε λ_max(S) I)^(-1/4), with the eigenvalues of S clamped
+at 0 first (S is PSD; negative values are rounding), as the scalable Shampoo of Anil et al.
+damps. A relative ε makes the root's conditioning (at most ε^(-1/4)) independent of the
+gradient's scale and of β₂, and keeps ε above float32's eigenvalue noise (~1e-7 λ_max). An
+all-zero statistic (no gradient yet) has the identity as its root.
+
+Cycle semantics (refresh every k steps), the same as runtime.kfac's:
+  * a refresh step t0 (t0 % k == 0) starts with `activate()`: the roots computed during the
+    previous cycle come into force;
+  * every step `update_stats(snapshot)` folds the step's gradient into L and R; at t0 it also
+    snapshots them (snapshot=True), so the roots of this cycle use the statistics through t0,
+    G_t0 included, wherever in the cycle the plan places them;
+  * `compute_root(factor)` (any time before t0 + k) puts the snapshot's root into the PENDING
+    slot; it is in force from t0 + k to t0 + 2k - 1;
+  * every step `precondition()` applies the roots in force (none in cycle 0: the gradient
+    passes through unchanged). With k = 1, step t is preconditioned with the roots of the
+    statistics through step t - 1.
+
+The statistics use the gradient as back-propagated and synchronised, before global-norm
+clipping: update_stats then needs nothing from other layers. Preconditioning and grafting are
+positively homogeneous of degree 1 in G, so clipping the preconditioned gradient afterwards
+equals clipping G first (with the same statistics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from runtime.kfac import NonFiniteFactorError
+
+FACTORS = ("L", "R")
+GRAFTS = ("sgd", "none")
+
+
+@dataclass
+class ShampooConfig:
+    beta2: float = 0.99        # EMA of the statistics; 1.0: plain sums (original Shampoo)
+    epsilon: float = 1e-6      # relative damping: ε λ_max(S) I is added before the root
+    refresh_steps: int = 1     # k, fixed by the plan
+    graft: str = "sgd"         # "sgd": the raw gradient's Frobenius norm per layer | "none"
+
+    def __post_init__(self):
+        if self.graft not in GRAFTS:
+            raise ValueError(f"graft must be one of {', '.join(GRAFTS)}, got {self.graft!r}")
+        if not (0 < self.beta2 <= 1 and self.epsilon > 0 and self.refresh_steps >= 1):
+            raise ValueError("need 0 < beta2 <= 1, epsilon > 0, refresh_steps >= 1")
+
+
+class ShampooLayer:
+    """Shampoo state of one nn.Linear's weight: statistics, snapshots, roots.
+
+    Its bias is not covered (it goes to AdamW with the other vectors)."""
+
+    def __init__(self, name: str, module: nn.Linear, cfg: ShampooConfig):
+        self.name, self.module, self.cfg = name, module, cfg
+        self.covered = (module.weight,)
+        self.dims = {"L": module.out_features, "R": module.in_features}
+        like = dict(dtype=module.weight.dtype, device=module.weight.device)
+        self.stats = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
+        # With k = 1 every root is computed within the step that snapshots, before the next
+        # update_stats, so the snapshot is the statistic itself: no copy, no memory.
+        self._alias = cfg.refresh_steps == 1
+        self.snapshots: dict[str, torch.Tensor] = dict(self.stats) if self._alias else {}
+        self.roots: dict[str, torch.Tensor] = {}      # in force
+        self._pending: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}     # out-of-force roots, the next pending ones' storage
+        self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
+
+    def update_stats(self, snapshot: bool) -> None:
+        """Fold weight.grad into L and R; on the first step of a cycle also snapshot them
+        (a missing gradient, as torch's optimizers skip one, leaves the statistics as they are)."""
+        G = self.module.weight.grad
+        if G is not None:
+            G = G.to(self.stats["L"].dtype)
+            b = self.cfg.beta2
+            alpha = 1.0 if b == 1 else 1 - b
+            self.stats["L"].addmm_(G, G.t(), beta=b, alpha=alpha)
+            self.stats["R"].addmm_(G.t(), G, beta=b, alpha=alpha)
+        if snapshot and not self._alias:
+            for f, S in self.stats.items():
+                if f in self.snapshots:
+                    self.snapshots[f].copy_(S)
+                else:
+                    self.snapshots[f] = S.clone()
+
+    def compute_root(self, factor: str) -> None:
+        """(S + ε λ_max I)^(-1/4) of this cycle's snapshot of `factor` into the pending slot."""
+        S = self.snapshots[factor]
+        if not bool(torch.isfinite(S.sum(dtype=torch.float64))):  # a NaN/inf anywhere makes the sum one
+            raise NonFiniteFactorError(f"Shampoo layer {self.name}: statistic {factor} has non-finite values "
+                                       f"(NaN/Inf gradients); lower the learning rate")
+        evals, Q = torch.linalg.eigh(S)
+        evals = evals.clamp_min(0)
+        top = float(evals[-1])  # eigh sorts ascending
+        if top > 0:
+            root = (Q * (evals + self.cfg.epsilon * top).pow(-0.25)) @ Q.t()
+        else:
+            root = torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
+        if not torch.isfinite(root).all():
+            raise NonFiniteFactorError(f"Shampoo layer {self.name}: root of statistic {factor} is not finite")
+        spare = self._spare.pop(factor, None)
+        self._pending[factor] = spare.copy_(root) if spare is not None else root
+
+    def pending(self, factor: str) -> torch.Tensor:
+        """The pending root as one tensor (for a broadcast to replicas that did not compute it)."""
+        return self._pending[factor]
+
+    def set_pending(self, factor: str, tensor: torch.Tensor) -> None:
+        spare = self._spare.pop(factor, None)
+        self._pending[factor] = spare.copy_(tensor) if spare is not None and spare.shape == tensor.shape else tensor
+
+    def activate(self) -> None:
+        """Cycle boundary: the pending roots come into force."""
+        for f, root in self._pending.items():
+            old = self.roots.get(f)
+            if old is not None:
+                self._spare[f] = old
+            self.roots[f] = root
+        self._pending = {}
+
+    def precondition(self) -> None:
+        """weight.grad <- graft(L_root G R_root) with the roots in force (unchanged if none)."""
+        G = self.module.weight.grad
+        if G is None:
+            self.raw_grad_sq = None
+            return
+        self.raw_grad_sq = (G * G).sum()
+        if not ("L" in self.roots and "R" in self.roots):
+            return
+        P = self.roots["L"].to(G.dtype) @ G @ self.roots["R"].to(G.dtype)
+        if self.cfg.graft == "sgd":
+            # Roots are positive definite, so P = 0 only where G = 0, and then 0 / tiny = 0.
+            P.mul_(self.raw_grad_sq.sqrt() / P.norm().clamp_min(torch.finfo(P.dtype).tiny))
+        G.copy_(P)
+
+    def state_bytes(self) -> int:
+        """Bytes of the resident state: statistics, snapshots (none with k = 1), roots in
+        force, pending and spare."""
+        seen, total = set(), 0
+        for t in [*self.stats.values(), *self.snapshots.values(), *self.roots.values(),
+                  *self._pending.values(), *self._spare.values()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {f"stat_{f}": t.clone() for f, t in self.stats.items()}
+        if not self._alias:
+            sd.update({f"snapshot_{f}": t.clone() for f, t in self.snapshots.items()})
+        sd.update({f"root_{f}": t.clone() for f, t in self.roots.items()})
+        sd.update({f"pending_{f}": t.clone() for f, t in self._pending.items()})
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for f in FACTORS:
+            self.stats[f].copy_(sd[f"stat_{f}"])
+        pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
+        self.snapshots = dict(self.stats) if self._alias else pick("snapshot")
+        self.roots, self._pending, self._spare = pick("root"), pick("pending"), {}
+
+
+def make_layers(named_linears, cfg: ShampooConfig) -> list[ShampooLayer]:
+    """ShampooLayer for each (name, nn.Linear) of runtime.models.kfac_linears."""
+    return [ShampooLayer(n, m, cfg) for n, m in named_linears]

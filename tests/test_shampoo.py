@@ -1,0 +1,220 @@
+"""Shampoo (runtime.shampoo) against a dense float64 computation of its update written here
+with numpy (statistics, eigendecomposition roots, grafting, SGD momentum), with roots
+refreshed every step and every other step; its checkpoints; its [shampoo] config section."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from pfcompile.formats.errors import InputError
+from runtime import job_config
+from runtime.data import make_stream, split_micro_batches
+from runtime.kfac import NonFiniteFactorError
+from runtime.models import ModelConfig, build_model, kfac_linears
+from runtime.optim import KfacOptimizer, OptimConfig, build_optimizer
+from runtime.shampoo import ShampooConfig, ShampooLayer, make_layers
+from runtime.train import train_reference, train_step
+
+D64 = torch.float64
+SPEC = ModelConfig("shampoo-test", "gpt", layers=2, hidden=16, heads=2, ffn=24, vocab=100, max_seq_len=8)
+M = 2  # micro-batches
+OPTIM = OptimConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, adam_lr=1e-3, adam_weight_decay=0.01)
+
+
+def stream():
+    return make_stream("gpt", 4, 8, seed=0, synthetic=True, vocab=SPEC.vocab)
+
+
+def shampoo_run(cfg: ShampooConfig, steps: int, dtype=D64):
+    model = build_model(SPEC, seed=1, dtype=dtype)
+    layers = make_layers(kfac_linears(model), cfg)
+    opt = build_optimizer(model, layers, OPTIM, optimizer="shampoo")
+    data = stream()
+    for step in range(steps):
+        train_step(model, layers, opt, data.batch(step), step, M, cfg)
+    return model, layers, opt
+
+
+def inverse_fourth_root(S: np.ndarray, eps: float) -> np.ndarray:
+    w, Q = np.linalg.eigh(S)
+    w = np.maximum(w, 0)
+    if w[-1] <= 0:
+        return np.eye(len(S))
+    return Q @ np.diag((w + eps * w[-1]) ** -0.25) @ Q.T
+
+
+class DenseShampoo:
+    """Shampoo + SGD momentum (torch.optim.SGD's rule: d = g + wd w, buf = d then μ buf + d,
+    w -= lr buf) on one weight, float64 numpy, with the cycle semantics of runtime.shampoo."""
+
+    def __init__(self, shape, cfg: ShampooConfig):
+        self.cfg = cfg
+        self.L, self.R = np.zeros((shape[0],) * 2), np.zeros((shape[1],) * 2)
+        self.roots = self.pending = None
+        self.buf = None
+        self.changed = 0.0  # largest relative change preconditioning made to a gradient
+
+    def step(self, t: int, w: np.ndarray, G: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        refresh = t % cfg.refresh_steps == 0
+        if refresh and self.pending is not None:
+            self.roots, self.pending = self.pending, None
+        b = cfg.beta2
+        new = 1.0 if b == 1 else 1 - b
+        self.L = b * self.L + new * G @ G.T
+        self.R = b * self.R + new * G.T @ G
+        if refresh:
+            self.pending = (inverse_fourth_root(self.L, cfg.epsilon), inverse_fourth_root(self.R, cfg.epsilon))
+        P = G
+        if self.roots is not None:
+            P = self.roots[0] @ G @ self.roots[1]
+            if cfg.graft == "sgd":
+                P = P * (np.linalg.norm(G) / np.linalg.norm(P))
+            self.changed = max(self.changed, np.linalg.norm(P - G) / np.linalg.norm(G))
+        d = P + OPTIM.weight_decay * w
+        self.buf = d if self.buf is None else OPTIM.momentum * self.buf + d
+        return w - OPTIM.lr * self.buf
+
+
+@pytest.mark.parametrize("cfg,steps", [
+    (ShampooConfig(beta2=0.99, epsilon=1e-6), 4),
+    (ShampooConfig(beta2=1.0, epsilon=1e-4, graft="none"), 4),
+    (ShampooConfig(beta2=0.9, epsilon=1e-6, refresh_steps=2), 6),
+])
+def test_equals_dense_float64_shampoo(cfg, steps):
+    """Every parameter after each step to 1e-8: the covered weights against DenseShampoo,
+    the rest (biases included) against torch's AdamW fed the same gradients."""
+    model = build_model(SPEC, seed=1, dtype=D64)
+    layers = make_layers(kfac_linears(model), cfg)
+    opt = build_optimizer(model, layers, OPTIM, optimizer="shampoo")
+
+    ref = build_model(SPEC, seed=1, dtype=D64)
+    weights = [m.weight for _, m in kfac_linears(ref)]
+    covered = {id(p) for p in weights}
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if id(p) not in covered], lr=OPTIM.adam_lr,
+                              betas=OPTIM.adam_betas, weight_decay=OPTIM.adam_weight_decay)
+    dense = [DenseShampoo(tuple(w.shape), cfg) for w in weights]
+    data = stream()
+    for step in range(steps):
+        train_step(model, layers, opt, data.batch(step), step, M, cfg)
+        ref.zero_grad()
+        for tokens, targets in split_micro_batches(data.batch(step), M):
+            (ref(tokens, targets) / M).backward()
+        with torch.no_grad():
+            for w, d in zip(weights, dense):
+                w.copy_(torch.from_numpy(d.step(step, w.numpy(), w.grad.numpy())))
+        adamw.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-8, msg=lambda m, name=name, step=step: f"step {step} {name}: {m}")
+    # The first cycle is unpreconditioned, later steps are changed substantially:
+    # an unpreconditioned run would fail the comparison.
+    assert min(d.changed for d in dense) > 0.05
+
+
+def test_root_is_the_damped_inverse_fourth_root():
+    lin = torch.nn.Linear(5, 3, dtype=D64)
+    layer = ShampooLayer("lin", lin, ShampooConfig(epsilon=1e-3, refresh_steps=2))
+    g = torch.Generator().manual_seed(0)
+    for snapshot in (True, False):
+        lin.weight.grad = torch.randn(3, 5, dtype=D64, generator=g)
+        layer.update_stats(snapshot)
+    assert not torch.equal(layer.snapshots["L"], layer.stats["L"])  # the snapshot is the cycle's first step's
+    for f in ("L", "R"):
+        layer.compute_root(f)
+        S = layer.snapshots[f]
+        top = float(torch.linalg.eigvalsh(S).max())
+        damped = S + 1e-3 * top * torch.eye(len(S), dtype=D64)
+        X = layer.pending(f)
+        torch.testing.assert_close(torch.linalg.matrix_power(X, 4) @ damped, torch.eye(len(S), dtype=D64),
+                                   rtol=0, atol=1e-10)
+    assert layer.roots == {}  # pending until activate()
+    G = lin.weight.grad.clone()
+    layer.precondition()
+    assert torch.equal(lin.weight.grad, G)
+    layer.activate()
+    layer.precondition()
+    assert not torch.allclose(lin.weight.grad, G)
+    torch.testing.assert_close(lin.weight.grad.norm(), G.norm())  # grafted onto the raw norm
+
+
+def test_zero_statistic_root_is_identity_and_nonfinite_is_an_error():
+    lin = torch.nn.Linear(4, 3, dtype=D64)
+    layer = ShampooLayer("blk.fc", lin, ShampooConfig())
+    lin.weight.grad = torch.zeros(3, 4, dtype=D64)
+    layer.update_stats(True)
+    layer.compute_root("R")
+    assert torch.equal(layer.pending("R"), torch.eye(4, dtype=D64))
+    lin.weight.grad = torch.full((3, 4), float("nan"), dtype=D64)
+    layer.update_stats(True)
+    with pytest.raises(NonFiniteFactorError, match="Shampoo layer blk.fc: statistic L"):
+        layer.compute_root("L")
+
+
+def checkpoint(model, layers, opt) -> dict:
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                "layers": {l.name: l.state_dict() for l in layers}}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_checkpoint_round_trip_continues_identically(k):
+    """Saved after step 2 (with k = 2: mid-cycle, snapshot taken and roots pending)."""
+    cfg = ShampooConfig(refresh_steps=k)
+    model, layers, opt = shampoo_run(cfg, 3, dtype=None)
+    saved = checkpoint(model, layers, opt)
+    state = saved["layers"][layers[0].name]
+    assert "pending_L" in state and ("snapshot_L" in state) == (k == 2)  # k = 1 keeps no snapshot copy
+    fresh = build_model(SPEC, seed=99)
+    fresh_layers = make_layers(kfac_linears(fresh), cfg)
+    fresh_opt = build_optimizer(fresh, fresh_layers, OPTIM, optimizer="shampoo")
+    fresh.load_state_dict(saved["model"])
+    fresh_opt.load_state_dict(saved["opt"])
+    for l in fresh_layers:
+        l.load_state_dict(saved["layers"][l.name])
+    data = stream()
+    for step in (3, 4, 5):
+        for m, ls, o in ((model, layers, opt), (fresh, fresh_layers, fresh_opt)):
+            train_step(m, ls, o, data.batch(step), step, M, cfg)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_optimizer_puts_biases_on_adamw():
+    model = build_model(SPEC, seed=1)
+    layers = make_layers(kfac_linears(model), ShampooConfig())
+    opt = build_optimizer(model, layers, OPTIM, optimizer="shampoo")
+    assert isinstance(opt, KfacOptimizer)
+    sgd = {id(p) for g in opt.sgd.param_groups for p in g["params"]}
+    assert sgd == {id(m.weight) for _, m in kfac_linears(model)}
+    adamw = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    assert all(id(m.bias) in adamw for _, m in kfac_linears(model))
+    with pytest.raises(ValueError, match="optimizer must be one of kfac, shampoo, muon, adamw"):
+        build_optimizer(model, layers, OPTIM, optimizer="lion")
+
+
+def test_config_section_and_reference_trainer(tmp_path):
+    path = tmp_path / "shampoo.toml"
+    path.write_text("[train]\nsteps = 3\n\n[shampoo]\nbeta2 = 0.95\nepsilon = 1e-5\n\n[kfac]\nrefresh_steps = 2\n")
+    cfg = job_config.load(str(path))
+    sc = cfg.shampoo_config()
+    assert (sc.beta2, sc.epsilon, sc.graft, sc.refresh_steps) == (0.95, 1e-5, "sgd", 2)
+    model, losses = train_reference(SPEC, cfg, stream(), M, optimizer="shampoo", dtype=D64)
+    ref = build_model(SPEC, seed=0, dtype=D64)
+    layers = make_layers(kfac_linears(ref), sc)
+    opt = build_optimizer(ref, layers, cfg.optim_config(), optimizer="shampoo")
+    data = stream()
+    for step in range(3):
+        train_step(ref, layers, opt, data.batch(step), step, M, sc)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[shampoo]\nbeta2 = 0\n")
+    with pytest.raises(InputError, match=r"shampoo\.beta2: must be in \(0, 1\], got 0"):
+        job_config.load(str(bad))
