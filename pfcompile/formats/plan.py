@@ -94,9 +94,14 @@ class PlanConfig:
     cluster: Cluster | None = None
 
     @property
+    def optimizer_spec(self):
+        """The optimizer's declaration (pfcompile.formats.optimizers.Optimizer)."""
+        return optimizer_decl(self.optimizer)
+
+    @property
     def optimizer_work(self) -> bool:
         """Whether the plan holds an optimizer's extra work (every optimizer but AdamW)."""
-        return optimizer_decl(self.optimizer).has_work
+        return self.optimizer_spec.has_work
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
