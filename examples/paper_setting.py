@@ -20,9 +20,9 @@ Then the simulated time to a target loss. How the two measurements are combined:
 
     python examples/paper_setting.py [--time-limit 20] [--quick] [-o out/paper]
 
-Then the zero-bubble families (ZB-H1, ZB-V: split backward, W passes and K-FAC sharing
-the bubbles) next to 1F1B and Chimera on bert-large, D = 8 (`--zero-bubble-only`: just
-that table, to out/paper/zero_bubble.md).
+Then the zero-bubble families (ZB-H1, ZB-V, DualPipeV: split backward, W passes and K-FAC
+sharing the bubbles) next to 1F1B and Chimera on bert-large, D = 8 (`--zero-bubble-only`:
+just that table, to out/paper/zero_bubble.md).
 
 Writes out/paper/paper_setting.md (the tables) and timeline pictures of the baseline and
 the filled Chimera plans of the paper's setting (bert-large, D = 8, N = 8).
@@ -59,23 +59,26 @@ def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit
             "cpsat_wall_s": wall}
 
 
-ZB_SCHEDULES = ("1f1b", "chimera", "zb-h1", "zb-v")
+ZB_SCHEDULES = ("1f1b", "chimera", "zb-h1", "zb-v", "dualpipev")
 
 
 def zero_bubble_table(profile, depth: int, time_limit: float) -> list[str]:
     """Which pipeline trains fastest with and without K-FAC: the zero-bubble families
     (split backward, W passes competing with K-FAC for the bubbles) next to 1F1B and
-    Chimera, on one profile and depth, N = D and 2D. Step times are the steady state;
+    Chimera, on one profile and depth, N = D and 2D (DualPipeV: N = 2D only, as it needs
+    N >= 2D). Step times are the steady state;
     utilization both ways: PipeFisher's (per step, mean over the cycle) and the strict one
     (compute time over the steady cycle)."""
+    from pfcompile.graph.schedules import V_SCHEDULES
+
     rows = ["| schedule | D | N | baseline ms/step | baseline util. (PipeFisher / strict) "
             "| greedy ms/step | greedy overhead | greedy util. (PipeFisher / strict) | greedy k (lb) "
             "| CP-SAT ms/step | CP-SAT overhead | CP-SAT util. (PipeFisher / strict) | CP-SAT k (lb) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for schedule in ZB_SCHEDULES:
-        if schedule == "zb-v" and len(profile.parts) < 2 * depth:
+        if schedule in V_SCHEDULES and len(profile.parts) < 2 * depth:
             continue  # two chunks per device need 2D parts
-        for n in (depth, 2 * depth):
+        for n in (depth, 2 * depth) if schedule != "dualpipev" else (2 * depth,):
             print(f"zero bubble table: {schedule} D={depth} N={n} ...", file=sys.stderr, flush=True)
             r = plan_row(profile, schedule, depth, n, time_limit)
             b, g, c = r["baseline"], r["greedy"], r["cpsat"]
@@ -89,6 +92,7 @@ def zero_bubble_table(profile, depth: int, time_limit: float) -> list[str]:
                         f"| {c['step_time_ms']:.1f} | {pct(c['step_overhead'])} | {util(c)} "
                         f"| {c['refresh_steps']} ({c['refresh_steps_lower_bound']}) |")
             print(rows[-1], flush=True)
+    rows += ["", "DualPipeV has no N = D row: it needs N >= 2D micro-batches (torch's ScheduleDualPipeV too)."]
     return rows
 
 
@@ -124,7 +128,8 @@ def main() -> int:
     ap.add_argument("--convergence", type=Path, default=ROOT / "benchmarks" / "results" / "convergence.json")
     ap.add_argument("-o", "--output", type=Path, default=Path("out/paper"))
     ap.add_argument("--zero-bubble-only", action="store_true",
-                    help="only the zero-bubble table (bert-large, D = 8): ZB-H1, ZB-V next to 1F1B and Chimera")
+                    help="only the zero-bubble table (bert-large, D = 8): ZB-H1, ZB-V, DualPipeV next to 1F1B "
+                         "and Chimera")
     args = ap.parse_args()
     if args.zero_bubble_only:
         from pfcompile.formats.jsonio import write_atomic

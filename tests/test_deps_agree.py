@@ -24,6 +24,7 @@ CASES = [
     ("chimera", dict(stages=4, micro_batches=4)),
     ("zb-h1", dict(stages=4, micro_batches=5)),
     ("zb-v", dict(stages=2, micro_batches=4)),
+    ("dualpipev", dict(stages=2, micro_batches=5)),
 ]
 
 

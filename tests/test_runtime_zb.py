@@ -14,7 +14,7 @@ import torch
 from test_runtime import ROOT, assert_same_params, distributed_params, reference_params, torchrun
 
 
-@pytest.mark.parametrize("schedule,D,method", [("zb-v", 2, "none"), ("zb-h1", 4, "greedy")])
+@pytest.mark.parametrize("schedule,D,method", [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat")])
 def test_split_backward_matches_single_process(tmp_path, schedule, D, method):
     plan = tmp_path / "plan.json"
     made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),

@@ -93,6 +93,7 @@ def test_1f1b_keeps_at_most_D_minus_s_micro_batches_in_flight(D, N):
     dict(schedule="chimera", stages=4, micro_batches=3),
     dict(schedule="1f1b", stages=2, micro_batches=3, replicas=2),
     dict(schedule="gpipe", stages=2, micro_batches=2, virtual_stages=2),
+    dict(schedule="dualpipev", stages=2, micro_batches=3),
 ])
 def test_impossible_configurations_are_refused(kw):
     from pfcompile.formats.errors import InputError

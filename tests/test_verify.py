@@ -37,7 +37,8 @@ def _families(D: int) -> list[dict]:
            dict(schedule="1f1b", stages=D, micro_batches=2 * D, replicas=2),
            dict(schedule="interleaved", stages=D, micro_batches=D, virtual_stages=2),
            dict(schedule="zb-h1", stages=D, micro_batches=D + 1),
-           dict(schedule="zb-v", stages=D, micro_batches=D, virtual_stages=2)]
+           dict(schedule="zb-v", stages=D, micro_batches=D, virtual_stages=2),
+           dict(schedule="dualpipev", stages=D, micro_batches=2 * D, virtual_stages=2)]
     if D % 2 == 0:
         out.append(dict(schedule="chimera", stages=D, micro_batches=D))
     return out

@@ -1,5 +1,5 @@
-"""Zero-bubble families (zb-h1, zb-v): split backward B/W, their canonical orders against
-torch's own generators, the published bubble closed forms, torch's CSV validation and
+"""Zero-bubble families (zb-h1, zb-v, dualpipev): split backward B/W, their canonical orders
+against torch's own generators, the published bubble closed forms, torch's CSV validation and
 simulator on the export, the W pass's memory, and K-FAC placed next to the W passes.
 """
 
@@ -13,7 +13,7 @@ from test_render import torch_runtime
 
 from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op, parse_op
-from pfcompile.graph.schedules import PipelineConfig, compute_orders
+from pfcompile.graph.schedules import V_SCHEDULES, PipelineConfig, compute_orders
 from pfcompile.graph.taskgraph import Task, build_task_graph
 from pfcompile.place.assemble import baseline_plan
 from pfcompile.place.build import build_plan
@@ -56,6 +56,47 @@ def test_canonical_orders_are_torchs(D, N):
     assert compute_orders(PipelineConfig("zb-v", D, N, optimizer="adamw")) == _torch_order(ScheduleZBVZeroBubble, D, N, 2)
 
 
+def _torch_dualpipev_order(D: int, N: int) -> dict[int, list[tuple[str, int, int]]]:
+    """torch's ScheduleDualPipeV generator per rank, its actions mapped to our passes as
+    pfcompile.graph.schedules._dualpipev states: an overlapped pair is its forward then its
+    backward; a full backward B is bwd_input then bwd_weight of the same (stage, mb)."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    kind = {C.FORWARD: ("fwd",), C.BACKWARD_INPUT: ("bwd_input",), C.BACKWARD_WEIGHT: ("bwd_weight",),
+            C.FULL_BACKWARD: ("bwd_input", "bwd_weight")}
+    s = ScheduleDualPipeV.__new__(ScheduleDualPipeV)  # the generator reads these fields only
+    s.pp_group_size, s._n_microbatches = D, N
+    out = {}
+    for r in range(D):
+        actions = s._calculate_single_rank_operations(r)
+        assert any(a.computation_type == C.OVERLAP_F_B for a in actions)  # the mapping is exercised
+        out[r] = [(k, a.stage_index, a.microbatch_index)
+                  for top in actions for a in (top.sub_actions if top.computation_type == C.OVERLAP_F_B else (top,))
+                  for k in kind[a.computation_type]]
+    return out
+
+
+@pytest.mark.parametrize("D,N", [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 11), (8, 16), (8, 21)])
+def test_dualpipev_orders_are_torchs(D, N):
+    ours = compute_orders(PipelineConfig("dualpipev", D, N, optimizer="adamw"))
+    assert ours == _torch_dualpipev_order(D, N)
+    for d, passes in ours.items():  # every pass of both chunks once
+        assert sorted(passes) == sorted((k, s, m) for k in ("fwd", "bwd_input", "bwd_weight")
+                                        for s in (d, 2 * D - 1 - d) for m in range(N))
+
+
+def test_dualpipev_needs_twice_the_stages_in_micro_batches():
+    from pfcompile.formats.errors import InputError
+
+    with pytest.raises(InputError, match="at least 2 x --stages = 8 micro-batches per replica, got 7"):
+        PipelineConfig("dualpipev", 4, 7)
+    with pytest.raises(InputError, match="exactly 2 chunks per device"):
+        PipelineConfig("dualpipev", 2, 4, virtual_stages=3)
+    cfg = PipelineConfig("dualpipev", 2, 8, replicas=2)
+    assert cfg.virtual_stages == 2 and cfg.stages_of(3) == [(1, 1), (2, 1)]  # the V of replica 1
+
+
 @pytest.mark.parametrize("D,N", [(2, 4), (4, 4), (4, 8), (3, 7), (6, 12)])
 def test_bubble_matches_the_closed_forms(D, N):
     """Uniform stages, T_F = T_B = T_W = 1 per device, no communication.
@@ -76,18 +117,20 @@ def test_bubble_matches_the_closed_forms(D, N):
         assert v.step_time_ms == pytest.approx(3 * N, abs=TOL)
 
 
-@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 4, 6), ("zb-v", 2, 4), ("zb-v", 4, 8)])
+@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 4, 6), ("zb-v", 2, 4), ("zb-v", 4, 8), ("dualpipev", 2, 4),
+                                          ("dualpipev", 4, 9)])
 def test_torch_validates_and_simulates_the_exported_csv(tmp_path, schedule, D, N):
     from torch.distributed.pipelining.schedules import _simulate_comms_compute
 
-    blocks = D * (2 if schedule == "zb-v" else 1)
+    v_shaped = schedule in V_SCHEDULES
+    blocks = D * (2 if v_shaped else 1)
     plan, _ = baseline_plan(uniform_profile(blocks=blocks), PipelineConfig(schedule, D, N, optimizer="adamw"))
     paths, _ = torch_csv.export(plan, tmp_path / "o.csv")
     rows = [line.split(",") for line in paths[0].read_text().strip().splitlines()]
     assert any(a.endswith(f"I{0}") for a in rows[0]) and any("W" in a for a in rows[0])
     sched = torch_runtime(blocks, D, N)
     sched._load_csv(str(paths[0]), format="compute_comms")  # torch's _validate_schedule
-    if schedule == "zb-v":  # torch infers the V: device d holds stages d and 2D-1-d
+    if v_shaped:  # torch infers the V: device d holds stages d and 2D-1-d
         assert sched.stage_index_to_group_rank == {s: (s if s < D else 2 * D - 1 - s) for s in range(blocks)}
     assert [[str(a) for a in sched.pipeline_order_with_comms[q]] for q in range(D)] == rows
     simulated = _simulate_comms_compute(sched.pipeline_order_with_comms,
@@ -130,9 +173,9 @@ def test_weight_pass_over_the_memory_limit_is_refused_naming_the_rank():
 
 
 @pytest.mark.parametrize("method", ["greedy", "cpsat"])
-@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 2, 4), ("zb-v", 2, 4)])
+@pytest.mark.parametrize("schedule,D,N", [("zb-h1", 2, 4), ("zb-v", 2, 4), ("dualpipev", 2, 4)])
 def test_kfac_plans_of_zero_bubble_families_replay(schedule, D, N, method):
-    blocks = D * (2 if schedule == "zb-v" else 1)
+    blocks = D * (2 if schedule in V_SCHEDULES else 1)
     prof = uniform_profile(blocks=blocks, curv=0.2, inv=0.5)
     cfg = PipelineConfig(schedule, D, N)
     plan, result, base = build_plan(prof, cfg, PlanOptions(method, time_limit=5))

@@ -85,7 +85,7 @@ OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 PIPELINE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad"})
 PASS_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight"})  # compute passes of (stage, mb)
 # the families whose backward is split into bwd_input (B) and bwd_weight (W)
-SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "zb-v"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "zb-v", "dualpipev"})
 
 
 def backward_kinds(schedule: str) -> tuple[str, ...]:

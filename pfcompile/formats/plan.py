@@ -5,7 +5,7 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
     {
       "schema": "pfcompile-plan", "schema_version": 1,
       "config": {
-        "schedule": "gpipe"|"1f1b"|"interleaved"|"chimera"|"zb-h1"|"zb-v",
+        "schedule": "gpipe"|"1f1b"|"interleaved"|"chimera"|"zb-h1"|"zb-v"|"dualpipev",
         "stages": D,                 # pipeline depth (devices per pipeline)
         "virtual_stages": v,         # model chunks per device (interleaved), else 1
         "micro_batches": N,          # micro-batches per step, all replicas together
@@ -59,7 +59,7 @@ from pfcompile.formats.profile import Cluster, LinkModel
 
 SCHEMA = "pfcompile-plan"
 SCHEMA_VERSION = 1
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v", "dualpipev")
 METHODS = ("none", "greedy", "cpsat")
 INVERSES = ("cholesky", "eigen")
 INVERSION_POLICIES = ("balanced", "pipefisher", "all")

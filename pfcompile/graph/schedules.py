@@ -13,6 +13,8 @@ virtual_stages, S = D·v model stages, N = micro_batches of ALL replicas, R = re
 - zb-h1:         as 1f1b, backward split into bwd_input (B) and bwd_weight (W)
 - zb-v:          v = 2 chunks in a V: device d holds stages d and 2D-1-d (rank = r·D + d),
                  so the first and last stage share device 0; backward split as zb-h1
+- dualpipev:     the layout of zb-v (DeepSeek's DualPipeV, torch's ScheduleDualPipeV);
+                 needs N/R >= 2D micro-batches per replica
 Replica r runs the contiguous block of micro-batches r·N/R .. (r+1)·N/R - 1.
 """
 
@@ -27,6 +29,9 @@ from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.optimizers import OPTIMIZERS, Optimizer
 from pfcompile.formats.plan import INVERSION_POLICIES, PRECOND_DIVISIONS, SCHEDULES, Layout
 from pfcompile.formats.profile import Cluster
+
+# the families that hold two chunks per device in a V (device d: stages d and 2D-1-d)
+V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 @dataclass
@@ -62,8 +67,8 @@ class PipelineConfig:
     def __post_init__(self):
         if self.schedule == "chimera" and self.replicas == 1:
             self.replicas = 2  # Chimera is two pipelines by construction
-        if self.schedule == "zb-v" and self.virtual_stages == 1:
-            self.virtual_stages = 2  # ZB-V is two chunks per device by construction
+        if self.schedule in V_SCHEDULES and self.virtual_stages == 1:
+            self.virtual_stages = 2  # ZB-V and DualPipeV are two chunks per device by construction
         self.validate()
 
     def validate(self) -> None:
@@ -83,9 +88,9 @@ class PipelineConfig:
             raise InputError("--inversion", None, f"must be one of {', '.join(INVERSION_POLICIES)}")
         if self.inverse not in ("cholesky", "eigen"):
             raise InputError("--inverse", None, "must be 'cholesky' or 'eigen'")
-        if self.schedule == "zb-v" and v != 2:
-            raise InputError("--virtual-stages", None, f"zb-v holds exactly 2 chunks per device, got {v}")
-        if v != 1 and self.schedule not in ("interleaved", "zb-v"):
+        if self.schedule in V_SCHEDULES and v != 2:
+            raise InputError("--virtual-stages", None, f"{self.schedule} holds exactly 2 chunks per device, got {v}")
+        if v != 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
             raise InputError("--virtual-stages", None, f"only the interleaved schedule has virtual stages (got {v} with {self.schedule})")
         if N % R:
             raise InputError("--micro-batches", None, f"{N} micro-batches do not split evenly over {R} replicas")
@@ -98,6 +103,9 @@ class PipelineConfig:
                 raise InputError("--stages", None, f"chimera needs an even number of stages, got {D}")
             if N % 2 or N % max(1, D // 2):
                 raise InputError("--micro-batches", None, f"chimera needs an even multiple of D/2 = {D // 2} micro-batches, got {N}")
+        if self.schedule == "dualpipev" and N // R < 2 * D:  # torch's ScheduleDualPipeV: as many as stages
+            raise InputError("--micro-batches", None, f"dualpipev needs at least 2 x --stages = {2 * D} micro-batches "
+                             f"per replica, got {N // R}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise InputError("--memory-limit", None, "must be positive")
         if self.cluster is not None and self.cluster.nodes * self.cluster.gpus_per_node != self.world_size:
@@ -139,7 +147,7 @@ class PipelineConfig:
         D = self.stages
         if self.schedule == "chimera":
             return stage if replica == 0 else D - 1 - stage
-        if self.schedule == "zb-v":  # the V: down the devices with chunk 0, back up with chunk 1
+        if self.schedule in V_SCHEDULES:  # the V: down the devices with chunk 0, back up with chunk 1
             return replica * D + (stage if stage < D else 2 * D - 1 - stage)
         return replica * D + stage % D
 
@@ -301,6 +309,77 @@ def _zb_v(D: int, d: int, mbs: list[int]) -> list[Pass]:
     return [(kind, s, mbs[i]) for kind, s, i in order if i < n_real]
 
 
+def _dualpipev(D: int, d: int, mbs: list[int]) -> list[Pass]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V; torch's ScheduleDualPipeV,
+    `_calculate_single_rank_operations`, step for step) on device d, chunks c0 = stage d
+    and c1 = stage 2D-1-d, n = len(mbs) >= 2D. Torch's actions map to ours:
+    F -> fwd; I -> bwd_input, whose W torch queues; W -> bwd_weight of the oldest queued
+    input backward; B (a full backward) -> bwd_input then bwd_weight of the same (stage,
+    mb) at once (a plan's family splits every backward or none; B then W at once is the
+    full backward's arithmetic); OVERLAP_F_B(F, B) -> the forward, then the backward as
+    B (one compute stream per rank runs the pair in sequence).
+    Steps: 2(D-d-1) F c0; d+1 pairs (F c0, F c1); D-d-1 rounds (I c1, W, F c1);
+    n-2D+d+1 rounds (F c0 + B c1, F c1 + B c0); D-d-1 rounds (B c1, F c1 + B c0); d+1
+    pairs (c1, c0) of B, switching to I from the middle pair on (odd d: before its c1,
+    even d: before its c0); D-d-1 rounds (W, B-or-I c0); then d+1 W's."""
+    c0, c1 = d, 2 * D - 1 - d
+    count = {("fwd", c0): 0, ("fwd", c1): 0, ("bwd", c0): 0, ("bwd", c1): 0}
+    queued_weights: list[tuple[int, int]] = []  # (stage, local mb) of input backwards, oldest first
+    order: list[tuple[str, int, int]] = []  # (kind, stage, local micro-batch index)
+
+    def next_mb(kind: str, stage: int) -> int:
+        i = count[(kind, stage)]
+        count[(kind, stage)] = i + 1
+        return i
+
+    def fwd(stage: int) -> None:
+        order.append(("fwd", stage, next_mb("fwd", stage)))
+
+    def bwd(stage: int, split: bool = False) -> None:
+        i = next_mb("bwd", stage)
+        order.append(("bwd_input", stage, i))
+        if split:
+            queued_weights.append((stage, i))
+        else:
+            order.append(("bwd_weight", stage, i))
+
+    def weight() -> None:
+        if queued_weights:
+            stage, i = queued_weights.pop(0)
+            order.append(("bwd_weight", stage, i))
+
+    for _ in range(2 * (D - d - 1)):
+        fwd(c0)
+    for _ in range(d + 1):
+        fwd(c0)
+        fwd(c1)
+    for _ in range(D - d - 1):
+        bwd(c1, split=True)
+        weight()
+        fwd(c1)
+    for _ in range(len(mbs) - 2 * D + d + 1):
+        fwd(c0)  # torch's first round on the last device runs these two apart, the rest overlapped
+        bwd(c1)
+        fwd(c1)
+        bwd(c0)
+    for _ in range(D - d - 1):
+        bwd(c1)
+        fwd(c1)
+        bwd(c0)
+    split = False
+    for i in range(d + 1):
+        split = split or (i == (d + 1) // 2 and d % 2 == 1)
+        bwd(c1, split)
+        split = split or (i == (d + 1) // 2 and d % 2 == 0)
+        bwd(c0, split)
+    for _ in range(D - d - 1):
+        weight()
+        bwd(c0, split)
+    for _ in range(d + 1):
+        weight()
+    return [(kind, s, mbs[i]) for kind, s, i in order]
+
+
 def _chimera(cfg: PipelineConfig) -> dict[int, list[Pass]]:
     """Chimera's merged bidirectional schedule, by list scheduling in slots (the paper draws
     forward and backward as equal slots): a free worker runs a ready backward first
@@ -366,6 +445,8 @@ def compute_orders(cfg: PipelineConfig) -> dict[int, list[Pass]]:
                 orders[q] = _zb_h1(D, d, d, mbs)
             elif cfg.schedule == "zb-v":
                 orders[q] = _zb_v(D, d, mbs)
+            elif cfg.schedule == "dualpipev":
+                orders[q] = _dualpipev(D, d, mbs)
             else:
                 orders[q] = _interleaved(D, cfg.virtual_stages, d, mbs)
     return orders
