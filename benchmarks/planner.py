@@ -107,7 +107,7 @@ def paper(time_limit: float, pareto_division: tuple[str, str] = ("pipefisher", "
           f"with its syncs placed by CP-SAT); utilization by PipeFisher's definition (one step window, "
           f"collectives busy; per step of the cycle and their mean) and the strict one (compute only, cycle "
           f"mean).\n", flush=True)
-    base, _, _ = build_plan(prof, replace(cfg, kfac=False), PlanOptions("none"))
+    base, _, _ = build_plan(prof, replace(cfg, optimizer="adamw"), PlanOptions("none"))
     print(f"Baseline (no K-FAC): {base.stats['step_time_ms']:.1f} ms/step, utilization (strict) "
           f"{pct(base.stats['utilization_strict'])}, PipeFisher's {pct(base.stats['utilization_pipefisher_mean'])}\n",
           flush=True)

@@ -49,8 +49,8 @@ def plan_row(profile, schedule: str, stages: int, micro_batches: int, time_limit
     from pfcompile.place.options import PlanOptions
 
     cfg = PipelineConfig(schedule=schedule, stages=stages, micro_batches=micro_batches,
-                         replicas=2 if schedule == "chimera" else 1, kfac=True)
-    base, _, _ = build_plan(profile, replace(cfg, kfac=False), PlanOptions("none"))
+                         replicas=2 if schedule == "chimera" else 1)
+    base, _, _ = build_plan(profile, replace(cfg, optimizer="adamw"), PlanOptions("none"))
     greedy, _, _ = build_plan(profile, cfg, PlanOptions("greedy"))
     t0 = time.perf_counter()
     cpsat, _, _ = build_plan(profile, cfg, PlanOptions("cpsat", time_limit=time_limit, workers=2, fixed_order=True))

@@ -1,6 +1,7 @@
-"""Building this rank's part of the model: its stages (modules on the job's device), their
-K-FAC layers (numbered by the plan's layer index) and optimizers, and the update the plan's
-`step` op runs (with global-norm gradient clipping)."""
+"""Building this rank's part of the model: its stages (modules on the job's device), the
+layers of the plan's optimizer (K-FAC, Shampoo or Muon state per covered Linear, numbered by
+the plan's layer index), their optimizers, and the update the plan's `step` op runs (with
+global-norm gradient clipping)."""
 
 from __future__ import annotations
 
@@ -11,39 +12,63 @@ from runtime.models import Stage, kfac_linears
 from runtime.optim import build_optimizer, clip_coefficient, raw_grad_norm_sq, scale_all_grads
 
 
-def build_stages(job, world, kfac_cfg, optim_cfg) -> dict[int, StageReplica]:
-    """This rank's stages with their K-FAC layers (plan indices) and optimizers."""
-    plan = job.plan
-    N = plan.config.micro_batches
+def build_stages(job, world) -> dict[int, StageReplica]:
+    """This rank's stages with their optimizer layers (plan indices) and optimizers."""
+    plan, cfg = job.plan, job.config
+    optimizer = plan.config.optimizer
     stages = {}
     for s, r in plan.stages_of(job.rank):
-        module = Stage(job.spec, plan.partition[s], seed=job.config.train.seed, dtype=job.dtype).to(world.device)
-        layers = _kfac_layers(job, s, module, kfac_cfg, N) if plan.config.kfac else {}
+        module = Stage(job.spec, plan.partition[s], seed=cfg.train.seed, dtype=job.dtype).to(world.device)
+        layers = _optimizer_layers(job, s, module) if plan.config.optimizer_work else {}
         stages[s] = StageReplica(
-            stage=s, replica=r, module=module, kfac=layers,
-            optimizer=build_optimizer(module, list(layers.values()), optim_cfg),
+            stage=s, replica=r, module=module, layers=layers,
+            optimizer=build_optimizer(module, list(layers.values()), cfg.optim_config(), optimizer),
             group=world.stage_groups.get(s), is_first=(s == 0), is_last=(s == plan.num_stages - 1))
     return stages
 
 
-def _kfac_layers(job, s: int, module, kfac_cfg, N: int) -> dict[int, kfac.KfacLayer]:
-    """The plan's K-FAC layers of stage s, hooks attached; a name the stage lacks is an InputError."""
+def _optimizer_layers(job, s: int, module) -> dict:
+    """The plan's covered layers of stage s as its optimizer's layer state (runtime.kfac,
+    runtime.shampoo, runtime.muon; K-FAC's capture hooks attached); a name the stage lacks
+    is an InputError."""
     plan = job.plan
     linears = dict(kfac_linears(module))
+    make = _layer_maker(job)
     layers = {}
     for i, name in enumerate(plan.layers):
         if plan.layer_stage[i] != s:
             continue
         if name not in linears:
-            raise InputError(job.plan_path, f"layers[{i}]", f"{name!r} is not a K-FAC Linear of stage {s} "
+            raise InputError(job.plan_path, f"layers[{i}]", f"{name!r} is not a covered Linear of stage {s} "
                              f"(its layers: {', '.join(linears) or 'none'})")
-        layers[i] = kfac.KfacLayer(name, linears[name], kfac_cfg, loss_divisor=N)
-        layers[i].attach()
+        layers[i] = make(name, linears[name])
     return layers
 
 
+def _layer_maker(job):
+    """name, nn.Linear -> the plan's optimizer's state of that layer, configured by the job."""
+    optimizer, cfg, N = job.plan.config.optimizer, job.config, job.plan.config.micro_batches
+    if optimizer == "kfac":
+        kfac_cfg = cfg.kfac_config()
+
+        def make(name, linear):
+            layer = kfac.KfacLayer(name, linear, kfac_cfg, loss_divisor=N)
+            layer.attach()
+            return layer
+        return make
+    if optimizer == "shampoo":
+        from runtime.shampoo import ShampooLayer
+
+        shampoo_cfg = cfg.shampoo_config()
+        return lambda name, linear: ShampooLayer(name, linear, shampoo_cfg)
+    from runtime.muon import MuonLayer
+
+    muon_cfg = cfg.muon_config()
+    return lambda name, linear: MuonLayer(name, linear, muon_cfg)
+
+
 class Update:
-    """The `step(stage)` op: KL-clip over the stage's K-FAC layers, then the optimizer.
+    """The `step(stage)` op: K-FAC's KL-clip over the stage's layers, then the optimizer.
 
     It also adds each stage's squared gradient norm (before preconditioning; replica 0 only,
     so a replicated stage counts once) to this rank's share of the step's global norm.
@@ -54,22 +79,23 @@ class Update:
     nothing of a stage runs after its step op within the step.
     """
 
-    def __init__(self, kfac_cfg, max_grad_norm: float = 0.0, world=None):
+    def __init__(self, kfac_cfg, max_grad_norm: float = 0.0, world=None, optimizer: str = "kfac"):
         self.kfac_cfg, self.max_grad_norm, self.world = kfac_cfg, max_grad_norm, world
+        self.kl_clip = optimizer == "kfac"  # the KL clip is K-FAC's (it needs <g~, g> per layer)
         self.norm_sq = 0.0          # this rank's share of the step's squared global norm
         self.deferred: list[StageReplica] = []
 
     def __call__(self, sr: StageReplica) -> None:
         if sr.replica == 0:
-            self.norm_sq += float(raw_grad_norm_sq(sr.module, list(sr.kfac.values())))
+            self.norm_sq += float(raw_grad_norm_sq(sr.module, list(sr.layers.values())))
         if self.max_grad_norm > 0:
             self.deferred.append(sr)
         else:
             self._apply(sr)
 
     def _apply(self, sr: StageReplica) -> None:
-        if sr.kfac:
-            kfac.apply_kl_clip(list(sr.kfac.values()), sr.optimizer.lr, self.kfac_cfg.kl_clip)
+        if sr.layers and self.kl_clip:
+            kfac.apply_kl_clip(list(sr.layers.values()), sr.optimizer.lr, self.kfac_cfg.kl_clip)
         sr.optimizer.step()
         sr.optimizer.zero_grad()
 
@@ -87,7 +113,7 @@ class Update:
         norm_sq = float(total)
         c = clip_coefficient(norm_sq ** 0.5, self.max_grad_norm)
         for sr in self.deferred:
-            scale_all_grads(sr.module, list(sr.kfac.values()), c)
+            scale_all_grads(sr.module, list(sr.layers.values()), c)
             self._apply(sr)
         self.deferred.clear()
         return norm_sq if self.world.rank == 0 else 0.0  # already global: counted once

@@ -112,19 +112,22 @@ def restore_rng(state: dict) -> None:
 
 # --- what a rank saves: its stages --------------------------------------------------------------
 def stage_state(sr) -> dict:
-    """One stage replica's parameters, optimizer and K-FAC state. Mid-cycle the K-FAC layers
-    may also hold captures a later step's curv op will fold in (kept_captures)."""
+    """One stage replica's parameters, optimizer and its optimizer layers' state (K-FAC,
+    Shampoo, Muon). Mid-cycle K-FAC layers may also hold captures a later step's curv op will
+    fold in (kept_captures)."""
     return {"params": sr.module.state_dict(), "optimizer": sr.optimizer.state_dict(),
-            "kfac": {layer.name: layer.state_dict() for layer in sr.kfac.values()},
-            "kept": {layer.name: layer.kept_captures() for layer in sr.kfac.values()}}
+            "layers": {layer.name: layer.state_dict() for layer in sr.layers.values()},
+            "kept": {layer.name: layer.kept_captures() for layer in sr.layers.values()
+                     if hasattr(layer, "kept_captures")}}
 
 
 def load_stage_state(sr, state: dict) -> None:
     sr.module.load_state_dict(state["params"])
     sr.optimizer.load_state_dict(state["optimizer"])
-    for layer in sr.kfac.values():
-        layer.load_state_dict(state["kfac"][layer.name])
-        layer.load_kept_captures(state["kept"][layer.name])
+    for layer in sr.layers.values():
+        layer.load_state_dict(state["layers"][layer.name])
+        if hasattr(layer, "load_kept_captures"):
+            layer.load_kept_captures(state["kept"][layer.name])
 
 
 def save_rank(root: str | os.PathLike, step: int, world, stages: dict, keep: int = 1) -> None:

@@ -27,6 +27,7 @@ from pfcompile.formats.plan import Plan
 from runtime import comm, kfac
 from runtime.measure import Timeline
 from runtime.memory import MemoryMeter
+from runtime.optim import covered_parameters
 from runtime.precision import Precision, precision
 from runtime.split_backward import WeightPasses
 
@@ -51,7 +52,7 @@ class StageReplica:
     stage: int
     replica: int
     module: nn.Module
-    kfac: dict[int, object]          # plan layer index -> runtime.kfac.KfacLayer
+    layers: dict[int, object]        # plan layer index -> the optimizer's layer (KfacLayer, ShampooLayer, MuonLayer)
     optimizer: object                # runtime.optim optimizer of this stage
     group: object | None             # process group of the stage's replicas (None: one replica)
     is_first: bool
@@ -72,6 +73,7 @@ class Interpreter:
         self.timeline = timeline
         self.memory = MemoryMeter(stages, world.device)
         self.capturing = False          # K-FAC hooks save inputs/grads (refresh steps only)
+        self.step_index = 0             # the global step run_step is executing
         self.N = plan.config.micro_batches
         self.k = plan.refresh_steps
         self.mailbox = comm.Mailbox(world, tags)  # tags None: on for gloo, off for NCCL
@@ -83,8 +85,11 @@ class Interpreter:
         self.targets: list[torch.Tensor] = []
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
         self.finite: dict[int, torch.Tensor] = {}  # stage -> all its forwards' outputs finite this step
-        # plan layer index -> KfacLayer, over all stages of this rank
-        self.layers = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
+        # plan layer index -> the optimizer's layer, over all stages of this rank
+        self.layers = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
+        self.optimizer = plan.config.optimizer
+        # the layers whose hooks capture inputs and output gradients (K-FAC's), per stage
+        self.capture = {s: list(sr.layers.values()) if self.optimizer == "kfac" else [] for s, sr in stages.items()}
         # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
             if plan.config.schedule in SPLIT_BACKWARD_SCHEDULES else {}
@@ -95,6 +100,7 @@ class Interpreter:
             "recv_act": self._recv, "recv_grad": self._recv,
             "curv_a": self._curv, "curv_b": self._curv,
             "sync_curv": self._sync_curv, "inv": self._inv, "bcast_inv": self._bcast_inv,
+            "stats": self._stats, "orth": self._orth,
             "sync_grad": self._sync_grad, "precond": self._precond, "step": self._step,
             "rs_grad": self._sync_grad, "ag_grad": self._ag_grad,
         }
@@ -107,10 +113,12 @@ class Interpreter:
     def run_step(self, step: int, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
         """Execute this rank's ops of global step `step`; returns its share of the step's loss."""
         self.tokens, self.targets, self.loss_sum = tokens, targets, 0.0
+        self.step_index = step
         refresh = step % self.k == 0
         if refresh and step > 0:
-            for layer in self.layers.values():  # the inverses of the last cycle come into force
-                layer.activate()
+            for layer in self.layers.values():  # the inverses or roots of the last cycle come into force
+                if hasattr(layer, "activate"):
+                    layer.activate()
         self.capturing = refresh
         tl, mem = self.timeline, self.memory
         mem.begin_step()
@@ -169,7 +177,7 @@ class Interpreter:
             x = self.tokens[m]
         else:
             x = self._take(("act", op.stage - 1, m)).requires_grad_(True)
-        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing), self._recording(op.stage, m):
+        with kfac.capturing(self.capture[op.stage], m, on=self.capturing), self._recording(op.stage, m):
             out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m))
         if sr.is_last:  # a tensor sum, read after the step: no host wait on CUDA here
             self.loss_sum = self.loss_sum + out.detach()
@@ -188,7 +196,7 @@ class Interpreter:
         sr = self.stages[op.stage]
         m = op.mb
         out = sr.outputs.pop(m)
-        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+        with kfac.capturing(self.capture[op.stage], m, on=self.capturing):
             if sr.is_last:
                 torch.autograd.backward(out)
             else:
@@ -209,7 +217,7 @@ class Interpreter:
         out = sr.outputs.pop(m)
         grad = None if sr.is_last else self._take(("grad", op.stage + 1, m))
         x = sr.inputs.pop(m)
-        with kfac.capturing(list(sr.kfac.values()), m, on=self.capturing):
+        with kfac.capturing(self.capture[op.stage], m, on=self.capturing):
             self.split[op.stage].backward_input(m, out, grad, None if sr.is_first else x)
         if not sr.is_first:
             self.received[("grad", op.stage, m)] = x.grad
@@ -249,7 +257,7 @@ class Interpreter:
         raise RuntimeError(f"rank {self.world.rank}: no {kind} of stage {stage} micro-batch {m} "
                            f"(the plan runs its consumer before its receive)")
 
-    # --- K-FAC ops -------------------------------------------------------------------------------
+    # --- the optimizer's ops (K-FAC, Shampoo, Muon: pfcompile.formats.optimizers) -----------------
     def _curv(self, op: Op) -> None:
         layer = self.layers[op.layer]
         (layer.curv_a if op.kind == "curv_a" else layer.curv_b)(op.mb)
@@ -260,7 +268,17 @@ class Interpreter:
                             self.world.timeout, str(op))
 
     def _inv(self, op: Op) -> None:
-        self.layers[op.layer].invert(op.factor)
+        """K-FAC's damped inverse of a factor, or Shampoo's inverse fourth root, into the pending slot."""
+        layer = self.layers[op.layer]
+        (layer.compute_root if self.optimizer == "shampoo" else layer.invert)(op.factor)
+
+    def _stats(self, op: Op) -> None:
+        """Shampoo: the step's gradient into L and R; the cycle's first step also snapshots them."""
+        self.layers[op.layer].update_stats(snapshot=self.step_index % self.k == 0)
+
+    def _orth(self, op: Op) -> None:
+        """Muon: the momentum and the Newton-Schulz orthogonalisation of the layer's update."""
+        self.layers[op.layer].orthogonalize()
 
     def _bcast_inv(self, op: Op) -> None:
         layer = self.layers[op.layer]
@@ -287,28 +305,35 @@ class Interpreter:
         comm.all_reduce_sum(grads, sr.group, self.world.timeout, str(op))
 
     def _ag_grad(self, op: Op) -> None:
-        """All-gather of split preconditioning: each owned layer's preconditioned gradient
-        (and its KL-clip term) from the replica that preconditioned it, to the others.
-        (rs_grad runs as the all-reduce of sync_grad: gloo has no reduce-scatter, and every
-        replica then holds the summed gradient, a superset of its share.)"""
+        """All-gather of divided work: each owned layer's update direction (K-FAC's and
+        Shampoo's preconditioned gradient, Muon's orthogonalised one; with K-FAC its KL-clip
+        term too) from the replica that made it, to the others. (rs_grad runs as the
+        all-reduce of sync_grad: gloo has no reduce-scatter, and every replica then holds the
+        summed gradient, a superset of its share.)"""
         sr = self.stages[op.stage]
-        for l in sorted(sr.kfac):
+        for l in sorted(sr.layers):
             owner = self.precond_owner[l]
             if owner is None:
                 continue
-            layer, src = sr.kfac[l], self.rank_of[(op.stage, owner)]
-            G = layer.grad_matrix()
+            layer, src = sr.layers[l], self.rank_of[(op.stage, owner)]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in covered_parameters(layer)]
+            like = grads[0]
+            n = sum(g.numel() for g in grads)
             if self.world.rank == src:
-                kl = layer.kl_term
-                tail = torch.tensor([0.0 if kl is None else 1.0, 0.0 if kl is None else float(kl)], dtype=G.dtype,
-                                    device=G.device)
-                buf = torch.cat([G.reshape(-1), tail])
+                kl = getattr(layer, "kl_term", None)
+                tail = torch.tensor([0.0 if kl is None else 1.0, 0.0 if kl is None else float(kl)], dtype=like.dtype,
+                                    device=like.device)
+                buf = torch.cat([g.reshape(-1) for g in grads] + [tail])
             else:
-                buf = torch.empty(G.numel() + 2, dtype=G.dtype, device=G.device)
+                buf = torch.empty(n + 2, dtype=like.dtype, device=like.device)
             comm.broadcast(buf, src, sr.group, self.world.timeout, str(op))
             if self.world.rank != src:
-                layer.set_grad_matrix(buf[:-2].reshape(G.shape))
-                layer.kl_term = buf[-1].clone() if float(buf[-2]) else None
+                at = 0
+                for p, g in zip(covered_parameters(layer), grads):
+                    p.grad = buf[at:at + g.numel()].reshape(g.shape).clone()
+                    at += g.numel()
+                if hasattr(layer, "kl_term"):
+                    layer.kl_term = buf[-1].clone() if float(buf[-2]) else None
 
     def _step(self, op: Op) -> None:
         sr = self.stages[op.stage]

@@ -366,10 +366,15 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
         section, _, name = key.partition(".")
         setattr(getattr(cfg, section), name, fixed)
     k = cfg.kfac
-    if k.fisher != "empirical" and plan.config.kfac:
+    if k.fisher != "empirical" and plan.config.optimizer == "kfac":
         raise cfg.error("kfac.fisher", f"{k.fisher!r}: the pipeline runtime computes only the empirical Fisher")
     if k.damping_mode == "plain" and k.inverse != "eigen":
         raise cfg.error("kfac.damping_mode", f"'plain' needs an eigen-inverse plan; {plan_path} inverts by {k.inverse}")
+    if plan.config.optimizer == "muon" and cfg.optimizer.max_grad_norm > 0:
+        # Muon folds the gradient into its momentum as soon as the layer's gradient is
+        # complete; the global norm is known only at the end of the step
+        raise cfg.error("optimizer.max_grad_norm", f"{cfg.optimizer.max_grad_norm!r}: clipping is not supported "
+                        f"with Muon in the pipeline ({plan_path} config.optimizer); set it to 0")
 
 
 def _typed(kind, value, where: str, key: str):

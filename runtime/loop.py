@@ -42,6 +42,7 @@ class RankParts:
     val_batches: list | None      # the fixed held-out batches (None: no evaluation)
     timeline: measure.Timeline
     optim_cfg: object
+    muon_lr: float = 0.0          # Muon's own rate ([muon] lr), which its covered weights follow
 
 
 def build_rank(job, world) -> RankParts:
@@ -49,15 +50,15 @@ def build_rank(job, world) -> RankParts:
     plan, cfg = job.plan, job.config
     N = plan.config.micro_batches
     comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-    kfac_cfg, optim_cfg = cfg.kfac_config(), cfg.optim_config()
-    stages = build_stages(job, world, kfac_cfg, optim_cfg)
+    optim_cfg = cfg.optim_config()
+    stages = build_stages(job, world)
     mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
     stream, val_batches = _data(job, mb_size * N, seq_len)
     timeline = measure.Timeline(world.rank, device_type=world.device.type)
-    update = Update(kfac_cfg, cfg.optimizer.max_grad_norm, world)
+    update = Update(cfg.kfac_config(), cfg.optimizer.max_grad_norm, world, plan.config.optimizer)
     interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
                          timeline, tags=job.p2p_tags, recv_ahead=cfg.runtime.recv_ahead)
-    return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg)
+    return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg, cfg.muon.lr)
 
 
 def train_step(r: RankParts, step: int) -> tuple:
@@ -65,13 +66,14 @@ def train_step(r: RankParts, step: int) -> tuple:
     Returns the row the metrics flush reduces: (step, loss share, norm² share, ms, lr, refresh)."""
     started = time.perf_counter()
     interp = r.interp
-    kfac = interp.plan.config.kfac
-    lr = _lr(r.optim_cfg, step, kfac)
+    config = interp.plan.config
+    lr = _lr(r, step, config.optimizer)
     mbs = split_micro_batches(r.stream.batch(step), interp.N)
     device = interp.world.device
     loss = interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
     norm_sq = r.update.finish_step()
-    return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, step % interp.k == 0 and kfac)
+    refresh = step % interp.k == 0 and config.optimizer_spec.refreshes
+    return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, refresh)
 
 
 def run(job) -> measure.Summary | None:
@@ -158,10 +160,13 @@ def _data(job, batch_size: int, seq_len: int):
     return stream, (val.fixed_batches(cfg.eval.batches) if val else None)
 
 
-def _lr(optim_cfg, step: int, kfac: bool) -> float:
-    """The learning rate of step's update: the K-FAC layers' (SGD), or AdamW's without
-    K-FAC; every stage follows the same schedule, whichever stages this rank holds."""
-    return (optim_cfg.lr if kfac else optim_cfg.adam_lr) * optim_cfg.lr_factor(step)
+def _lr(r: RankParts, step: int, optimizer: str) -> float:
+    """The learning rate of step's update: the covered layers' (K-FAC's and Shampoo's SGD,
+    Muon's own), or AdamW's for the first-order baseline; every stage follows the same
+    schedule, whichever stages this rank holds."""
+    c = r.optim_cfg
+    base = {"kfac": c.lr, "shampoo": c.lr, "muon": r.muon_lr, "adamw": c.adam_lr}[optimizer]
+    return base * c.lr_factor(step)
 
 
 def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:

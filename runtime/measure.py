@@ -273,7 +273,7 @@ def plan_identity(path: str, plan) -> dict:
         digest = hashlib.sha256(f.read()).hexdigest()
     return {"plan_sha256": f"sha256:{digest}", "plan_profile": dict(plan.profile), "plan_model": dict(plan.model),
             "plan_layout": {"partition": plan.partition, "layers": plan.layers, "layer_stage": plan.layer_stage,
-                            "schedule": plan.config.schedule, "kfac": plan.config.kfac,
+                            "schedule": plan.config.schedule, "optimizer": plan.config.optimizer,
                             "inverse": plan.config.inverse,
                             "replicas": plan.config.replicas, "refresh_steps": plan.refresh_steps}}
 

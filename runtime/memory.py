@@ -76,17 +76,20 @@ class MemoryMeter:
     def __init__(self, stages: dict, device: torch.device):
         self.stages, self.device = stages, device
         self.cuda = device.type == "cuda"
-        self.layers = [layer for sr in stages.values() for layer in sr.kfac.values()]
+        self.layers = [layer for sr in stages.values() for layer in sr.layers.values()]
+        # only K-FAC's layers keep micro-batch captures
+        self.capturing_layers = [layer for layer in self.layers if hasattr(layer, "kept_bytes")]
         self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
                         for s, sr in stages.items()}
         # The resident count in parts, so an op recounts only what it can change (this runs
         # after every op): parameters never change size; the optimizer's state only at a step.
         self._opt_bytes = 0
         self._grad_bytes = 0
-        self._kfac_bytes = 0
+        self._layer_state_bytes = 0
         # kept K-FAC captures per layer, so an op recounts only the layers it touches
-        self._stage_layers = {s: list(sr.kfac.values()) for s, sr in stages.items()}
-        self._layer = {i: layer for sr in stages.values() for i, layer in sr.kfac.items()}
+        self._stage_layers = {s: [x for x in sr.layers.values() if hasattr(x, "kept_bytes")]
+                              for s, sr in stages.items()}
+        self._layer = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
         self._kept_by: dict[int, int] = {}  # id(layer) -> its kept bytes (no split backward)
         self._state_by: dict[int, int] = {}  # id(layer) -> its state bytes
         # per stage: its parameters, their gradients' bytes, and whether every one has its
@@ -145,9 +148,9 @@ class MemoryMeter:
             if not self._grads_whole[stage]:
                 self._recount_grads(stage)
             self.resident = self._sum_resident()
-        elif kind in ("inv", "bcast_inv"):  # a pending inverse (and its spare slot)
+        elif kind in ("inv", "bcast_inv", "stats", "orth"):  # a pending inverse or root, statistics, momentum
             x = self._layer[layer]
-            self._kfac_bytes += _changed(self._state_by, x, x.state_bytes())
+            self._layer_state_bytes += _changed(self._state_by, x, x.state_bytes())
             self.resident = self._sum_resident()
         if kind in ("fwd", "bwd", "bwd_input", "curv_a", "curv_b"):
             if self.split:
@@ -166,7 +169,7 @@ class MemoryMeter:
         """Parameters, their gradients, optimizer state and the K-FAC layers' state, all recounted."""
         self._opt_bytes = sum(optimizer_state_bytes(sr.optimizer) for sr in self.stages.values())
         self._grad_bytes = self._grads()
-        self._kfac_bytes = self._kfac_state()
+        self._layer_state_bytes = self._layer_state()
         return self._sum_resident()
 
     def _grads(self) -> int:
@@ -182,12 +185,12 @@ class MemoryMeter:
         self._stage_grads[stage] = b
         self._grads_whole[stage] = all(g is not None for g in grads)
 
-    def _kfac_state(self) -> int:
+    def _layer_state(self) -> int:
         self._state_by = {id(x): x.state_bytes() for x in self.layers}
         return sum(self._state_by.values())
 
     def _sum_resident(self) -> int:
-        return self._param_bytes + self._grad_bytes + self._opt_bytes + self._kfac_bytes
+        return self._param_bytes + self._grad_bytes + self._opt_bytes + self._layer_state_bytes
 
     def _recount_kept(self, layers: list) -> None:
         for layer in layers:
@@ -195,17 +198,18 @@ class MemoryMeter:
 
     def _kept(self) -> int:
         if not self.split:
-            self._kept_by = {id(layer): layer.kept_bytes() for layer in self.layers}
+            self._kept_by = {id(layer): layer.kept_bytes() for layer in self.capturing_layers}
             return sum(self._kept_by.values())
         # W's layer inputs (before B: `saved`, after: `kept`) are inside the activations
         held_inputs = {x.untyped_storage().data_ptr() for wp in self.split.values()
                        for slots in wp.saved.values() for s in slots if s is not None for x in s[:1]}
         held_inputs |= {x.untyped_storage().data_ptr() for wp in self.split.values()
                         for entries in wp.kept.values() for _, x, _ in entries}
-        kept = sum(nbytes(t) for layer in self.layers for t in layer.kept_tensors("A")
+        layers = self.capturing_layers
+        kept = sum(nbytes(t) for layer in layers for t in layer.kept_tensors("A")
                    if t.untyped_storage().data_ptr() not in held_inputs)
-        kept += sum(nbytes(t) for layer in self.layers for t in layer.kept_tensors("B"))
-        shared = {t.untyped_storage().data_ptr() for layer in self.layers for t in layer.kept_tensors("B")}
+        kept += sum(nbytes(t) for layer in layers for t in layer.kept_tensors("B"))
+        shared = {t.untyped_storage().data_ptr() for layer in layers for t in layer.kept_tensors("B")}
         kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
                     for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
         return kept

@@ -137,6 +137,11 @@ class MuonOptimizer:
                                        weight_decay=cfg.adam_weight_decay) if other else None
         self.steps = 0
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside (AdamW's; Muon's momentum is the layers' state)."""
+        return [self.adamw] if self.adamw is not None else []
+
     def warmup_factor(self, step: int | None = None) -> float:
         """The schedule's factor for the next update (or for step `step`)."""
         return self.cfg.lr_factor(self.steps if step is None else step)

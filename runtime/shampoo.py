@@ -117,6 +117,10 @@ class ShampooLayer:
         """The pending root as one tensor (for a broadcast to replicas that did not compute it)."""
         return self._pending[factor]
 
+    def pending_shape(self, factor: str) -> tuple[int, int]:
+        d = self.dims[factor]
+        return (d, d)
+
     def set_pending(self, factor: str, tensor: torch.Tensor) -> None:
         spare = self._spare.pop(factor, None)
         self._pending[factor] = spare.copy_(tensor) if spare is not None and spare.shape == tensor.shape else tensor

@@ -65,7 +65,7 @@ def test_the_step_op_costs_its_parts_steps():
     prof = load_profile(str(PROFILE))
     partition = [["embed", "block0"], ["block1", "head"]]
     for kfac, kind in ((True, "kfac"), (False, "adamw")):
-        costs = Costs(prof, partition, replicas=1, kfac=kfac)
+        costs = Costs(prof, partition, replicas=1, optimizer="kfac" if kfac else "adamw")
         want = prof.part("block1").step_ms[kind] + prof.part("head").step_ms[kind]
         assert costs.work_ms(Op("step", stage=1)) == pytest.approx(want + prof.runtime.step_ms) and want > 0
         # one stage per rank: its step op also carries the runtime's work between steps, and the dispatch
@@ -101,7 +101,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
     `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance."""
     plan = load_plan(str(plan_path))
     costs = Costs(truth, plan.partition, plan.config.replicas, plan.config.inverse,
-                  plan.config.kfac)
+                  plan.config.optimizer)
     rt = truth.runtime
     timelines = [measure.Timeline(q) for q in range(plan.world_size)]
     clock = [0.0] * plan.world_size
@@ -297,7 +297,7 @@ def test_run_tail_is_a_runs_mean_over_its_median_per_op_kind(tmp_path):
     from pfcompile.calibrate.fit import fit_runtime
 
     prof = load_profile(str(PROFILE))
-    plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, kfac=False), PlanOptions("greedy"))
+    plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, optimizer="adamw"), PlanOptions("greedy"))
     plan_path = tmp_path / "gpipe4.json"
     plan.save(str(plan_path))
     truth = true_profile(prof)

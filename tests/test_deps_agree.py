@@ -41,7 +41,7 @@ def _units(tg):
 @pytest.mark.parametrize("schedule,kw", CASES)
 def test_graph_and_replay_dependency_rules_agree(schedule, kw, kfac):
     prof = uniform_profile(blocks=4)
-    cfg = PipelineConfig(schedule, refresh_steps=2, kfac=kfac, **kw)
+    cfg = PipelineConfig(schedule, refresh_steps=2, optimizer="kfac" if kfac else "adamw", **kw)
     tg = build_task_graph(prof, cfg)
     plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
     layout = PlanLayout(plan)
@@ -73,7 +73,7 @@ def test_only_a_first_steps_forward_has_rules_that_differ_by_cycle(schedule, kw)
     from pfcompile.formats.rules import differs_by_cycle
 
     prof = uniform_profile(blocks=4)
-    cfg = PipelineConfig(schedule, refresh_steps=2, kfac=True, **kw)
+    cfg = PipelineConfig(schedule, refresh_steps=2, **kw)
     tg = build_task_graph(prof, cfg)
     plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
     layout = PlanLayout(plan)

@@ -59,7 +59,7 @@ def test_graph_is_a_dag_with_every_pass_once_per_step():
 
 def test_send_recv_edges_carry_the_message_time():
     prof = uniform_profile(blocks=2, out_bytes=500_000, latency_ms=0.25)
-    tg = build_task_graph(prof, PipelineConfig("gpipe", stages=2, micro_batches=2, kfac=False))
+    tg = build_task_graph(prof, PipelineConfig("gpipe", stages=2, micro_batches=2, optimizer="adamw"))
     send = Task(0, 0, Op("send_act", stage=0, mb=1, peer=1))
     recv = Task(0, 1, Op("recv_act", stage=0, mb=1, peer=0))
     assert tg.g.edges[send, recv]["lag"] == pytest.approx(0.25 + 500_000 / 1e6)
@@ -180,7 +180,7 @@ def test_split_preconditioning_divisions():
                 assert counts == {0: 2, 1: 2, None: 2}
             else:
                 assert counts == {0: per_replica, 1: per_replica}
-        costs = Costs(prof, plan.partition, 2, "cholesky", True)
+        costs = Costs(prof, plan.partition, 2, "cholesky", "kfac")
         assert tuple(precond_share(costs, 2, mode)) == owner
         listed = Counter((q, po.op.kind, po.op.layer) for q, steps in enumerate(plan.ranks) for po in steps[0])
         for l, o in enumerate(owner):

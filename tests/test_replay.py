@@ -34,7 +34,7 @@ def _blocks(kw):
 @pytest.mark.parametrize("method,kfac", [("none", False), ("none", True), ("greedy", True)])
 def test_every_family_passes_the_replay(kw, method, kfac):
     prof = uniform_profile(blocks=_blocks(kw), curv=0.3, inv=0.7)
-    cfg = PipelineConfig(**kw, kfac=kfac)
+    cfg = PipelineConfig(**kw, optimizer="kfac" if kfac else "adamw")
     plan, result, baseline = build_plan(prof, cfg, PlanOptions(method))
     # the stored plan round-trips through the runtime's loader and replays to the same numbers
     again = plan_from_json(plan.to_json())
@@ -78,7 +78,7 @@ def test_times_against_hand_computation_with_message_lag():
 @pytest.fixture(scope="module")
 def small():
     prof = uniform_profile(blocks=2)
-    cfg = PipelineConfig("1f1b", stages=2, micro_batches=2, kfac=False)
+    cfg = PipelineConfig("1f1b", stages=2, micro_batches=2, optimizer="adamw")
     tg = build_task_graph(prof, cfg)
     return prof, tg
 
@@ -153,7 +153,7 @@ def test_op_on_the_wrong_rank_is_named(small):
 
 def test_collectives_in_crossed_order_deadlock():
     prof = uniform_profile(blocks=4)
-    tg = build_task_graph(prof, PipelineConfig("chimera", stages=4, micro_batches=4, kfac=False))
+    tg = build_task_graph(prof, PipelineConfig("chimera", stages=4, micro_batches=4, optimizer="adamw"))
     steps = canonical_steps(tg)
     ops = steps[0][0]  # rank 0 holds stages 0 and 3; swap their gradient all-reduces
     i, j = ops.index(Op("sync_grad", stage=0)), ops.index(Op("sync_grad", stage=3))
@@ -234,7 +234,7 @@ def assert_consistent_timeline(plan, prof, result):
     a collective start together."""
     cfg = PipelineConfig(plan.config.schedule, plan.config.stages, plan.config.micro_batches,
                          replicas=plan.config.replicas, virtual_stages=plan.config.virtual_stages,
-                         kfac=plan.config.kfac, refresh_steps=plan.refresh_steps,
+                         optimizer=plan.config.optimizer, refresh_steps=plan.refresh_steps,
                          partition=[list(g) for g in plan.partition])
     inverters = {}
     for q, steps in enumerate(plan.ranks):
@@ -297,6 +297,6 @@ def test_utilization_definitions_against_closed_forms():
 
     prof = uniform_profile(blocks=D, fwd=1.0, bwd=2.0, latency_ms=5.0)
     plan, two = baseline_plan(prof, PipelineConfig("gpipe", stages=D, micro_batches=N, replicas=2))
-    sync = Costs(prof, plan.partition, 2, "cholesky", False).duration(Op("sync_grad", stage=0))
+    sync = Costs(prof, plan.partition, 2, "cholesky", "adamw").duration(Op("sync_grad", stage=0))
     assert sync >= 5.0
     assert two.utilization_pipefisher[0] - two.utilization_strict == pytest.approx(sync / two.step_time_ms, abs=1e-4)

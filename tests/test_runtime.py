@@ -257,11 +257,13 @@ def reference_params(plan_path: Path, steps: int, kfac: bool = True, dtype: str 
     return initial, model.state_dict()
 
 
-def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5) -> None:
+def assert_same_params(got: dict, want: dict, initial: dict, rtol: float = 1e-5, floor: float = 1e-30) -> None:
+    """Each parameter within `rtol` of the reference, relative to its norm or `floor`, the
+    smaller norm a parameter may have and still be compared relatively."""
     assert set(got) == set(want)
     moved = 0
     for name, w in want.items():
-        err = float((got[name] - w).norm() / w.norm().clamp_min(1e-30))
+        err = float((got[name] - w).norm() / w.norm().clamp_min(floor))
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol}"
         moved += not torch.equal(w, initial[name])
     assert moved > len(want) // 2, "the reference barely trained: the comparison would prove nothing"

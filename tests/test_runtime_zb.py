@@ -73,7 +73,7 @@ def test_kfac_kept_input_is_the_weight_pass_input_and_counts_once():
     stage = build_stage(resolve_model(cfg), ["block0"], seed=0)
     layers = kfac.make_layers(kfac_linears(stage), kfac.KfacConfig())
     split = WeightPasses(stage)
-    meter = MemoryMeter({0: SimpleNamespace(module=stage, kfac={l.name: l for l in layers})}, torch.device("cpu"))
+    meter = MemoryMeter({0: SimpleNamespace(module=stage, layers={l.name: l for l in layers})}, torch.device("cpu"))
     meter.split = {0: split}
     x = torch.randn(2, 8, cfg.hidden, requires_grad=True)
     with kfac.capturing(layers, 0), split.recording(0):

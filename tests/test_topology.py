@@ -41,9 +41,9 @@ def test_a_boundary_between_nodes_costs_the_inter_node_link(paper):
     # 1F1B D=2 on 2 nodes x 1 GPU: the one pipeline boundary crosses nodes, each message
     # takes the inter-node link's time instead of the profile's
     cl = _cluster(paper, 2, 1, slower=10.0)
-    base = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False), PlanOptions("none"))[1]
-    two = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False, cluster=cl), PlanOptions("none"))[1]
-    costs = build_task_graph(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, kfac=False)).costs
+    base = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, optimizer="adamw"), PlanOptions("none"))[1]
+    two = build_plan(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, optimizer="adamw", cluster=cl), PlanOptions("none"))[1]
+    costs = build_task_graph(paper, PipelineConfig("1f1b", stages=2, micro_batches=1, optimizer="adamw")).costs
     link = paper.comm.p2p
     # the activation forward and its gradient back are both on the critical path
     extra = sum(cl.inter.time_ms(n) - link.time_ms(n) for n in (costs.out_bytes(0), costs.grad_message_bytes(1)))

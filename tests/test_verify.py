@@ -162,7 +162,11 @@ def send_micro_batch_changed(o):
 
 
 def kfac_off_with_kfac_ops(o):
-    o["config"]["kfac"] = False
+    o["config"]["optimizer"] = "adamw"
+
+
+def other_optimizers_ops(o):  # Shampoo's plan listing K-FAC's curvature
+    o["config"]["optimizer"] = "shampoo"
 
 
 def step_before_last_backward(o):
@@ -197,7 +201,7 @@ MUTATIONS = [
     (precond_duplicated, "rule: once"), (step_skipped, "rule: complete"), (kfac_removed_from_rank, "rule: complete"),
     (fwd_bwd_swapped, "rule: dependency"), (step_reversed, "rule: dependency"),
     (receive_deleted, "rule: dependency"), (receive_moved_to_next_step, "rule: once"),
-    (send_micro_batch_changed, "rule: "), (kfac_off_with_kfac_ops, "rule: ops"),
+    (send_micro_batch_changed, "rule: "), (kfac_off_with_kfac_ops, "rule: ops"), (other_optimizers_ops, "rule: ops"),
     (step_before_last_backward, "rule: dependency"), (micro_batch_changed, "rule: model"),
     (hidden_changed, "rule: model"), (start_far_negative, "rule: times"),
     (receives_swapped, "rule: pair order"),

@@ -52,8 +52,8 @@ def test_canonical_orders_are_torchs(D, N):
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
     if N % max(1, N // D) == 0:  # torch's ZB1P needs N a multiple of its rounds
-        assert compute_orders(PipelineConfig("zb-h1", D, N, kfac=False)) == _torch_order(ScheduleInterleavedZeroBubble, D, N, 1)
-    assert compute_orders(PipelineConfig("zb-v", D, N, kfac=False)) == _torch_order(ScheduleZBVZeroBubble, D, N, 2)
+        assert compute_orders(PipelineConfig("zb-h1", D, N, optimizer="adamw")) == _torch_order(ScheduleInterleavedZeroBubble, D, N, 1)
+    assert compute_orders(PipelineConfig("zb-v", D, N, optimizer="adamw")) == _torch_order(ScheduleZBVZeroBubble, D, N, 2)
 
 
 def _torch_dualpipev_order(D: int, N: int) -> dict[int, list[tuple[str, int, int]]]:
@@ -79,7 +79,7 @@ def _torch_dualpipev_order(D: int, N: int) -> dict[int, list[tuple[str, int, int
 
 @pytest.mark.parametrize("D,N", [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 11), (8, 16), (8, 21)])
 def test_dualpipev_orders_are_torchs(D, N):
-    ours = compute_orders(PipelineConfig("dualpipev", D, N, kfac=False))
+    ours = compute_orders(PipelineConfig("dualpipev", D, N, optimizer="adamw"))
     assert ours == _torch_dualpipev_order(D, N)
     for d, passes in ours.items():  # every pass of both chunks once
         assert sorted(passes) == sorted((k, s, m) for k in ("fwd", "bwd_input", "bwd_weight")
@@ -105,14 +105,14 @@ def test_bubble_matches_the_closed_forms(D, N):
     step's forwards fill the tail); from an idle start only the warm-up's ramp, one
     chunk forward (T_F/2) per hop: (D-1)·T_F/2."""
     prof = uniform_profile(blocks=D, fwd=1.0, bwd=2.0)
-    _, h1 = baseline_plan(prof, PipelineConfig("zb-h1", stages=D, micro_batches=N, kfac=False))
-    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", stages=D, micro_batches=N, kfac=False))
+    _, h1 = baseline_plan(prof, PipelineConfig("zb-h1", stages=D, micro_batches=N, optimizer="adamw"))
+    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", stages=D, micro_batches=N, optimizer="adamw"))
     assert h1.step_time_ms == pytest.approx(3 * N + (D - 1) * 1.0, abs=TOL)
     assert f1b.step_time_ms - 3 * N == pytest.approx(3 * (h1.step_time_ms - 3 * N), abs=TOL)
     assert 1 - h1.utilization == pytest.approx((D - 1) / (3 * N + D - 1), abs=1e-4)
     if N >= 2 * D - 1:
         prof_v = uniform_profile(blocks=2 * D, fwd=0.5, bwd=1.0)  # two chunks per device
-        _, v = baseline_plan(prof_v, PipelineConfig("zb-v", stages=D, micro_batches=N, kfac=False))
+        _, v = baseline_plan(prof_v, PipelineConfig("zb-v", stages=D, micro_batches=N, optimizer="adamw"))
         assert v.step_time_from_idle_ms == pytest.approx(3 * N + (D - 1) * 0.5, abs=TOL)
         assert v.step_time_ms == pytest.approx(3 * N, abs=TOL)
 
@@ -124,7 +124,7 @@ def test_torch_validates_and_simulates_the_exported_csv(tmp_path, schedule, D, N
 
     v_shaped = schedule in V_SCHEDULES
     blocks = D * (2 if v_shaped else 1)
-    plan, _ = baseline_plan(uniform_profile(blocks=blocks), PipelineConfig(schedule, D, N, kfac=False))
+    plan, _ = baseline_plan(uniform_profile(blocks=blocks), PipelineConfig(schedule, D, N, optimizer="adamw"))
     paths, _ = torch_csv.export(plan, tmp_path / "o.csv")
     rows = [line.split(",") for line in paths[0].read_text().strip().splitlines()]
     assert any(a.endswith(f"I{0}") for a in rows[0]) and any("W" in a for a in rows[0])
@@ -144,7 +144,7 @@ def test_torch_validates_and_simulates_the_exported_csv(tmp_path, schedule, D, N
 
 def test_weight_pass_keeps_activations_and_output_gradients():
     prof = uniform_profile(blocks=2, act_bytes=1000)
-    tg = build_task_graph(prof, PipelineConfig("zb-h1", 2, 4, kfac=True))
+    tg = build_task_graph(prof, PipelineConfig("zb-h1", 2, 4))
     ib, w = Task(0, 1, Op("bwd_input", stage=1, mb=2)), Task(0, 1, Op("bwd_weight", stage=1, mb=2))
     assert tg.g.has_edge(ib, w)
     act = next(b for b in tg.buffers if b.key == ("act", 1, 2) and b.alloc.step == 0)
@@ -162,14 +162,14 @@ def test_weight_pass_keeps_activations_and_output_gradients():
 def test_weight_pass_over_the_memory_limit_is_refused_naming_the_rank():
     D, N = 4, 8
     prof = uniform_profile(blocks=D, act_bytes=10**6)
-    _, free = baseline_plan(prof, PipelineConfig("zb-h1", D, N, kfac=False))
-    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", D, N, kfac=False))
+    _, free = baseline_plan(prof, PipelineConfig("zb-h1", D, N, optimizer="adamw"))
+    _, f1b = baseline_plan(prof, PipelineConfig("1f1b", D, N, optimizer="adamw"))
     # ZB-H1's delayed W passes hold D micro-batches on every rank (1F1B: D - s)
     assert free.peak_memory_bytes[-1] > f1b.peak_memory_bytes[-1]
     limit = max(free.peak_memory_bytes) - 1
     q = max(range(D), key=lambda r: free.peak_memory_bytes[r])
     with pytest.raises(ReplayError, match=f"rank {q} needs"):
-        baseline_plan(prof, PipelineConfig("zb-h1", D, N, kfac=False, memory_limit_bytes=limit))
+        baseline_plan(prof, PipelineConfig("zb-h1", D, N, optimizer="adamw", memory_limit_bytes=limit))
 
 
 @pytest.mark.parametrize("method", ["greedy", "cpsat"])
@@ -251,7 +251,7 @@ def brute_force_peaks(plan, prof) -> list[int]:
                 iv.append((p.start, w_end, max(0, costs.wgrad_bytes(s) - kept_b)))
         level = max(sum(n for a, f, n in iv if a <= t < f) for t in {a for a, _, _ in iv})
         held = sorted({p.op.stage for ops in steps for p in ops if p.op.kind == "fwd"})
-        out.append(costs.resident_bytes(held) + level)
+        out.append(costs.resident_bytes([(s, 0) for s in held]) + level)
     return out
 
 

@@ -53,9 +53,10 @@ from dataclasses import dataclass
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
 from pfcompile.formats.profile import SCHEMA_VERSION, SPREAD_KINDS, LinkModel, Profile, RuntimeOverheads, fit_link
+from pfcompile.graph.costs import STEP_LIKE
 
 PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
-LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv")
+LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv", "stats", "orth")
 
 
 STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
@@ -222,18 +223,22 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     fitted = fit.entries
     counts: dict[str, int] = defaultdict(int)
 
-    # per K-FAC layer: direct
+    # per covered layer: direct, into the entry of the traced plan's optimizer
+    optimizer = _optimizer_of(traces[0].layout)
     for key, ms in fitted.items():
         kind = key[0]
-        if kind in ("curv_a", "curv_b", "precond"):
-            setattr(new.kfac_layers[key[1]], f"{kind}_ms", ms)
-            counts[kind] += 1
+        if kind not in LAYER_KINDS:
+            continue
+        L = new.kfac_layers[key[1]]
+        if optimizer != "kfac":  # Shampoo's and Muon's entries (formats.profile.OPTIMIZER_COST_KEYS)
+            entry = f"inv_{key[2]}" if kind == "inv" else kind
+            L.optimizer_ms.setdefault(optimizer, {})[entry] = ms
         elif kind == "inv":
-            _, layer, factor = key
             method = traces[0].layout.get("inverse", "cholesky")
-            L = new.kfac_layers[layer]
-            (L.inv_a_ms if factor == "A" else L.inv_b_ms)[method] = ms
-            counts["inv"] += 1
+            (L.inv_a_ms if key[2] == "A" else L.inv_b_ms)[method] = ms
+        else:
+            setattr(L, f"{kind}_ms", ms)
+        counts[kind] += 1
 
     # per part: proportional within each measured stage, mean over observations
     fits: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -244,7 +249,7 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
         _, i, stage = key
         layout = traces[i].layout
         names = layout["partition"][stage]
-        step_kind = "kfac" if layout.get("kfac") else "adamw"
+        step_kind = _optimizer_of(layout)
         old = [_part_ms(profile, name, kind, step_kind) for name in names]
         total = sum(old)
         for name, o in zip(names, old):
@@ -287,10 +292,15 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     return new, dict(counts)
 
 
+def _optimizer_of(layout: dict) -> str:
+    """The traced plan's optimizer (traces of plans from before Shampoo and Muon say "kfac": bool)."""
+    return layout.get("optimizer") or ("kfac" if layout.get("kfac") else "adamw")
+
+
 def _part_ms(profile: Profile, name: str, kind: str, step_kind: str) -> float:
     p = profile.part(name)
     if kind == "step":
-        return p.step_ms.get(step_kind, 0.0)
+        return p.step_ms.get(step_kind, p.step_ms.get(STEP_LIKE.get(step_kind, step_kind), 0.0))
     if kind in ("bwd_input", "bwd_weight"):
         return p.split_backward_ms()[kind == "bwd_weight"]
     return p.fwd_ms if kind == "fwd" else p.bwd_ms

@@ -104,7 +104,7 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
 def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
     """The cost model of this plan's layout (its cluster, replicas, split backward, owners)."""
     # messages and collectives costed by the link they cross
-    return Costs(profile, plan.partition, L.R, plan.config.inverse, L.kfac, cluster=plan.config.cluster,
+    return Costs(profile, plan.partition, L.R, plan.config.inverse, plan.config.optimizer, cluster=plan.config.cluster,
                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
                  split_backward=plan.config.schedule in SPLIT_BACKWARD_SCHEDULES)
 
@@ -271,7 +271,7 @@ def _result(plan: Plan, L: PlanLayout, costs: Costs, X: CycleIndex, start: list[
     # last op ends, so cycles overlap; the mean spacing of cycle ends after the first (from
     # idle) is the period a long run sees
     steady = (cycle_end[-1] - cycle_end[0]) / (cycles - 1) if cycles > 1 else T
-    resident = [costs.resident_bytes(sorted(L.held[q])) for q in range(L.W)]
+    resident = [costs.resident_bytes(L.held[q]) for q in range(L.W)]
     peaks, traces = [], []
     limit = plan.config.memory_limit_bytes
     allocs = [costs.allocates(op, refresh=(X.step[j] == 0)) for j, op in enumerate(ops)]

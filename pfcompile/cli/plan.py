@@ -16,6 +16,7 @@ from pfcompile.formats.limits import (
     MAX_VIRTUAL_STAGES,
     MAX_WORLD_SIZE,
 )
+from pfcompile.formats.optimizers import NAMES as OPTIMIZER_NAMES
 from pfcompile.formats.plan import INVERSION_POLICIES, METHODS, SCHEDULES, plan_from_json
 from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
@@ -53,7 +54,10 @@ def register(sub) -> None:
     p.add_argument("--method", default="cpsat", choices=METHODS,
                    help="none: the family's order (K-FAC after each step's work); greedy: PipeFisher's "
                         "first-fit bubble filling; cpsat: the CP-SAT planner (default)")
-    p.add_argument("--no-kfac", action="store_true", help="first-order baseline: no K-FAC ops")
+    p.add_argument("--optimizer", default="kfac", choices=OPTIMIZER_NAMES,
+                   help="whose extra work to place into the bubbles: kfac (default), shampoo, muon, or adamw "
+                        "(the first-order baseline: no extra work)")
+    p.add_argument("--no-kfac", action="store_true", help="the first-order baseline (= --optimizer adamw)")
     p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
     p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,
                    help="which replicas invert a factor: balanced (one, chosen by the planner, then broadcast), "
@@ -106,7 +110,7 @@ def config_from_args(args, profile) -> PipelineConfig:
     replicas = args.replicas if args.replicas is not None else (2 if args.schedule == "chimera" else 1)
     cfg = PipelineConfig(
         schedule=args.schedule, stages=args.stages, micro_batches=args.micro_batches, replicas=replicas,
-        virtual_stages=args.virtual_stages, kfac=not args.no_kfac, inverse=args.inverse,
+        virtual_stages=args.virtual_stages, optimizer="adamw" if args.no_kfac else args.optimizer, inverse=args.inverse,
         memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit else None,
         inversion=args.inversion, precond="all" if args.precond == "auto" else args.precond)
     cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
@@ -188,11 +192,12 @@ def check_plan_bounds(args) -> None:
 
 def estimated_tasks(cfg: PipelineConfig, kfac_layers: int) -> int:
     """Ops of one step: per (stage, micro-batch) a forward, a backward and up to four
-    messages; with K-FAC two curvature ops per (layer, micro-batch) and per layer and
-    replica the syncs, inversions, broadcasts and preconditioning."""
+    messages; per covered layer the optimizer's micro-batch ops (K-FAC's curvature: two per
+    micro-batch), and per layer and replica its syncs, refreshes, broadcasts and per-step ops."""
     n = 6 * cfg.num_stages * cfg.micro_batches
-    if cfg.kfac:
-        n += 2 * kfac_layers * cfg.micro_batches + 7 * kfac_layers * cfg.replicas
+    if cfg.optimizer_work:
+        spec = cfg.optimizer_spec
+        n += len(spec.micro_batch_ops) * kfac_layers * cfg.micro_batches + 7 * kfac_layers * cfg.replicas
     return n
 
 
@@ -277,7 +282,7 @@ def _run(args) -> int:
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement")
-    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config.method, "kfac": cfg.kfac,
+    out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config.method, "optimizer": cfg.optimizer,
            **{k: plan.stats.get(k) for k in keys}, "stage_seconds": seconds, "peak_rss_mib": peak_rss_mib()}
     if args.json:
         print(json.dumps(out))
@@ -296,8 +301,8 @@ PARETO_KEYS = ("refresh_steps", "step_time_ms", "step_overhead", "step_overhead_
 
 
 def _run_pareto(args, profile, cfg, options, planning) -> int:
-    if options.method != "cpsat" or not cfg.kfac:
-        raise InputError("--pareto", None, "needs --method cpsat with K-FAC")
+    if options.method != "cpsat" or not cfg.optimizer_spec.refreshes:
+        raise InputError("--pareto", None, "needs --method cpsat and an optimizer with a refresh cycle (kfac, shampoo)")
     from dataclasses import replace
 
     from pfcompile.place.build import build_plan, pareto

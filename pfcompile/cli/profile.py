@@ -52,6 +52,9 @@ def register(sub) -> None:
                    help="skip the short 2-rank GPipe run that measures the runtime's own costs around the ops "
                         "(per-op dispatch, work between steps, sends, receives); costed from the message "
                         "benchmark alone")
+    p.add_argument("--optimizer", action="append", choices=("kfac", "shampoo", "muon"), default=None,
+                   help="whose per-layer ops to time (repeatable): K-FAC's always; shampoo and muon add theirs "
+                        "(a reference profile estimates both from their FLOPs)")
     p.add_argument("--reference", metavar="MODEL", default=None,
                    help="convert the published CSV of MODEL (bert-base, bert-large) instead of measuring")
     p.add_argument("--gpu", default="p100", help="with --reference: p100, v100 or rtx3090 (default p100)")
@@ -89,7 +92,8 @@ def run(args) -> int:
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
                              entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json,
-                             ranks=args.ranks, probe=not args.no_runtime_probe, cold=args.cold_cache)
+                             ranks=args.ranks, probe=not args.no_runtime_probe, cold=args.cold_cache,
+                             optimizers=tuple(args.optimizer or ("kfac",)))
     if args.output:
         prof.save(args.output)
     else:

@@ -16,8 +16,10 @@ text form in the spirit of torch.distributed.pipelining's actions:
 | curv_a      | CA7.5            | factor A of K-FAC layer 7, micro-batch 5 |
 | curv_b      | CB7.5            | factor B of K-FAC layer 7, micro-batch 5 |
 | sync_curv   | YC7.A            | all-reduce factor A of layer 7 between the stage's replicas |
-| inv         | I7.A             | invert factor A of layer 7 (on this rank) |
+| inv         | I7.A             | invert factor A of layer 7 (K-FAC), or its inverse fourth root (Shampoo: I7.L, I7.R) |
 | bcast_inv   | BI7.A<2          | broadcast inverse of A of layer 7 from rank 2 to the stage's replicas |
+| stats       | ST7              | Shampoo: add the step's gradient of layer 7 to its statistics L and R |
+| orth        | O7               | Muon: momentum and Newton-Schulz orthogonalisation of layer 7's update |
 | sync_grad   | YG3              | all-reduce stage 3's gradients between replicas |
 | rs_grad     | YR3              | split preconditioning: reduce-scatter stage 3's gradients (each replica gets the sum for the layers it preconditions; the rest all-reduced) |
 | ag_grad     | YA3              | split preconditioning: all-gather stage 3's preconditioned gradients (each layer's from the replica that preconditioned it) |
@@ -35,7 +37,10 @@ Conventions that every consumer relies on:
   for every (stage, mb) instead of `bwd`: send_grad follows bwd_input; the weight
   gradients (sync_grad, precond, step, and curv_b, which shares the output gradients W
   keeps) wait for bwd_weight; the stage's activations live until bwd_weight ends.
-- `layer` is an index into the plan's list of K-FAC layers; `factor` is "A" or "B".
+- `layer` is an index into the plan's list of covered layers; `factor` is one the plan's
+  optimizer refreshes (K-FAC "A"/"B", Shampoo "L"/"R"). Which optimizer's work an op is
+  (and so what `inv` and `precond` compute) is the plan's `config.optimizer`
+  (pfcompile.formats.optimizers declares each optimizer's ops).
 - with split preconditioning (plan config `precond` "split", `precond_owner[layer]`: the
   replica that preconditions the layer, or null: every replica) a stage with owned layers
   lists rs_grad, the precond of its own and the unowned layers, ag_grad, step, instead of
@@ -50,6 +55,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from pfcompile.formats.optimizers import ALL_FACTORS, OPTIMIZER_KINDS
+from pfcompile.formats.optimizers import FLOATING_KINDS as FLOATING_KINDS  # re-exported: the op vocabulary's
 
 # kind -> (text prefix, fields that must be set)
 OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -70,6 +78,8 @@ OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rs_grad": ("YR", ("stage",)),
     "ag_grad": ("YA", ("stage",)),
     "precond": ("P", ("layer",)),
+    "stats": ("ST", ("layer",)),
+    "orth": ("O", ("layer",)),
     "step": ("U", ("stage",)),
 }
 PIPELINE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad"})
@@ -94,13 +104,14 @@ def weight_grad_kind(schedule: str) -> str:
 
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad", "rs_grad", "ag_grad"})
-KFAC_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv", "precond"})
-# The refresh's work, which a plan may put in any step of the cycle (it is named without a
+# An optimizer's work (pfcompile.formats.optimizers). FLOATING_KINDS, from there: the
+# refresh's work, which a plan may put in any step of the cycle (it is named without a
 # step: listed once per cycle on its rank); every other op is listed once per step.
-FLOATING_KINDS = frozenset({"curv_a", "curv_b", "sync_curv", "inv", "bcast_inv"})
+assert OPTIMIZER_KINDS <= set(OP_KINDS), "every declared optimizer op is in the vocabulary"
 # Ops whose time counts as the device being busy (communication is waiting).
-COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "step"})
-FACTORS = ("A", "B")
+COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "stats",
+                           "orth", "step"})
+FACTORS = ALL_FACTORS
 STREAMS = ("compute", "p2p", "collective")  # display order too (pfcompile.formats.trace)
 
 
@@ -181,7 +192,7 @@ class Op:
                 raise ValueError(f"op {kind} takes no field {f!r}")
             elif f == "factor":
                 if v not in FACTORS:
-                    raise ValueError(f"factor must be 'A' or 'B', got {v!r}")
+                    raise ValueError(f"factor must be one of {', '.join(FACTORS)}, got {v!r}")
             elif type(v) is not int or v < 0:  # not a bool either (type(True) is bool)
                 raise ValueError(f"field {f!r} must be a non-negative int, got {v!r}")
 
@@ -203,7 +214,7 @@ class Op:
             return f"{prefix}{self.layer}.{self.factor}<{self.peer}"
         if k in ("sync_grad", "rs_grad", "ag_grad", "step"):
             return f"{prefix}{self.stage}"
-        return f"{prefix}{self.layer}"  # precond
+        return f"{prefix}{self.layer}"  # precond, stats, orth
 
     @property
     def text(self) -> str:
@@ -229,8 +240,9 @@ class Op:
         return Op(kind, **{f: d.get(f) for f in _FIELDS})
 
     @property
-    def is_kfac(self) -> bool:
-        return self.kind in KFAC_KINDS
+    def is_optimizer_work(self) -> bool:
+        """An op of an optimizer's extra work (pfcompile.formats.optimizers), not the pipeline's."""
+        return self.kind in OPTIMIZER_KINDS
 
     @property
     def is_p2p(self) -> bool:
@@ -246,7 +258,8 @@ class Op:
         return ("act" if self.kind.endswith("act") else "grad", self.stage, self.mb)
 
 
-_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|YR|YA|IB|F|B|I|W|P|U)(\d+)(?:\.(\d+|A|B))?(?:([<>])(\d+))?$")
+_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|YR|YA|IB|ST|F|B|I|W|P|O|U)(\d+)"
+                   r"(?:\.(\d+|" + "|".join(ALL_FACTORS) + r"))?(?:([<>])(\d+))?$")
 _BY_PREFIX = {prefix: kind for kind, (prefix, _) in OP_KINDS.items()}
 
 

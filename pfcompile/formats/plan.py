@@ -12,7 +12,8 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
         "replicas": R,               # copies of each stage (chimera: 2; data parallel: R)
         "world_size": W,
         "method": "none"|"greedy"|"cpsat",
-        "kfac": bool,                # false: a first-order baseline plan
+        "optimizer": "kfac"|"shampoo"|"muon"|"adamw",  # whose extra work the ops hold (adamw: none);
+                                     # plans without it have "kfac": bool (true: "kfac", false: "adamw")
         "refresh_steps": k,          # the cycle: curvature of step 0, inverses in force from step k
         "inverse": "cholesky"|"eigen",
         "fixed_order": bool,
@@ -52,6 +53,8 @@ from typing import Any, NamedTuple
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import Fields, read_json, write_json
 from pfcompile.formats.ops import FLOATING_KINDS, Op
+from pfcompile.formats.optimizers import NAMES as OPTIMIZER_NAMES
+from pfcompile.formats.optimizers import optimizer as optimizer_decl
 from pfcompile.formats.profile import Cluster, LinkModel
 
 SCHEMA = "pfcompile-plan"
@@ -78,7 +81,7 @@ class PlanConfig:
     replicas: int
     world_size: int
     method: str
-    kfac: bool
+    optimizer: str
     refresh_steps: int
     virtual_stages: int = 1
     inverse: str = "cholesky"
@@ -90,11 +93,21 @@ class PlanConfig:
     fixed_order: bool = True
     cluster: Cluster | None = None
 
+    @property
+    def optimizer_spec(self):
+        """The optimizer's declaration (pfcompile.formats.optimizers.Optimizer)."""
+        return optimizer_decl(self.optimizer)
+
+    @property
+    def optimizer_work(self) -> bool:
+        """Whether the plan holds an optimizer's extra work (every optimizer but AdamW)."""
+        return self.optimizer_spec.has_work
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schedule": self.schedule, "stages": self.stages, "virtual_stages": self.virtual_stages,
             "micro_batches": self.micro_batches, "replicas": self.replicas, "world_size": self.world_size,
-            "kfac": self.kfac, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
+            "optimizer": self.optimizer, "refresh_steps": self.refresh_steps, "inverse": self.inverse,
             "inversion": self.inversion, "precond": self.precond, "memory_limit_bytes": self.memory_limit_bytes}
         if self.cluster is not None:
             out["cluster"] = self.cluster.to_json()
@@ -254,7 +267,11 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
     stages, micro_batches, replicas, world, k = (
         cfg.req(key, int, **positive) for key in ("stages", "micro_batches", "replicas", "world_size", "refresh_steps"))
     virtual_stages = cfg.opt("virtual_stages", int, 1, **positive)
-    kfac = cfg.req("kfac", bool)
+    # plans before Shampoo and Muon said only whether they held K-FAC's work ("kfac": bool)
+    if "optimizer" in cfg.obj or "kfac" not in cfg.obj:
+        optimizer = cfg.req("optimizer", str, **one_of(OPTIMIZER_NAMES))
+    else:
+        optimizer = "kfac" if cfg.req("kfac", bool) else "adamw"
     inverse = cfg.opt("inverse", str, "cholesky", **one_of(INVERSES))
     inversion = cfg.opt("inversion", str, "balanced", **one_of(INVERSION_POLICIES))
     memory_limit = cfg.opt("memory_limit_bytes", int, None, check=lambda v: v > 0, why="must be positive")
@@ -282,7 +299,7 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
                 bytes_per_ms=float(link.req("bytes_per_ms", float, check=lambda v: v > 0, why="must be positive"))))
         cluster = Cluster(n, g, *links)
     return PlanConfig(schedule=schedule, stages=stages, micro_batches=micro_batches, replicas=replicas,
-                      world_size=world, method=method, kfac=kfac, refresh_steps=k, virtual_stages=virtual_stages,
+                      world_size=world, method=method, optimizer=optimizer, refresh_steps=k, virtual_stages=virtual_stages,
                       inverse=inverse, inversion=inversion, precond=precond, precond_division=division,
                       precond_owner=owners, memory_limit_bytes=memory_limit, fixed_order=fixed_order,
                       cluster=cluster)

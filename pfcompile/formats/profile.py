@@ -27,7 +27,9 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
                  "out_features", "bias", "curv_a_ms", "curv_b_ms",
                  "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
                  "precond_ms", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
-                 "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes"}],
+                 "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes",
+                 "optimizer_ms": {"shampoo": {"stats", "inv_L", "inv_R", "precond"},
+                                  "muon": {"orth"}}}],    # optional, per optimizer profiled
       "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
                "p2p": {"latency_ms", "bytes_per_ms"},
                "allreduce": {"latency_ms", "bytes_per_ms"}},
@@ -157,6 +159,8 @@ class KfacLayer:
     factor_b_bytes: int
     inverse_a_bytes: int
     inverse_b_bytes: int
+    # the other optimizers' ops on this layer (OPTIMIZER_COST_KEYS), where profiled or estimated
+    optimizer_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def inv_ms(self, factor: str, method: str = "cholesky") -> float:
         return (self.inv_a_ms if factor == "A" else self.inv_b_ms)[method]
@@ -173,6 +177,16 @@ class KfacLayer:
     def kept_bytes(self, factor: str) -> int:
         return self.kept_a_bytes if factor == "A" else self.kept_b_bytes
 
+    @property
+    def weight_elements(self) -> int:
+        return self.in_features * self.out_features
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not d["optimizer_ms"]:
+            del d["optimizer_ms"]  # absent: profiles from before Shampoo and Muon keep their hash
+        return d
+
 
 @dataclass
 class LinkModel:
@@ -183,6 +197,12 @@ class LinkModel:
 
     def time_ms(self, nbytes: int) -> float:
         return self.latency_ms + nbytes / self.bytes_per_ms
+
+
+# the cost entries of the optimizers other than K-FAC, per covered layer (pfcompile.formats.optimizers):
+# Shampoo's per-step statistics, each factor's inverse root and the preconditioning; Muon's
+# momentum and orthogonalisation
+OPTIMIZER_COST_KEYS = {"shampoo": ("stats", "inv_L", "inv_R", "precond"), "muon": ("orth",)}
 
 
 def fit_link(points: list[tuple[int, float]]) -> LinkModel:
@@ -311,7 +331,7 @@ class Profile:
             "provenance": self.provenance,
             "model": self.model,
             "parts": [self._part_json(p) for p in self.parts],
-            "kfac_layers": [asdict(l) for l in self.kfac_layers],
+            "kfac_layers": [l.to_json() for l in self.kfac_layers],
             "comm": asdict(self.comm),
             **({"runtime": self.runtime.to_json()} if self.runtime.any() else {}),  # absent: as before
             "spread": self.spread,
@@ -420,8 +440,20 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         for key in ("inv_a_ms", "inv_b_ms"):
             sub = f.sub(key)
             invs[key] = {m: sub.req(m, float, check=_pos, why="must be a finite number >= 0") for m in INVERSE_METHODS}
+        other = {}
+        if isinstance(l, dict) and l.get("optimizer_ms") is not None:
+            om = f.sub("optimizer_ms")
+            if not isinstance(om.obj, dict):
+                raise f.fail("optimizer_ms", "must be an object")
+            for opt, keys in OPTIMIZER_COST_KEYS.items():
+                if opt in om.obj:
+                    of = om.sub(opt)
+                    other[opt] = {k: of.req(k, float, check=_pos, why="must be a finite number >= 0") for k in keys}
+            unknown = sorted(set(om.obj) - set(OPTIMIZER_COST_KEYS))
+            if unknown:
+                raise om.fail(None, f"unknown optimizer {unknown[0]!r:.40} (known: {', '.join(OPTIMIZER_COST_KEYS)})")
         layers.append(KfacLayer(
-            name=f.req("name", str), part=part,
+            name=f.req("name", str), part=part, optimizer_ms=other,
             in_features=f.req("in_features", int, check=lambda v: v > 0, why="must be positive"),
             out_features=f.req("out_features", int, check=lambda v: v > 0, why="must be positive"),
             bias=f.req("bias", bool),

@@ -21,7 +21,6 @@ from collections import defaultdict
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import (
-    FACTORS,
     FLOATING_KINDS,
     Op,
     backward_kinds,
@@ -30,9 +29,11 @@ from pfcompile.formats.ops import (
     stage_served,
     weight_grad_kind,
 )
+from pfcompile.formats.optimizers import PASS_FWD
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.plan import Layout, Plan
 
-FLOATING = FLOATING_KINDS  # K-FAC work that may run in any step of the refresh cycle (no step in its key)
+FLOATING = FLOATING_KINDS  # optimizer work that may run in any step of the refresh cycle (no step in its key)
 # An instance of a task in a run of several cycles: (cycle, step | None for floating work, rank, op)
 Key = tuple
 
@@ -50,7 +51,7 @@ def op_field(q: int, t: int, i: int) -> str:
 
 
 class PlanLayout(Layout):
-    """The plan's placement, sizes and K-FAC layers, as queries."""
+    """The plan's placement, sizes, covered layers and optimizer (its declaration: `spec`), as queries."""
 
     def __init__(self, plan: Plan):
         super().__init__(plan.placement, plan.micro_batch_replica)
@@ -60,7 +61,8 @@ class PlanLayout(Layout):
         self.N = c.micro_batches
         self.k = plan.refresh_steps
         self.W = plan.world_size
-        self.kfac = c.kfac
+        self.spec = optimizer_spec(c.optimizer)  # pfcompile.formats.optimizers
+        self.work = self.spec.has_work
         schedule = c.schedule
         self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")
         self.B = input_grad_kind(schedule)  # makes the input gradient (send_grad waits for it)
@@ -68,8 +70,9 @@ class PlanLayout(Layout):
         self.mbr = self.micro_batch_replica
         self.layer_stage = plan.layer_stage
         self.stage_layers = [[l for l, s in enumerate(self.layer_stage) if s == st] for st in range(self.S)]
-        # split preconditioning: the replica that preconditions each layer (None: every one)
-        owner = c.precond_owner if c.precond == "split" and self.kfac else None
+        # divided work (split preconditioning): the replica that does each layer's per-step
+        # work (None: every one)
+        owner = c.precond_owner if c.precond == "split" and self.work else None
         self.precond_owner: list[int | None] | None = list(owner) if owner is not None else None
 
     def split_stage(self, stage: int) -> bool:
@@ -78,8 +81,9 @@ class PlanLayout(Layout):
                                                        for l in self.stage_layers[stage])
 
     def preconditions(self, rank: int, stage: int) -> list[int]:
-        """The K-FAC layers of `stage` that `rank` preconditions each step."""
-        if not self.kfac:
+        """The covered layers of `stage` whose per-step optimizer work (`spec.step_kinds`)
+        `rank` does each step."""
+        if not self.work:
             return []
         r = self.held[rank][stage]
         return [l for l in self.stage_layers[stage]
@@ -156,40 +160,60 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
     elif k in ("recv_act", "recv_grad"):
         send = _op("send_" + k[5:], stage=op.stage, mb=op.mb, peer=q)
         remote.append((c, t, op.peer, send))
-    elif k == "curv_a":
-        local.append((c, 0, q, _op("fwd", stage=s, mb=op.mb)))
-    elif k == "curv_b":  # split backward: with or after W, which shares its output gradient
-        local.append((c, 0, q, _op(L.Wk, stage=s, mb=op.mb)))
-    elif k == "sync_curv":
-        kind = "curv_a" if op.factor == "A" else "curv_b"
-        local += [(c, None, q, _op(kind, layer=op.layer, mb=m)) for m in mine]
-    elif k == "inv":
-        if L.R > 1:
-            local += [(c, None, q, _op("sync_curv", layer=op.layer, factor=f)) for f in FACTORS]
-        else:
-            local += [(c, None, q, _op(kind, layer=op.layer, mb=m)) for m in mine for kind in ("curv_a", "curv_b")]
-    elif k == "bcast_inv":
-        if op.peer == q:
-            local.append((c, None, q, _op("inv", layer=op.layer, factor=op.factor)))
     elif k in ("sync_grad", "rs_grad"):
         local += [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
-    elif k == "ag_grad":  # after this replica's own preconditioning
+    elif k == "ag_grad":  # after this replica's own share of the per-step work
         local.append(here(_op("rs_grad", stage=s)))
-        local += [here(_op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] == r]
-    elif k == "precond":
-        if L.split_stage(s):
-            local.append(here(_op("rs_grad", stage=s)))
-        else:
-            local += [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+        local += [here(_op(L.spec.update, layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] == r]
     elif k == "step":
         if L.split_stage(s):
             local.append(here(_op("ag_grad", stage=s)))
-            local += [here(_op("precond", layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] is None]
-        elif L.kfac and L.stage_layers[s]:
-            local += [here(_op("precond", layer=l)) for l in L.stage_layers[s]]
+            local += [here(_op(L.spec.update, layer=l)) for l in L.stage_layers[s] if L.precond_owner[l] is None]
+        elif L.work and L.stage_layers[s]:
+            local += [here(_op(L.spec.update, layer=l)) for l in L.stage_layers[s]]
         else:
-            local += [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+            local += _gradient(L, s, mine, here)
+    elif op.is_optimizer_work:
+        local += _optimizer_dependencies(L, q, c, s, mine, op, here)
     return local, remote
+
+
+def _gradient(L: PlanLayout, s: int, mine: list[int], here) -> list[Key]:
+    """What makes the stage's gradient of the step on this replica: its reduce-scatter
+    (divided work), its all-reduce (replicas), or this replica's weight-gradient passes."""
+    if L.split_stage(s):
+        return [here(_op("rs_grad", stage=s))]
+    return [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
+
+
+def _optimizer_dependencies(L: PlanLayout, q: int, c: int, s: int, mine: list[int], op: Op, here) -> list[Key]:
+    """What an optimizer op waits for, from its declaration (pfcompile.formats.optimizers):
+    a micro-batch op the pass of the cycle's first step whose tensor it reads; a reduction
+    its factor's micro-batch ops; a refresh the cycle's statistics of every factor (their
+    reductions, the micro-batch ops, or the per-step statistics of the cycle's first step);
+    a broadcast its source's refresh; a per-step op the gradient, or the op before it in
+    `spec.step_kinds`."""
+    spec, k, layer = L.spec, op.kind, op.layer
+    decl = spec.op(k)
+    if decl.when == "micro_batch":
+        # split backward: curv_b runs with or after W, which shares its output gradient
+        kind = "fwd" if decl.reads_pass == PASS_FWD else L.Wk
+        return [(c, 0, q, _op(kind, stage=s, mb=op.mb))]
+    if k == "sync_curv":
+        kind = spec.factor_kind(op.factor)
+        return [(c, None, q, _op(kind, layer=layer, mb=m)) for m in mine]
+    if k == "inv":
+        if spec.step_stats is not None:  # the statistics as of the cycle's first step
+            return [(c, 0, q, _op(spec.step_stats, layer=layer))]
+        if spec.reduces and L.R > 1:
+            return [(c, None, q, _op("sync_curv", layer=layer, factor=f)) for f in spec.factors]
+        return [(c, None, q, _op(d.kind, layer=layer, mb=m)) for m in mine for d in spec.micro_batch_ops]
+    if k == "bcast_inv":
+        return [(c, None, q, _op("inv", layer=layer, factor=op.factor))] if op.peer == q else []
+    # the per-step work, in order: the first waits for the gradient, the others for the one before
+    kinds = spec.step_kinds
+    i = kinds.index(k)
+    return _gradient(L, s, mine, here) if i == 0 else [here(_op(kinds[i - 1], layer=layer))]
 
 
 def differs_by_cycle(t: int, op: Op) -> bool:
@@ -281,8 +305,12 @@ def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int
                 if op.kind in ("bwd", "bwd_input", "bwd_weight") and op.kind not in L.backward:
                     raise PlanError(where, at, f"{name}: the {plan.config.schedule} family's backward ops "
                                     f"are {', '.join(L.backward)} (rule: ops)")
-                if op.is_kfac and not L.kfac:
-                    raise PlanError(where, at, f"{name} is a K-FAC op in a plan without K-FAC (rule: ops)")
+                if op.is_optimizer_work and op.kind not in L.spec.kinds:
+                    raise PlanError(where, at, f"{name} is not an op of the plan's optimizer "
+                                    f"({plan.config.optimizer}) (rule: ops)")
+                if op.factor is not None and op.factor not in L.spec.factors:
+                    raise PlanError(where, at, f"{name}: the plan's optimizer ({plan.config.optimizer}) has no factor "
+                                    f"{op.factor} (rule: ops)")
                 s = L.stage_of(op)
                 if not 0 <= s < L.S or s not in L.held[q]:
                     raise PlanError(where, at, f"{name}: rank {q} holds no replica of stage {s} (rule: placement)")
@@ -296,7 +324,7 @@ def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int
                                     f"replica (rule: ops)")
                 if op.kind in ("rs_grad", "ag_grad") and not L.split_stage(s) or \
                         op.kind == "sync_grad" and L.split_stage(s) or \
-                        op.kind == "precond" and op.layer not in L.preconditions(q, s):
+                        op.kind in L.spec.step_kinds and op.layer not in L.preconditions(q, s):
                     raise PlanError(where, at, f"{name}: not an op of this rank under the plan's "
                                     f"preconditioning (config.precond) (rule: ops)")
                 if op.kind in FLOATING:
@@ -308,8 +336,8 @@ def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int
                     raise PlanError(where, at, f"{name} is listed twice in step {t} (also at [{seen[op]}]) (rule: once)")
                 seen[op] = i
             _check_step_complete(L, q, t, set(seen), where)
-    if L.kfac:
-        _check_kfac_complete(L, floating_seen, where)
+    if L.spec.refreshes:
+        _check_refresh_complete(L, floating_seen, where)
     return floating_seen
 
 
@@ -339,13 +367,17 @@ def _check_step_complete(L: PlanLayout, q: int, t: int, ops: set[Op], where: str
             need += [_op("rs_grad", stage=s), _op("ag_grad", stage=s)]
         elif L.R > 1:
             need.append(_op("sync_grad", stage=s))
-        need += [_op("precond", layer=l) for l in L.preconditions(q, s)]
+        need += [_op(kind, layer=l) for l in L.preconditions(q, s) for kind in L.spec.step_kinds]
         for op in need:
             if op not in ops:
                 raise PlanError(where, f"ranks[{q}].steps[{t}]", f"{op_name(q, t, op)} is missing (rule: complete)")
 
 
-def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
+def _check_refresh_complete(L: PlanLayout, floating: dict, where: str) -> None:
+    """The cycle's work of the plan's optimizer, once on each rank that must do it: each
+    micro-batch op of every replica's micro-batches, the reductions (replicas), each factor's
+    refresh on its inverters (the owner when the work is divided) and the broadcasts from one
+    of them to every replica that does not refresh it itself."""
     def missing(q, op):
         return PlanError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing (rule: complete)")
 
@@ -360,15 +392,15 @@ def _check_kfac_complete(L: PlanLayout, floating: dict, where: str) -> None:
         group = L.group(s)
         for q in group:
             for m in L.mbs_of(L.held[q][s]):
-                for kind in ("curv_a", "curv_b"):
-                    if (q, Op(kind, layer=l, mb=m)) not in floating:
-                        raise missing(q, Op(kind, layer=l, mb=m))
-            if L.R > 1:
-                for f in FACTORS:
+                for d in L.spec.micro_batch_ops:
+                    if (q, Op(d.kind, layer=l, mb=m)) not in floating:
+                        raise missing(q, Op(d.kind, layer=l, mb=m))
+            if L.R > 1 and L.spec.reduces:
+                for f in L.spec.factors:
                     if (q, Op("sync_curv", layer=l, factor=f)) not in floating:
                         raise missing(q, Op("sync_curv", layer=l, factor=f))
         owner = L.precond_owner[l] if L.precond_owner is not None else None
-        for f in FACTORS:
+        for f in L.spec.factors:
             inverters = [q for q in group if (q, Op("inv", layer=l, factor=f)) in floating]
             if owner is not None:  # split preconditioning: the owner inverts, nobody else needs it
                 q = L.rank[(s, owner)]

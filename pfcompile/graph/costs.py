@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
-from pfcompile.formats.profile import Cluster, Profile
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
+from pfcompile.formats.profile import OPTIMIZER_COST_KEYS, Cluster, Profile
 
 
 def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
@@ -96,13 +97,19 @@ def balanced_partition(profile: Profile, stages: int) -> list[list[str]]:
     return groups[::-1]
 
 
+# the profiled optimizer-step entry a part's step falls back to where it has none of its own:
+# Shampoo steps like K-FAC (SGD-momentum on the covered weights, AdamW on the rest), Muon like
+# AdamW (a scaled add on the covered weights)
+STEP_LIKE = {"shampoo": "kfac", "muon": "adamw"}
+
+
 @dataclass
 class Costs:
     profile: Profile
     partition: list[list[str]]
     replicas: int
     inverse: str = "cholesky"
-    kfac: bool = True
+    optimizer: str = "kfac"  # whose extra work (pfcompile.formats.optimizers)
     # with a cluster: every message and collective is costed by the link it crosses
     # (pfcompile.formats.profile.Cluster); `stage_ranks[s]` are the ranks of stage s's replicas
     cluster: Cluster | None = None
@@ -111,6 +118,14 @@ class Costs:
     split_backward: bool = False  # a zero-bubble family: kept_a shares W's kept input (module doc)
 
     def __post_init__(self):
+        self.spec = optimizer_spec(self.optimizer)
+        self.work = self.spec.has_work
+        if self.optimizer in OPTIMIZER_COST_KEYS:  # its ops' costs must be in the profile
+            for i, layer in enumerate(self.profile.kfac_layers):
+                if self.optimizer not in layer.optimizer_ms:
+                    raise InputError(f"profile {self.profile.name}", f"kfac_layers[{i}].optimizer_ms.{self.optimizer}",
+                                     f"missing: the profile has no {self.optimizer} costs (profile with "
+                                     f"`pfcompile profile --optimizer {self.optimizer}`)")
         part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
         self.layer_stage = [part_stage[l.part] for l in self.profile.kfac_layers]
         self.stage_layers = [[i for i, s in enumerate(self.layer_stage) if s == st] for st in range(len(self.partition))]
@@ -163,9 +178,11 @@ class Costs:
         return self.out_bytes(stage - 1) if stage > 0 else 0
 
     def step_ms(self, stage: int) -> float:
-        """The stage's optimizer update: K-FAC's (KL clip, SGD-momentum + AdamW) or AdamW alone."""
-        kind = "kfac" if self.kfac else "adamw"
-        return sum(p.step_ms.get(kind, 0.0) for p in self._parts[stage])
+        """The stage's optimizer update, as profiled per optimizer; where a part has no entry of
+        its own, Shampoo's is K-FAC's (SGD-momentum on the covered weights, AdamW on the
+        rest) and Muon's AdamW's (a scaled add on the covered weights, AdamW on the rest)."""
+        kind = self.optimizer if self.optimizer in ("kfac", "adamw") else STEP_LIKE[self.optimizer]
+        return sum(p.step_ms.get(self.optimizer, p.step_ms.get(kind, 0.0)) for p in self._parts[stage])
 
     def param_bytes(self, stage: int) -> int:
         return sum(p.param_bytes for p in self._parts[stage])
@@ -207,20 +224,15 @@ class Costs:
             return self.profile.runtime.send_ms
         if k in ("recv_act", "recv_grad"):
             return self.profile.runtime.recv_ms
-        if k == "curv_a":
-            return layers[op.layer].curv_a_ms
-        if k == "curv_b":
-            return layers[op.layer].curv_b_ms
-        if k == "inv":
-            return layers[op.layer].inv_ms(op.factor, self.inverse)
-        if k == "precond":
-            return layers[op.layer].precond_ms
+        if k in ("curv_a", "curv_b", "inv", "precond", "stats", "orth"):
+            return self.optimizer_op_ms(op)
         if k == "sync_curv":
             return self._allreduce_ms(layers[op.layer].factor_bytes(op.factor), self.layer_stage[op.layer])
         if k == "bcast_inv":
+            nbytes = self.root_bytes(op.layer, op.factor)
             if self.cluster is not None and self.replicas > 1:
-                return self._group_link(self.layer_stage[op.layer]).time_ms(layers[op.layer].inverse_bytes(op.factor))
-            return self.profile.comm.bcast_ms(layers[op.layer].inverse_bytes(op.factor), self.replicas)
+                return self._group_link(self.layer_stage[op.layer]).time_ms(nbytes)
+            return self.profile.comm.bcast_ms(nbytes, self.replicas)
         if k == "sync_grad":
             return self._allreduce_ms(self.grad_bytes(op.stage), op.stage)
         if k in ("rs_grad", "ag_grad"):
@@ -235,6 +247,31 @@ class Costs:
         if k == "step":
             return self.step_ms(op.stage) + self.between_steps_ms(op)
         raise ValueError(f"no cost for {op}")
+
+    def optimizer_op_ms(self, op: Op) -> float:
+        """An optimizer op's own work on its layer, as the profile has it for this optimizer."""
+        layer = self.profile.kfac_layers[op.layer]
+        if self.optimizer == "kfac":
+            k = op.kind
+            if k == "inv":
+                return layer.inv_ms(op.factor, self.inverse)
+            return {"curv_a": layer.curv_a_ms, "curv_b": layer.curv_b_ms, "precond": layer.precond_ms}[k]
+        key = f"inv_{op.factor}" if op.kind == "inv" else op.kind
+        return layer.optimizer_ms[self.optimizer][key]
+
+    def element_bytes(self) -> int:
+        """The optimizer state's element size: float32 in every precision the runtime runs
+        (bfloat16 keeps float32 state), float64 in a float64 run."""
+        return 8 if str(self.profile.model.get("dtype", "float32")) == "float64" else 4
+
+    def root_bytes(self, layer: int, factor: str) -> int:
+        """One refreshed matrix of a layer: K-FAC's inverse of A or B (A is augmented by the
+        bias), Shampoo's inverse root of L (out x out) or R (in x in)."""
+        L = self.profile.kfac_layers[layer]
+        if factor in ("A", "B"):
+            return L.inverse_bytes(factor)
+        n = L.out_features if factor == "L" else L.in_features
+        return n * n * self.element_bytes()
 
     def between_steps_ms(self, op: Op) -> float:
         """The runtime's work between steps that a `step` op carries: its share, one per stage
@@ -277,11 +314,12 @@ class Costs:
         """Buffers the op allocates at its start: [(key, bytes)]. `refresh`: step 0 of the cycle."""
         out: list[tuple[tuple, int]] = []
         layers = self.profile.kfac_layers
+        kfac = self.optimizer == "kfac"  # the only optimizer that keeps micro-batch tensors
         if op.kind == "fwd":
             out.append((("act", op.stage, op.mb), self.act_bytes(op.stage)))
-            if refresh and self.kfac and not self.split_backward:
+            if refresh and kfac and not self.split_backward:
                 out += [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
-        elif op.kind in ("bwd", "bwd_input") and refresh and self.kfac:
+        elif op.kind in ("bwd", "bwd_input") and refresh and kfac:
             out += [(("kept_b", l, op.mb), layers[l].kept_b_bytes) for l in self.stage_layers[op.stage]]
         if op.kind == "bwd_input":
             shared = sum(n for key, n in out if key[0] == "kept_b")
@@ -293,7 +331,7 @@ class Costs:
         ended by then (held over [this end, max(this end, the freeing op's end)]): with a
         split backward, the K-FAC layers' inputs W kept inside the activations, which
         outlive W until their curv_a."""
-        if op.kind == "bwd_weight" and refresh and self.kfac and self.split_backward:
+        if op.kind == "bwd_weight" and refresh and self.optimizer == "kfac" and self.split_backward:
             layers = self.profile.kfac_layers
             return [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
         return []
@@ -310,29 +348,61 @@ class Costs:
             return [("kept_b", op.layer, op.mb)]
         return []
 
-    def optimizer_state_bytes(self, stage: int) -> int:
-        """runtime.optim's state for a stage: one momentum buffer per K-FAC-covered parameter
-        (SGD), two moments per other parameter (AdamW). The parameters' element size is the
-        factors' (both float32 in every precision the runtime runs, or both float64)."""
-        if not self.kfac:
-            return 2 * self.param_bytes(stage)
-        covered = 0
+    def covered_param_bytes(self, stage: int) -> int:
+        """The stage's parameters the optimizer's own update covers: the covered layers'
+        weights, and with K-FAC their biases too (K-FAC preconditions [W | b]); the rest is
+        AdamW's."""
+        n = 0
         for l in self.stage_layers[stage]:
             L = self.profile.kfac_layers[l]
-            d_a = L.in_features + (1 if L.bias else 0)
-            covered += d_a * L.out_features * round(L.factor_a_bytes / (d_a * d_a))
-        return covered + 2 * max(0, self.param_bytes(stage) - covered)
+            if self.optimizer == "kfac":  # [W | b], at the factors' element size
+                d_a = L.in_features + (1 if L.bias else 0)
+                n += d_a * L.out_features * round(L.factor_a_bytes / (d_a * d_a))
+            else:
+                n += L.weight_elements * self.element_bytes()
+        return n
 
-    def resident_bytes(self, stages_held: list[int]) -> int:
-        """Parameters, gradients, optimizer state and (with K-FAC) the layers' factor state, always held."""
+    def optimizer_state_bytes(self, stage: int) -> int:
+        """runtime.optim's state for a stage on every replica: SGD's momentum per covered
+        parameter (K-FAC, Shampoo), none for Muon's covered weights (its momentum is the
+        orth op's, `layer_state_bytes`), and AdamW's two moments per other parameter."""
+        if not self.work:
+            return 2 * self.param_bytes(stage)
+        covered = self.covered_param_bytes(stage)
+        sgd = covered if self.optimizer in ("kfac", "shampoo") else 0
+        return sgd + 2 * max(0, self.param_bytes(stage) - covered)
+
+    def layer_state_bytes(self, layer: int, does_its_work: bool) -> int:
+        """What one replica keeps of a covered layer's optimizer state. `does_its_work`: the
+        replica does the layer's divisible work (every replica, unless the work is divided
+        and another replica owns the layer). K-FAC: accumulator and factor of A and B on
+        every replica (each adds its micro-batches' curvature), inverses in force and pending
+        where it preconditions. Shampoo: statistics and the cycle's snapshot of L and R, and
+        the roots in force and pending, where it preconditions. Muon: the momentum, where it
+        orthogonalises."""
+        L = self.profile.kfac_layers[layer]
+        if self.optimizer == "kfac":
+            inverses = 2 * (L.inverse_a_bytes + L.inverse_b_bytes) if does_its_work else 0
+            return 2 * (L.factor_a_bytes + L.factor_b_bytes) + inverses
+        if not does_its_work:
+            return 0
+        if self.optimizer == "shampoo":
+            return 4 * (self.root_bytes(layer, "L") + self.root_bytes(layer, "R"))
+        if self.optimizer == "muon":
+            return L.weight_elements * self.element_bytes()
+        return 0
+
+    def resident_bytes(self, held) -> int:
+        """Parameters, gradients, optimizer state and the covered layers' state, always held by
+        a rank holding `held`: (stage, replica) pairs (or a {stage: replica} dict)."""
+        pairs = sorted(held.items()) if isinstance(held, dict) else list(held)
+        owner = self.precond_owner
         total = 0
-        for s in stages_held:
+        for s, r in pairs:
             total += self.param_bytes(s) + self.grad_bytes(s) + self.optimizer_state_bytes(s)
-            if self.kfac:
+            if self.work:
                 for l in self.stage_layers[s]:
-                    L = self.profile.kfac_layers[l]
-                    # accumulator + factor, inverse in force + pending inverse, for A and B
-                    total += 2 * (L.factor_a_bytes + L.factor_b_bytes) + 2 * (L.inverse_a_bytes + L.inverse_b_bytes)
+                    total += self.layer_state_bytes(l, owner is None or owner[l] in (None, r))
         return total
 
 
@@ -353,6 +423,17 @@ def replica_share(costs: Costs, replicas: int) -> list[int | None]:
     return owner
 
 
+def _divisible_work_ms(costs: Costs, spec, layer: int) -> float:
+    """A layer's work that one replica does when the work is divided: its per-step ops and
+    each factor's refresh (summed in that order, left to right)."""
+    total = 0.0
+    for kind in spec.step_kinds:
+        total += costs.optimizer_op_ms(Op(kind, layer=layer))
+    for f in spec.factors:
+        total += costs.optimizer_op_ms(Op("inv", layer=layer, factor=f))
+    return total
+
+
 def precond_share(costs: Costs, replicas: int, mode: str) -> list[int | None]:
     """Who preconditions (and inverts) each K-FAC layer under split preconditioning:
     "split" is PipeFisher's block division (replica_share: left-over blocks on every
@@ -363,10 +444,10 @@ def precond_share(costs: Costs, replicas: int, mode: str) -> list[int | None]:
         return replica_share(costs, replicas)
     layers = costs.profile.kfac_layers
     owner: list[int | None] = [None] * len(layers)
+    spec = costs.spec
     for ls in costs.stage_layers:
         load = [0.0] * replicas
-        work = {l: layers[l].precond_ms + layers[l].inv_ms("A", costs.inverse) + layers[l].inv_ms("B", costs.inverse)
-                for l in ls}
+        work = {l: _divisible_work_ms(costs, spec, l) for l in ls}
         for l in sorted(ls, key=lambda l: (-work[l], l)):
             r = min(range(replicas), key=lambda r: (load[r], r))
             owner[l] = r

@@ -26,6 +26,7 @@ from functools import lru_cache
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
+from pfcompile.formats.optimizers import OPTIMIZERS, Optimizer
 from pfcompile.formats.plan import INVERSION_POLICIES, PRECOND_DIVISIONS, SCHEDULES, Layout
 from pfcompile.formats.profile import Cluster
 
@@ -49,7 +50,7 @@ class PipelineConfig:
     micro_batches: int
     replicas: int = 1
     virtual_stages: int = 1
-    kfac: bool = True
+    optimizer: str = "kfac"  # whose extra work to place (pfcompile.formats.optimizers; "adamw": none)
     inverse: str = "cholesky"
     refresh_steps: int = 1
     memory_limit_bytes: int | None = None
@@ -72,6 +73,8 @@ class PipelineConfig:
 
     def validate(self) -> None:
         D, N, R, v = self.stages, self.micro_batches, self.replicas, self.virtual_stages
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError("--optimizer", None, f"unknown optimizer {self.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
         if self.schedule not in SCHEDULES:
             raise InputError("--schedule", None, f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         for flag, val in (("--stages", D), ("--micro-batches", N), ("--replicas", R), ("--virtual-stages", v)):
@@ -110,6 +113,16 @@ class PipelineConfig:
                              f"per node is not the plan's {self.world_size} ranks")
         if self.rank_map is not None and sorted(self.rank_map) != list(range(self.world_size)):
             raise InputError("rank_map", None, f"must number the {self.world_size} ranks once each")
+
+    @property
+    def optimizer_spec(self) -> Optimizer:
+        """The optimizer's declaration."""
+        return OPTIMIZERS[self.optimizer]
+
+    @property
+    def optimizer_work(self) -> bool:
+        """Whether the plan holds an optimizer's extra work (every optimizer but AdamW)."""
+        return self.optimizer_spec.has_work
 
     # --- layout ---------------------------------------------------------------------------------
     @property
@@ -443,10 +456,11 @@ def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]],
                      precond_owner: list[int | None] | None = None) -> dict[int, list[Op]]:
     """rank -> the ops of one step: passes with their receives before and sends after, then,
     for each stage held in ascending stage order (one global order, so the collectives of
-    ranks sharing two groups never cross), sync_grad (R > 1), precond of each K-FAC layer
-    (K-FAC on), step. `stage_layers[s]`: the K-FAC layer indices of stage s.
-    `precond_owner` (split preconditioning): per layer the replica that preconditions it
-    (None: every replica); a stage with owned layers runs rs_grad, the preconds of its
+    ranks sharing two groups never cross), sync_grad (R > 1), each covered layer's per-step
+    optimizer ops (`Optimizer.step_kinds`: Shampoo's stats, then the update: precond or
+    orth), step. `stage_layers[s]`: the covered layer indices of stage s.
+    `precond_owner` (divided work): per layer the replica that does its per-step work (None:
+    every replica); a stage with owned layers runs rs_grad, the per-layer ops of its
     replica's and the unowned layers, ag_grad, step."""
     S = cfg.num_stages
     replica_of = cfg.micro_batch_replica()
@@ -470,16 +484,17 @@ def canonical_orders(cfg: PipelineConfig, stage_layers: list[list[int]],
                 if s > 0 and cfg.rank_of(s - 1, r) != q:
                     ops.append(Op("send_grad", stage=s, mb=m, peer=cfg.rank_of(s - 1, r)))
         for s, r in cfg.stages_of(q):
-            split = precond_owner is not None and cfg.kfac and any(precond_owner[l] is not None for l in stage_layers[s])
+            split = precond_owner is not None and cfg.optimizer_work and \
+                any(precond_owner[l] is not None for l in stage_layers[s])
+            per_layer = cfg.optimizer_spec.step_kinds  # each layer's statistics, then its update
             if split:
                 ops.append(Op("rs_grad", stage=s))
-                ops += [Op("precond", layer=l) for l in stage_layers[s] if precond_owner[l] in (None, r)]
+                ops += [Op(kind, layer=l) for l in stage_layers[s] if precond_owner[l] in (None, r) for kind in per_layer]
                 ops.append(Op("ag_grad", stage=s))
             else:
                 if cfg.replicas > 1:
                     ops.append(Op("sync_grad", stage=s))
-                if cfg.kfac:
-                    ops += [Op("precond", layer=l) for l in stage_layers[s]]
+                ops += [Op(kind, layer=l) for l in stage_layers[s] for kind in per_layer]
             ops.append(Op("step", stage=s))
         out[q] = ops
     return dict(sorted(out.items()))

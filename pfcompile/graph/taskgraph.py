@@ -50,7 +50,8 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from pfcompile.formats.ops import FACTORS, Op, input_grad_kind, stream_of, weight_grad_kind
+from pfcompile.formats.ops import Op, input_grad_kind, stream_of, weight_grad_kind
+from pfcompile.formats.optimizers import PASS_FWD, PASS_WGRAD
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.costs import Costs, balanced_partition, check_partition, precond_share, replica_share
@@ -195,19 +196,19 @@ def build_task_graph(profile: Profile, cfg: PipelineConfig,
 def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None) -> TaskGraph:
     partition = (check_partition(cfg.partition, profile, cfg.num_stages)
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac, cluster=cfg.cluster,
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
                   stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
                   split_backward=cfg.split_backward)
     tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
-    if cfg.kfac and cfg.replicas > 1 and cfg.precond != "all":
+    if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
         tg.precond_owner = costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
     orders = canonical_orders(cfg, costs.stage_layers, tg.precond_owner)
     for k in range(cfg.refresh_steps):
         _add_step(tg, k, orders)
-    if cfg.kfac:
-        _add_kfac(tg, inverters)
+    if cfg.optimizer_spec.refreshes:
+        _add_refresh(tg, inverters)
     for q in tg.ranks:
-        tg.resident_bytes[q] = costs.resident_bytes([s for s, _ in cfg.stages_of(q)])
+        tg.resident_bytes[q] = costs.resident_bytes(cfg.stages_of(q))
     _check_nodes(tg)
     return tg
 
@@ -272,11 +273,9 @@ def _add_step(tg: TaskGraph, k: int, orders: dict[int, list[Op]]) -> None:
                     tg.add_edge(b, sync)
                 tg.collectives.setdefault((k, O("sync_grad", stage=s)), []).append(sync)
                 before_precond = [sync]
-            preconds = [Task(k, q, O("precond", layer=l)) for l in costs.stage_layers[s]] if cfg.kfac else []
-            for p in preconds:
-                for b in before_precond:
-                    tg.add_edge(b, p)
-            for b in preconds or before_precond:
+            last = [_add_layer_work(tg, k, q, l, before_precond) for l in costs.stage_layers[s]] \
+                if cfg.optimizer_work else []
+            for b in last or before_precond:
                 tg.add_edge(b, step)
 
 
@@ -296,60 +295,53 @@ def _add_split_precond(tg: TaskGraph, k: int, s: int, r: int, q: int, bwds: list
     for l in tg.costs.stage_layers[s]:
         if owner[l] not in (None, r):
             continue
-        p = Task(k, q, O("precond", layer=l))
-        tg.add_edge(rs, p)
-        tg.add_edge(p, ag if owner[l] == r else step)
+        last = _add_layer_work(tg, k, q, l, [rs])
+        tg.add_edge(last, ag if owner[l] == r else step)
     tg.add_edge(rs, ag)
     tg.add_edge(ag, step)
 
 
-def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
-    """The floating K-FAC tasks of the cycle: curvature of step 0, factor all-reduce,
-    inversion (policy or given), broadcast of the inverse; and the kept-tensor buffers."""
-    cfg, costs = tg.cfg, tg.costs
+def _add_layer_work(tg: TaskGraph, k: int, q: int, layer: int, after: list[Task]) -> Task:
+    """A covered layer's per-step optimizer ops on rank q (the declaration's `step_kinds`:
+    Shampoo's statistics, then the update), chained after `after` (what makes the gradient);
+    -> the last, which the step (or the gather of divided work) waits for."""
+    prev = after
+    task = None
+    for kind in tg.cfg.optimizer_spec.step_kinds:
+        task = Task(k, q, tg.interned.op(kind, layer=layer))
+        for b in prev:
+            tg.add_edge(b, task)
+        prev = [task]
+    return task
+
+
+def _add_refresh(tg: TaskGraph, inverters: dict | None) -> None:
+    """The floating tasks of the cycle, as the optimizer declares them: the micro-batch ops
+    of step 0 and their kept-tensor buffers (K-FAC's curvature), the reductions of their
+    statistics, each factor's refresh (inversion or inverse root: on the inverters the policy
+    or `inverters` names) and the broadcast of its result."""
+    cfg = tg.cfg
+    spec = cfg.optimizer_spec
     R = cfg.replicas
-    rep = cfg.micro_batch_replica()
-    layers = costs.profile.kfac_layers
     O = tg.interned.op
-    for l, s in enumerate(costs.layer_stage):
-        for f in FACTORS:
+    for l, s in enumerate(tg.costs.layer_stage):
+        for f in spec.factors:
             # split preconditioning: only the owner uses the layer's inverses
             own = tg.precond_owner[l] if tg.precond_owner is not None else None
             tg.inv_candidates[(l, f)] = cfg.replica_ranks(s) if own is None else [cfg.rank_of(s, own)]
     tg.inverters = dict(inverters) if inverters is not None else _inversion_policy(tg)
 
-    for l, s in enumerate(costs.layer_stage):
-        curv = {f: [] for f in FACTORS}
-        for m in range(cfg.micro_batches):
-            q = cfg.rank_of(s, rep[m])
-            for f, kind, after in (("A", "curv_a", "fwd"), ("B", "curv_b", "bwd")):
-                c = tg.add_task(Task(None, q, O(kind, layer=l, mb=m)))
-                made_by = Task(0, q, O(after, stage=s, mb=m))
-                key = (f"kept_{f.lower()}", l, m)
-                if kind == "curv_b" and cfg.split_backward:
-                    # the output gradient is made by B and shared with W: curv_b runs with
-                    # or after W (they read the same tensors; B -> W implies B -> curv_b),
-                    # the buffer lives from B on
-                    made_by = Task(0, q, O("bwd_input", stage=s, mb=m))
-                    tg.add_edge(Task(0, q, O("bwd_weight", stage=s, mb=m)), c)
-                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
-                elif kind == "curv_a" and cfg.split_backward:
-                    # the input is W's kept input, inside the activations until W ends:
-                    # curv_a runs before or after W (the planner chooses) and holds it on
-                    # its own only from W's end to its own
-                    tg.add_edge(made_by, c)
-                    w = Task(0, q, O("bwd_weight", stage=s, mb=m))
-                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), w, c, key, at_end=True))
-                else:
-                    tg.add_edge(made_by, c)
-                    tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
-                curv[f].append(c)
+    for l, s in enumerate(tg.costs.layer_stage):
+        if spec.micro_batch_ops:
+            curv = _add_micro_batch_ops(tg, l, s)
         ready_for_inv: dict[int, list[Task]] = {}
         for r in range(R):
             q = cfg.rank_of(s, r)
-            if R > 1:
+            if spec.step_stats is not None:  # the statistics as of the cycle's first step
+                ready_for_inv[q] = [Task(0, q, O(spec.step_stats, layer=l))]
+            elif R > 1 and spec.reduces:
                 syncs = []
-                for f in FACTORS:
+                for f in spec.factors:
                     y = tg.add_task(Task(None, q, O("sync_curv", layer=l, factor=f)))
                     for c in curv[f]:
                         tg.add_edge(c, y)
@@ -357,8 +349,8 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
                     syncs.append(y)
                 ready_for_inv[q] = syncs
             else:
-                ready_for_inv[q] = curv["A"] + curv["B"]
-        for f in FACTORS:
+                ready_for_inv[q] = [c for f in spec.factors for c in curv[f]]
+        for f in spec.factors:
             who = tg.inverters[(l, f)]
             for q in who:
                 inv = tg.add_task(Task(None, q, O("inv", layer=l, factor=f)))
@@ -370,6 +362,43 @@ def _add_kfac(tg: TaskGraph, inverters: dict | None) -> None:
                     b = tg.add_task(Task(None, q, O("bcast_inv", layer=l, factor=f, peer=src)))
                     tg.add_edge(Task(None, src, O("inv", layer=l, factor=f)), b)
                     tg.collectives.setdefault((None, b.op), []).append(b)
+
+
+def _add_micro_batch_ops(tg: TaskGraph, l: int, s: int) -> dict[str, list[Task]]:
+    """K-FAC's curvature: per micro-batch of step 0 and factor, one op after the pass whose
+    tensor it reads, with the kept tensor's buffer. -> {factor: its ops}."""
+    cfg, layers = tg.cfg, tg.costs.profile.kfac_layers
+    rep = cfg.micro_batch_replica()
+    O = tg.interned.op
+    W = weight_grad_kind(cfg.schedule)
+    curv: dict[str, list[Task]] = {d.factor: [] for d in cfg.optimizer_spec.micro_batch_ops}
+    for m in range(cfg.micro_batches):
+        q = cfg.rank_of(s, rep[m])
+        for d in cfg.optimizer_spec.micro_batch_ops:
+            f, kind = d.factor, d.kind
+            after = "fwd" if d.reads_pass == PASS_FWD else W
+            c = tg.add_task(Task(None, q, O(kind, layer=l, mb=m)))
+            made_by = Task(0, q, O(after, stage=s, mb=m))
+            key = (f"kept_{f.lower()}", l, m)
+            if d.reads_pass == PASS_WGRAD and cfg.split_backward:
+                # the output gradient is made by B and shared with W: curv_b runs with
+                # or after W (they read the same tensors; B -> W implies B -> curv_b),
+                # the buffer lives from B on
+                made_by = Task(0, q, O("bwd_input", stage=s, mb=m))
+                tg.add_edge(Task(0, q, O("bwd_weight", stage=s, mb=m)), c)
+                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
+            elif d.reads_pass == PASS_FWD and cfg.split_backward:
+                # the input is W's kept input, inside the activations until W ends:
+                # curv_a runs before or after W (the planner chooses) and holds it on
+                # its own only from W's end to its own
+                tg.add_edge(made_by, c)
+                w = Task(0, q, O("bwd_weight", stage=s, mb=m))
+                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), w, c, key, at_end=True))
+            else:
+                tg.add_edge(made_by, c)
+                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
+            curv[f].append(c)
+    return curv
 
 
 def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:

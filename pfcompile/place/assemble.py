@@ -28,7 +28,7 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
     # the plan says who preconditions what ("split" whatever the division: the owners list it)
     config = PlanConfig(
         schedule=cfg.schedule, stages=cfg.stages, micro_batches=cfg.micro_batches, replicas=cfg.replicas,
-        world_size=cfg.world_size, method=method, kfac=cfg.kfac, refresh_steps=k, virtual_stages=cfg.virtual_stages,
+        world_size=cfg.world_size, method=method, optimizer=cfg.optimizer, refresh_steps=k, virtual_stages=cfg.virtual_stages,
         inverse=cfg.inverse, inversion=cfg.inversion, precond="split" if tg.precond_owner is not None else "all",
         precond_division=cfg.precond,
         precond_owner=tuple(tg.precond_owner) if tg.precond_owner is not None else None,
@@ -66,7 +66,7 @@ def canonical_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
 def baseline_plan(profile: Profile, cfg: PipelineConfig, *, check_memory: bool = True,
                   graphs: TaskGraphs | None = None) -> tuple[Plan, ReplayResult]:
     """The family's plan without K-FAC: the bubble baseline."""
-    base_cfg = replace(cfg, kfac=False, refresh_steps=1)
+    base_cfg = replace(cfg, optimizer="adamw", refresh_steps=1)
     tg = build_task_graph(profile, base_cfg, graphs=graphs)
     plan = assemble(profile, tg, canonical_steps(tg), "none")
     result = finish(plan, profile, {"solver_status": "fixed", "gap": None, "solve_seconds": 0.0,

@@ -361,26 +361,26 @@ def _longest(value, parts, backwards: bool = False) -> None:
                 value[v] = np.maximum(value[v], np.where(t > _NONE // 2, t, _NONE))
 
 
-def refresh_steps_lower_bound_at(kfac_work_ms: dict, step_work_ms: dict, step_time_ms: float) -> int | None:
+def refresh_steps_lower_bound_at(refresh_work_ms: dict, step_work_ms: dict, step_time_ms: float) -> int | None:
     """The least k at which a plan can run at `step_time_ms` (the best first-order step
     time: K-FAC then costs nothing): each device's idle time per step at that step time
     (step time - the work every step holds, fwd/bwd, gradient sync, preconditioning,
     update) must absorb its refresh work over k steps. A plan may use fewer steps, but it
     is then slower than `step_time_ms`."""
-    return refresh_steps_lower_bound(kfac_work_ms, {q: step_time_ms - w for q, w in step_work_ms.items()})
+    return refresh_steps_lower_bound(refresh_work_ms, {q: step_time_ms - w for q, w in step_work_ms.items()})
 
 
-def refresh_steps_lower_bound(kfac_work_ms: dict, idle_ms: dict) -> int | None:
+def refresh_steps_lower_bound(refresh_work_ms: dict, idle_ms: dict) -> int | None:
     """k >= ceil(K-FAC work of one refresh / idle time per step) on the most loaded device.
 
-    `kfac_work_ms[d]`: the refresh work device d must absorb (curvature, sync and inversion;
+    `refresh_work_ms[d]`: the refresh work device d must absorb (curvature, sync and inversion;
     with a choice of inverting replica, its even share); `idle_ms[d]`: the device's idle
     time in one step of the pipeline without K-FAC (less what every step must also hold,
     such as preconditioning). Below this k, the device cannot absorb the refresh without
     lengthening the step. None when a device has refresh work but no idle time at all: no
     k hides it (a one-stage pipeline, say)."""
     k = 1
-    for d, work in kfac_work_ms.items():
+    for d, work in refresh_work_ms.items():
         if work <= 1e-9:
             continue
         idle = idle_ms.get(d, 0.0)

@@ -56,7 +56,7 @@ def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, 
                    planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
     """precond "auto": plan with every replica preconditioning every layer, with PipeFisher's
     split and with the layers divided one by one, and keep the fastest (then the smaller k)."""
-    if not (cfg.kfac and cfg.replicas > 1) or options.method == "none":
+    if not (cfg.optimizer_spec.divisible and cfg.replicas > 1) or options.method == "none":
         return _build_division(profile, replace(cfg, precond="all"), options, where, planning)
     budget = planning.budget
     tried, skipped, longest = [], [], 0.0
@@ -110,20 +110,20 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
                 planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
     method, refresh_steps, budget = options.method, options.refresh_steps, planning.budget
     graphs = planning.graphs_of(profile)
-    if refresh_steps is not None and (method != "cpsat" or not cfg.kfac):
+    if refresh_steps is not None and (method != "cpsat" or not cfg.optimizer_work):
         raise InputError("--refresh-steps", None, "a fixed k needs --method cpsat with K-FAC "
                          "(the greedy's k is what its first fit needs)")
     t0 = time.perf_counter()
     # the baseline is only a reference here: the memory limit applies to the plan made
     t_base = time.perf_counter()
-    base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.kfac, graphs=graphs)
+    base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.optimizer_work, graphs=graphs)
     # what a replay costs on this machine now: the budget's reserve scales with it
     budget.replay_s_per_op = (time.perf_counter() - t_base) / max(1, base_plan.stats.get("tasks", 1))
     # the best first-order plan of the family: the tight baseline, and the step time the k
     # lower bound aims at
-    tight = tight_baseline(profile, cfg, options, planning) if cfg.kfac else None
+    tight = tight_baseline(profile, cfg, options, planning) if cfg.optimizer_work else None
     first_order_ms = min(tight.stats["step_time_ms"], baseline.step_time_ms) if tight else baseline.step_time_ms
-    if not cfg.kfac:  # the baseline itself: the family's order has no freedom left
+    if not cfg.optimizer_work:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
     elif method == "none":
         tg = build_task_graph(profile, replace(cfg, refresh_steps=1), graphs=graphs)
@@ -157,7 +157,7 @@ def _greedy_plan(profile: Profile, cfg: PipelineConfig, first_order_ms: float, w
     tg, steps, info = greedy_steps(profile, cfg, progress=planning.progress, graphs=planning.graphs_of(profile))
     plan = assemble.assemble(profile, tg, steps, "greedy")
     # below this k no plan runs at the best first-order step time (bounds.py)
-    lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first_order_ms)
+    lb = refresh_steps_lower_bound_at(info["refresh_work_ms"], info["step_work_ms"], first_order_ms)
     k = len(next(iter(steps.values())))
     try:
         result = assemble.finish(plan, profile, {
@@ -185,7 +185,7 @@ def pareto(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = 
     tight = tight_baseline(profile, cfg, options, Planning())
     first = min(tight.stats["step_time_ms"], assemble.baseline_plan(profile, cfg, check_memory=False)[1].step_time_ms)
     _, _, info = greedy_steps(profile, cfg)
-    lb = refresh_steps_lower_bound_at(info["kfac_work_ms"], info["step_work_ms"], first) or 1
+    lb = refresh_steps_lower_bound_at(info["refresh_work_ms"], info["step_work_ms"], first) or 1
     plans: list[Plan] = []
     for k in range(lb, lb + max_extra + 1):
         planning.say(f"pareto: k={k}")
@@ -211,7 +211,7 @@ def tight_baseline(profile: Profile, cfg: PipelineConfig, options: PlanOptions |
     first_order = PlanOptions(method="cpsat", time_limit=min(options.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
                               workers=options.workers, fixed_order=True)
     planning = planning or Planning()  # its budget and graphs, not its progress reports
-    return solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), first_order,
+    return solve_plan(profile, replace(cfg, optimizer="adamw", memory_limit_bytes=None), first_order,
                       Planning(budget=planning.budget, graphs=planning.graphs))
 
 

@@ -55,7 +55,7 @@ class CycleModel:
 def cycle_graph(profile: Profile, cfg: PipelineConfig, k: int, graphs: TaskGraphs | None = None) -> TaskGraph:
     """The task graph the model is built from: with replicas, every candidate inverts (the
     model's options choose one)."""
-    choose = cfg.kfac and cfg.replicas > 1
+    choose = cfg.optimizer_spec.refreshes and cfg.replicas > 1
     choose = choose and cfg.inversion == "balanced"  # the other policies fix the inverters
     return build_task_graph(profile, replace(cfg, refresh_steps=k, inversion="all" if choose else cfg.inversion),
                             graphs=graphs)
@@ -67,7 +67,7 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
     """`choose_inverter=False` (the user's `--inversion all`): every replica inverts.
     `periodic`: minimise the steady-state cycle instead of the makespan (Problem.periodic)."""
     cfg = tg.cfg
-    choose = cfg.kfac and cfg.replicas > 1 and choose_inverter
+    choose = cfg.optimizer_spec.refreshes and cfg.replicas > 1 and choose_inverter
     host, emit, edges = _contract(tg, refresh, group_curvature)
     # deterministic task order (every model duration is >= 1 µs, so a task never starts
     # with its successor: sorting a rank's tasks by start alone respects the dependencies)
@@ -158,7 +158,8 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
 
 
 def curvature_ops(profile: Profile, cfg: PipelineConfig) -> int:
-    return 2 * len(profile.kfac_layers) * cfg.micro_batches if cfg.kfac else 0
+    """The optimizer's micro-batch ops of a cycle (K-FAC's curvature: two per layer and micro-batch)."""
+    return len(cfg.optimizer_spec.micro_batch_ops) * len(profile.kfac_layers) * cfg.micro_batches
 
 
 def _model_us(ms: float) -> int:

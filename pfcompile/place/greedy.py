@@ -92,9 +92,9 @@ class CycleTooLong(InputError):
     """The bubbles would need a refresh cycle over the limit to hold the K-FAC work."""
 
     def __init__(self, k: int, rank: int, work_ms: float, bubble_ms: float):
-        where = f"rank {rank}: {work_ms:.1f} ms of K-FAC work, {bubble_ms:.2f} ms of bubble per step"
+        where = f"rank {rank}: {work_ms:.1f} ms of the refresh's work, {bubble_ms:.2f} ms of bubble per step"
         self.short = f"{where}; bubbles alone need a refresh cycle of at least {k} steps"
-        super().__init__("--micro-batches", None, f"the K-FAC work needs a refresh cycle of at least {k} steps to "
+        super().__init__("--micro-batches", None, f"the optimizer's refresh work needs a refresh cycle of at least {k} steps to "
                          f"fit the bubbles ({where}), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or "
                          "more stages give more bubble per unit of work; --method cpsat stretches the step to hold "
                          "it, --method none appends it to every step")
@@ -234,7 +234,7 @@ def greedy_steps(profile: Profile, cfg: PipelineConfig, progress=None, bubbles: 
             in_bubbles[t.rank] += tg.duration(t)
     step_work = {q: sum(tg.duration(t) for t in ts) for q, ts in orders.items()}  # every step's own work
     info = {"step_time_model_ms": T, "tail_tasks": sum(len(g) for g in tail), "bubble_ms": bubble,
-            "kfac_work_ms": work, "bubble_work_ms": in_bubbles, "step_work_ms": step_work, "refresh_steps": k}
+            "refresh_work_ms": work, "bubble_work_ms": in_bubbles, "step_work_ms": step_work, "refresh_steps": k}
     return tg, steps, info
 
 

@@ -400,7 +400,7 @@ def warm_start(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, plannin
             # from it appended to the step; CP-SAT then stretches the step, k from the k rule
             tg, steps, info = greedy_steps(profile, cfg, bubbles=False, graphs=graphs)
             warm = WarmStart(tg, steps, {**info, "bubbles_too_small": e.short})
-    if cfg.kfac and opts.fall_back_to_greedy and opts.refresh_steps in (None, warm.k):
+    if cfg.optimizer_work and opts.fall_back_to_greedy and opts.refresh_steps in (None, warm.k):
         with budget.stage("replay"):
             warm.replayed = _replay_greedy(profile, cfg, warm, opts)
     return warm
@@ -420,7 +420,7 @@ def k_lower_bound(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, plan
                   first_order_step_ms: float | None) -> tuple[int, float | None]:
     """-> (k_lb, the first-order step time it aims at): below k_lb no plan runs at the best
     first-order step time (pfcompile.place.bounds). Without K-FAC, (1, None)."""
-    if not cfg.kfac:
+    if not cfg.optimizer_work:
         return 1, None
     target = first_order_step_ms
     if target is None:  # the tight first-order plan (small: proven optimal in well under a second)
@@ -428,9 +428,9 @@ def k_lower_bound(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, plan
 
         first_order = replace(opts, time_limit=min(opts.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
                               refresh_steps=None, total_time_limit=None)
-        target = solve_plan(profile, replace(cfg, kfac=False, memory_limit_bytes=None), first_order,
+        target = solve_plan(profile, replace(cfg, optimizer="adamw", memory_limit_bytes=None), first_order,
                             Planning(budget=planning.budget, graphs=planning.graphs)).stats["step_time_ms"]
-    return refresh_steps_lower_bound_at(warm.info["kfac_work_ms"], warm.info["step_work_ms"], target), target
+    return refresh_steps_lower_bound_at(warm.info["refresh_work_ms"], warm.info["step_work_ms"], target), target
 
 
 def ks_to_try(opts: PlanOptions, k_lb: int | None, k_greedy: int) -> list[int]:

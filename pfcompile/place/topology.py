@@ -30,7 +30,7 @@ def traffic(profile: Profile, cfg: PipelineConfig) -> dict[tuple[int, int], floa
     fam = replace(cfg, rank_map=None, cluster=None)
     partition = (check_partition(cfg.partition, profile, cfg.num_stages) if cfg.partition is not None
                  else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac)
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer)
     out: dict[tuple[int, int], float] = defaultdict(float)
 
     def add(a: int, b: int, nbytes: float) -> None:
@@ -48,9 +48,11 @@ def traffic(profile: Profile, cfg: PipelineConfig) -> dict[tuple[int, int], floa
             continue
         # a ring all-reduce moves 2(r-1)/r of the bytes over each of its r links
         nbytes = costs.grad_bytes(s)
-        if cfg.kfac:  # factors and inverses once per refresh: counted as if every step (an upper bound)
-            nbytes += sum(profile.kfac_layers[l].factor_bytes(f) + profile.kfac_layers[l].inverse_bytes(f)
-                          for l in costs.stage_layers[s] for f in ("A", "B"))
+        # the optimizer's reduced statistics and broadcast refreshes once per cycle: counted
+        # as if every step (an upper bound)
+        spec = cfg.optimizer_spec
+        nbytes += sum((profile.kfac_layers[l].factor_bytes(f) if spec.reduces else 0) + costs.root_bytes(l, f)
+                      for l in costs.stage_layers[s] for f in spec.factors)
         share = 2 * (len(ranks) - 1) / len(ranks) * nbytes
         for a, b in zip(ranks, ranks[1:] + ranks[:1]):
             add(a, b, share / len(ranks))

@@ -7,6 +7,8 @@
 - parts: `PartBench` builds one part as the runtime builds a stage; its forward, backward,
   split backward (B and W) and optimizer step timed, with the bytes each keeps;
 - kfac_layers: each K-FAC layer's curvature, inversions and preconditioning timed;
+- optimizer_layers: the other optimizers' per-layer ops (Shampoo's, Muon's) timed, or
+  estimated from their FLOPs for reference profiles;
 - messages: the two-rank message benchmark (p2p and all-reduce link fits, send/receive costs);
 - runtime_probe: a short run of the runtime itself for its overheads, the link a run sees,
   and the run tail that raises the parts' medians to their run means;
@@ -39,6 +41,7 @@ from pfcompile.profiler.clocks import Clock
 from pfcompile.profiler.kfac_layers import capture_layer_tensors, measure_kfac_layer
 from pfcompile.profiler.messages import measure_comm
 from pfcompile.profiler.neighbours import Neighbours
+from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
@@ -49,8 +52,12 @@ from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupp
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
                   entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True,
-                  ranks: int = 1, probe: bool = True, cold: bool = False) -> Profile:
+                  ranks: int = 1, probe: bool = True, cold: bool = False,
+                  optimizers: tuple[str, ...] = ("kfac",)) -> Profile:
     """Measure every part and K-FAC layer of `model`, and the links between two ranks.
+
+    `optimizers`: whose per-layer ops to time besides K-FAC's, which every profile holds
+    ("shampoo", "muon": runtime.shampoo, runtime.muon on each covered layer).
 
     `ranks` > 1: measure under the run's conditions, with ranks - 1 other processes working
     at once (each the model's forward and backward in a loop, `threads` threads, the same
@@ -104,6 +111,14 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                     entry, t = guard_unsupported_op(dtype, dev, lambda layer=layer, name=name, x=x, gy=gy: measure_kfac_layer(layer, name, x, gy, timer))
                     layers.append(entry)
                     spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+                    for opt in optimizers:
+                        if opt == "kfac":
+                            continue
+                        bar.update(task, description=f"{layer.name}: {opt}")
+                        entry.optimizer_ms[opt], t = guard_unsupported_op(
+                            dtype, dev, lambda opt=opt, layer=layer: measure_optimizer_layer(opt, layer.name, layer.module, timer))
+                        spread.update({f"kfac_layers.{layer.name}.optimizer_ms.{opt}.{k}": [v.p10, v.p90]
+                                       for k, v in t.items()})
                     bar.advance(task)
         act_bytes = micro_batch * seq_len * cfg.hidden * DTYPES[dtype].itemsize
         if comm:
@@ -150,6 +165,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "pfcompile": __version__, "wall_s": round(time.perf_counter() - started, 2),
         # other processes share the CPU: the 1-minute load average before and after says how much
         "load_avg": [load_before, load_average()], "cpus": os.cpu_count(),
+        "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
                  "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile, estimated_step_ms
+from pfcompile.profiler.optimizer_layers import estimated_optimizer_ms, gemm_rate_flops_per_ms
 
 MIB = 1024 * 1024
 SOURCE = "kazukiosawa/pipe-fisher, folder prof/, commit 753fdf0d (2023-04-29)"
@@ -134,6 +135,15 @@ def reference_profile(model: str = "bert-large", gpu: str = "p100", micro_batch:
     for p in prof.parts:
         p.step_ms = estimated_step_ms(prof, p)
     prof.provenance["step_note"] = "optimizer step not published: estimated_step_ms (parameter bytes streamed at 200 GB/s)"
+    # nor Shampoo's or Muon's ops: their FLOPs at the block forward's own GEMM rate (estimated)
+    rate = gemm_rate_flops_per_ms(prof.model, row["time_f"])
+    for layer in prof.kfac_layers:
+        for opt in ("shampoo", "muon"):
+            layer.optimizer_ms[opt] = estimated_optimizer_ms(opt, layer.in_features, layer.out_features, rate)
+    prof.provenance["optimizer_note"] = (
+        f"shampoo and muon costs estimated, not measured: each op's FLOPs (pfcompile.profiler.optimizer_layers) "
+        f"at {rate / 1e9:.2f} TFLOP/s, a block's forward FLOPs over its published forward time")
+    prof.provenance["estimated"] = ["kfac_layers[].optimizer_ms.shampoo", "kfac_layers[].optimizer_ms.muon"]
     # nor a split backward: B and W stay null, the documented 50/50 estimate (Part.split_backward_ms)
     prof.provenance["split_note"] = ("split backward not published: bwd_input_ms/bwd_weight_ms null, estimated as "
                                      "half the backward each (pfcompile.formats.profile.WEIGHT_SHARE)")

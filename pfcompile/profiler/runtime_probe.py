@@ -35,7 +35,7 @@ def measure_runtime(profile: Profile, device: torch.device,
     from pfcompile.place.options import PlanOptions
 
     with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
-        plan, _, _ = build_plan(profile, PipelineConfig("gpipe", stages=2, micro_batches=4, kfac=False), PlanOptions("none"))
+        plan, _, _ = build_plan(profile, PipelineConfig("gpipe", stages=2, micro_batches=4, optimizer="adamw"), PlanOptions("none"))
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",

@@ -12,10 +12,12 @@ GROUPS: dict[str, tuple[str, str]] = {
     "bwd": ("backward", "#59a14f"),
     "bwd_weight": ("weight gradient (W)", "#8cd17d"),
     "curv": ("curvature", "#f28e2b"),
-    "inv": ("inversion", "#e15759"),
+    "stats": ("statistics (Shampoo)", "#ff9d9a"),
+    "inv": ("inversion / inverse root", "#e15759"),
     "sync_curv": ("factor sync", "#b07aa1"),
     "sync_grad": ("gradient sync", "#9c755f"),
     "precond": ("preconditioning", "#edc948"),
+    "orth": ("orthogonalisation (Muon)", "#d4a6c8"),
     "step": ("optimizer step", "#76b7b2"),
     "p2p": ("send/recv", "#bab0ac"),
 }
@@ -26,8 +28,10 @@ _GROUP_OF_KIND = {
     "curv_a": "curv", "curv_b": "curv",
     "sync_curv": "sync_curv", "bcast_inv": "sync_curv",
     "inv": "inv", "sync_grad": "sync_grad", "rs_grad": "sync_grad", "ag_grad": "sync_grad",
-    "precond": "precond", "step": "step",
+    "precond": "precond", "stats": "stats", "orth": "orth", "step": "step",
 }
+# how a picture's title names each optimizer's work
+OPTIMIZER_TITLES = {"kfac": "K-FAC", "shampoo": "Shampoo", "muon": "Muon", "adamw": "AdamW"}
 
 
 def group_of(kind: str) -> str:

@@ -19,7 +19,7 @@ def format_stats(plan: Plan) -> str:
     c = plan.config
     head = (f"plan: {plan.model.get('name', '?')}  {c.schedule}  D={c.stages} N={c.micro_batches} "
             f"R={c.replicas} v={c.virtual_stages} W={c.world_size}  method={c.method} "
-            f"kfac={c.kfac} k={c.refresh_steps}")
+            f"optimizer={c.optimizer} k={c.refresh_steps}")
     width = max((len(k) for k in plan.stats), default=0)
     lines = [head] + [f"  {k:<{width}}  {_fmt(v)}" for k, v in plan.stats.items()]
     return "\n".join(lines)

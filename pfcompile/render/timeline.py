@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 
 from pfcompile.formats.plan import Plan
-from pfcompile.render.style import GROUPS, color_of, group_of, label_of
+from pfcompile.render.style import GROUPS, OPTIMIZER_TITLES, color_of, group_of, label_of
 
 # Within a device's row (height 1): compute on top, communication as a strip beneath it,
 # so a transfer that overlaps compute never hides it.
@@ -82,7 +82,7 @@ def _lighter(hex_colour: str, towards_white: float = 0.4) -> str:
 def _title(plan: Plan) -> str:
     cfg, st = plan.config, plan.stats
     head = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches}, "
-            f"method={cfg.method}" + (", K-FAC" if cfg.kfac else ", first-order")
+            f"method={cfg.method}" + (f", {OPTIMIZER_TITLES[cfg.optimizer]}" if cfg.optimizer_work else ", first-order")
             + f", {plan.refresh_steps} step(s) per refresh")
     facts = []
     if isinstance(st.get("step_time_ms"), (int, float)):

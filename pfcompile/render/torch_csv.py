@@ -90,8 +90,8 @@ def export(plan: Plan, path: str | os.PathLike, fmt: str = "compute_comms") -> t
         csv.writer(buf, lineterminator="\n").writerows(actions(plan, replica, fmt))
         write_atomic(out, buf.getvalue())
     left_out = []
-    if plan.config.kfac:
-        left_out.append("K-FAC ops")
+    if plan.config.optimizer_work:
+        left_out.append(f"the optimizer's ops ({plan.config.optimizer})")
     left_out.append("gradient all-reduce and optimizer step")
     if plan.refresh_steps > 1:
         left_out.append(f"steps 1..{plan.refresh_steps - 1} of the refresh cycle (same pipeline order)")
