@@ -24,7 +24,12 @@
       ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = ZB-H1), and our zb-h1
       against our 1f1b (the bubble the split backward saves, measured);
   (f) `--only-pinning`: our 1f1b (no K-FAC, and K-FAC appended) with and without
-      `--pin-cpus` (each rank on its own core), in alternating launches.
+      `--pin-cpus` (each rank on its own core), in alternating launches;
+  (g) `--only-optimizers`: for K-FAC, Shampoo and Muon, 1F1B with the optimizer's work
+      appended to every step (`--method none`) and in the bubbles (CP-SAT), against AdamW
+      (no extra work): measured and predicted, and whether the bubbles beat appending by the
+      planned difference (the profile must hold every optimizer's costs: `pfcompile profile
+      --optimizer shampoo --optimizer muon`).
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
@@ -478,6 +483,8 @@ def main() -> None:
                     help="only parts (a-i) and (a): our gpipe and 1f1b against torch's ScheduleGPipe and Schedule1F1B")
     ap.add_argument("--only-pinning", action="store_true",
                     help="only part (f): our 1f1b (no K-FAC, K-FAC appended) with and without --pin-cpus")
+    ap.add_argument("--only-optimizers", action="store_true",
+                    help="only part (g): each optimizer's work appended and in the bubbles, against AdamW")
     ap.add_argument("--only-interleaved", action="store_true",
                     help="only part (a-i): (a) and (a0) in one job, variants alternating block by block")
     ap.add_argument("--interleaved-rounds", type=int, default=30, help="(a-i) rounds (a block of every variant each)")
@@ -500,6 +507,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.only_calibration:
         return calibration_tables(a, out, console)
+    if a.only_optimizers:
+        return optimizer_tables(a, out, console)
     n = ["--micro-batches", str(a.micro_batches)]
     with console.status("planning (CP-SAT for the K-FAC plan)..."):
         specs = {  # name -> (file name, plan flags)
@@ -678,3 +687,48 @@ def interleaved_table(times: dict[str, list[float]], a) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+OPTIMIZERS = ("kfac", "shampoo", "muon")
+
+
+def optimizer_tables(a, out: Path, console) -> None:
+    """(g): every optimizer's 1F1B plan with its work appended and in the bubbles, and AdamW's,
+    run in alternating rounds; measured against predicted, and the saving of the bubbles over
+    appending, measured against planned."""
+    n = ["--schedule", "1f1b", "--micro-batches", str(a.micro_batches)]
+    with console.status("planning (CP-SAT for the plans with the work in the bubbles)..."):
+        specs = {"adamw (no extra work)": ("adamw", *n, "--optimizer", "adamw", "--method", "none")}
+        for o in OPTIMIZERS:
+            specs[f"{o} appended"] = (f"{o}-appended", *n, "--optimizer", o, "--method", "none")
+            specs[f"{o} in bubbles"] = (f"{o}-cpsat", *n, "--optimizer", o, "--method", "cpsat",
+                                        "--time-limit", str(a.time_limit), "--workers", "2")
+        plans = {name: plan(a.profile, out, *spec) for name, spec in specs.items()}
+    warmup, steps = run_length(a, plans)
+    launches = alternate({name: (lambda p=p: run_ours(p, steps, warmup)) for name, p in plans.items()},
+                         a.rounds, steps, console)
+    times = {name: [x.step_ms for x in v] for name, v in launches.items()}
+    med = {name: statistics.median(v) for name, v in times.items()}
+    stats = {name: json.loads(p.read_text())["stats"] for name, p in plans.items()}
+    pred = {name: st["step_time_ms"] for name, st in stats.items()}
+    base = "adamw (no extra work)"
+    print(f"\n(g) bert-mini, 1F1B, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches, {steps} steps "
+          f"({warmup} warm-up), {a.rounds} rounds; load average at the end {os.getloadavg()[0]:.1f}\n")
+    print("| run | k | measured ms/step (median) | min–max | predicted ms/step | measured / predicted "
+          "| overhead vs AdamW, measured | planned |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in plans:
+        k = json.loads(plans[name].read_text())["config"]["refresh_steps"]
+        print(f"| {name} | {k} | {med[name]:.1f} | {min(times[name]):.1f}–{max(times[name]):.1f} | {pred[name]:.1f} | "
+              f"{med[name] / pred[name]:.3f} | {med[name] / med[base] - 1:+.1%} | {pred[name] / pred[base] - 1:+.1%} |")
+    print("\n| optimizer | saving of the bubbles over appending, measured | planned | measured ≥ planned − 2%? |")
+    print("|---|---:|---:|---|")
+    for o in OPTIMIZERS:
+        ap_, bu = f"{o} appended", f"{o} in bubbles"
+        measured = 1 - med[bu] / med[ap_]
+        planned = 1 - pred[bu] / pred[ap_]
+        paired = Paired.of(times[bu], times[ap_])
+        print(f"| {o} | {measured:.1%} (round by round {1 - paired.median:.1%}) | {planned:.1%} | "
+              f"{'yes' if measured >= planned - 0.02 else 'no'} |")
+    print("\nRaw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
+
