@@ -84,8 +84,14 @@ def test_one_stage_plan_on_cuda_matches_single_process(tmp_path):
 
 
 # --- memory measured against the plan ---------------------------------------------------------
-# zb-h1: a W keeps its activations and output gradients until it runs (and curv_b shares them)
-MEMORY_CASES = [("gpipe", 2), ("1f1b", 2), ("chimera", 4), ("zb-h1", 2)]
+# Every family, and the work divided between replicas (each replica holds only its layers'
+# inverses, roots or momentum): zb-h1 and zb-v, a W keeps its activations and output
+# gradients until it runs (and curv_b shares them); Chimera and 1F1B with two replicas divide
+# the layers ("layers"); Shampoo and Muon keep their own state.
+MEMORY_CASES = [("gpipe", 2, ()), ("1f1b", 2, ("--replicas", "2")), ("chimera", 4, ("--precond", "layers")),
+                ("interleaved", 2, ("--virtual-stages", "2")), ("zb-h1", 2, ()), ("zb-v", 2, ("--method", "none")),
+                ("1f1b", 2, ("--replicas", "2", "--precond", "layers", "--optimizer", "shampoo")),
+                ("chimera", 4, ("--precond", "layers", "--optimizer", "muon"))]
 
 
 def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
@@ -97,9 +103,14 @@ def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
     find that state allocated. The GPipe plan is run with a memory limit below
     what it needs (edited into the plan): the run says so."""
     table = []
-    for schedule, stages in MEMORY_CASES:
-        plan, obj = plan_from_profile(tmp_path, schedule, stages, profile=ops_only_tiny)  # memory: the ops'
+    for n, (schedule, stages, extra) in enumerate(MEMORY_CASES):
+        case = tmp_path / f"case{n}"
+        case.mkdir()
+        plan, obj = plan_from_profile(case, schedule, stages, *extra, profile=ops_only_tiny)  # memory: the ops'
         k = obj["config"]["refresh_steps"]
+        name = f"{schedule} {' '.join(extra)}".strip()
+        if "split" in obj["config"]["precond"]:
+            assert any(o is not None for o in obj["config"]["precond_owner"]), name
         predicted = obj["stats"]["peak_memory_bytes"]
         if schedule == "gpipe":
             obj["config"]["memory_limit_bytes"] = int(0.9 * max(predicted))
@@ -110,7 +121,7 @@ def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
         summary = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("{")))
         assert summary["peak_memory_bytes_predicted"] == predicted
         for q, (got, want) in enumerate(zip(summary["peak_memory_bytes_measured"], predicted)):
-            table.append(f"{schedule:>8} rank {q}: measured {got:>10} predicted {want:>10} ratio {got / want:.3f}")
+            table.append(f"{name:>60} rank {q}: measured {got:>10} predicted {want:>10} ratio {got / want:.3f}")
             assert abs(got / want - 1) <= 0.10, table[-1]
         if schedule == "gpipe":
             over = [q for q, b in enumerate(summary["peak_memory_bytes_measured"])
