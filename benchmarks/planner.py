@@ -4,11 +4,11 @@ Not a test (nothing is asserted): every ratio is measured side by side in one ru
 baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are replayed
 (pfcompile.check.replay): the step times, utilizations and peaks below are the replay's.
 
-    .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32 (~15+ min)
+    .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32, optimizers (~20 min)
     .venv/bin/python benchmarks/planner.py --quick    # a small scaling table
     .venv/bin/python benchmarks/planner.py --only scaling --big   # adds 32 stages x 128 micro-batches
     .venv/bin/python benchmarks/planner.py --only scaling --sizes 32x128 --instance-limit 100
-    .venv/bin/python benchmarks/planner.py --only optimizers --time-limit 60   # K-FAC, Shampoo, Muon (~10 min)
+    .venv/bin/python benchmarks/planner.py --only optimizers --time-limit 60   # K-FAC, Shampoo, Muon (~3 min)
 
 Scaling uses a 32-block model with BERT-Large's per-block costs
 (profiles/bert-large-p100-ref.json has 24 blocks; 32 stages need at least 32 parts), so
