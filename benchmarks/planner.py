@@ -1,13 +1,14 @@
-"""Planner benchmark: PipeFisher's setting, a memory limit, and scaling. Prints markdown tables.
+"""Planner benchmark: PipeFisher's setting, a memory limit, scaling, optimizers. Prints markdown tables.
 
 Not a test (nothing is asserted): every ratio is measured side by side in one run, the
 baseline, PipeFisher's greedy and CP-SAT on the same instance. All plans are replayed
 (pfcompile.check.replay): the step times, utilizations and peaks below are the replay's.
 
-    .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32 (~15+ min)
+    .venv/bin/python benchmarks/planner.py            # paper, memory, scaling up to 32x32, optimizers (~20 min)
     .venv/bin/python benchmarks/planner.py --quick    # a small scaling table
     .venv/bin/python benchmarks/planner.py --only scaling --big   # adds 32 stages x 128 micro-batches
     .venv/bin/python benchmarks/planner.py --only scaling --sizes 32x128 --instance-limit 100
+    .venv/bin/python benchmarks/planner.py --only optimizers --time-limit 60   # K-FAC, Shampoo, Muon (~3 min)
 
 Scaling uses a 32-block model with BERT-Large's per-block costs
 (profiles/bert-large-p100-ref.json has 24 blocks; 32 stages need at least 32 parts), so
@@ -27,13 +28,15 @@ sys.path.insert(0, str(REPO))
 
 from pfcompile.check.replay import replay  # noqa: E402
 from pfcompile.formats.errors import InputError  # noqa: E402
+from pfcompile.formats.ops import PASS_KINDS  # noqa: E402
+from pfcompile.formats.optimizers import OPTIMIZER_KINDS  # noqa: E402
 from pfcompile.formats.plan import plan_from_json  # noqa: E402
 from pfcompile.formats.profile import Profile, load_profile  # noqa: E402
 from pfcompile.formats.verify import verify_plan  # noqa: E402
 from pfcompile.graph.schedules import PipelineConfig  # noqa: E402
 from pfcompile.place.budget import Budget  # noqa: E402
 from pfcompile.place.build import build_plan  # noqa: E402
-from pfcompile.place.options import Planning, PlanOptions
+from pfcompile.place.options import Planning, PlanOptions  # noqa: E402
 from pfcompile.place.solver import solve_plan  # noqa: E402
 
 PAPER = REPO / "profiles" / "bert-large-p100-ref.json"
@@ -166,6 +169,104 @@ def memory(greedy, time_limit: float) -> None:
     print()
 
 
+OPTIMIZER_SCHEDULES = ("chimera", "1f1b", "zb-v")
+OPTIMIZER_NAMES = ("kfac", "shampoo", "muon")
+# the aims the optimizers table is read against: Muon in the bubbles at most half its
+# appended overhead; Shampoo at most 2% over the first-order step at its chosen k
+MUON_AIM_RATIO = 0.5
+SHAMPOO_AIM_OVERHEAD = 0.02
+
+OPTIMIZER_HEAD = ["optimizer", "method", "precond", "k (lb)", "step ms", "overhead vs canonical",
+                  "overhead vs best first-order", "CP-SAT bound ms", "status, gap", "peak GiB",
+                  "stage 0's rank: work after its last pass, ms/step", "seconds"]
+
+
+def exposed_after_last_pass(plan) -> float:
+    """The optimizer work stage 0's first rank runs after its last pass of each step (mean ms
+    per step). Stage 0's last backward ends the step's longest chain and its next forward
+    starts the next step's, so work placed between them lengthens the step one for one."""
+    steps = plan.ranks[plan.rank_of(0, 0)]
+    total = 0.0
+    for ops in steps:
+        last = max(p.end for p in ops if p.op.kind in PASS_KINDS)
+        total += sum(p.end - p.start for p in ops if p.op.kind in OPTIMIZER_KINDS and p.start >= last)
+    return total / len(steps)
+
+
+def best_first_order(prof: Profile, cfg: PipelineConfig, time_limit: float) -> tuple[float, float, str]:
+    """(canonical, best, status): the family's first-order step as its order posts it, and the
+    best first-order plan CP-SAT finds with the same limit as the plans it is compared with
+    (the plans' own tight baseline gets 10 s, which a zero-bubble family does not always
+    prove optimal in)."""
+    first_order = replace(cfg, optimizer="adamw")
+    canonical = build_plan(prof, first_order, PlanOptions("none"))[0].stats["step_time_ms"]
+    tight = solve_plan(prof, first_order, PlanOptions(time_limit=time_limit), Planning(budget=Budget(time_limit)))
+    return canonical, min(canonical, tight.stats["step_time_ms"]), tight.stats.get("solver_status", "-")
+
+
+def optimizers(time_limit: float) -> None:
+    """K-FAC, Shampoo and Muon on PipeFisher's profile, D = 8, N = 8, in three families:
+    appended (the family's order, every step's work after its last pass), PipeFisher's
+    greedy and CP-SAT, each under `time_limit` seconds of wall time (as `pfcompile plan
+    --time-limit`). Appended is `--method none`, which does every layer's work on every
+    replica (`--precond all`) and refreshes every step (k = 1); with replicas it is also
+    shown with the work divided (`--precond layers`). The greedy and CP-SAT rows plan each
+    division and keep the fastest (`--precond auto`)."""
+    prof = load_profile(str(PAPER))
+    print(f"## Optimizers in the bubbles: {PAPER.name}, D = 8, N = 8\n")
+    print(f"Each plan under a {time_limit:.0f} s wall-clock limit, Python included (`pfcompile plan --time-limit`), "
+          f"2 workers. Load average at the start: {load_average()}\n", flush=True)
+    for schedule in OPTIMIZER_SCHEDULES:
+        cfg = PipelineConfig(schedule=schedule, stages=8, micro_batches=8, replicas=2 if schedule == "chimera" else 1)
+        canonical, tight, tight_status = best_first_order(prof, cfg, time_limit)
+        print(f"### {schedule}\n\nFirst-order (AdamW) step: canonical {canonical:.1f} ms, best plan {tight:.1f} ms "
+              f"({tight_status})\n", flush=True)
+        print("| " + " | ".join(OPTIMIZER_HEAD) + " |\n|" + "|".join("---" for _ in OPTIMIZER_HEAD) + "|", flush=True)
+        methods = [("appended", "none", "auto")]
+        if cfg.replicas > 1:
+            methods.append(("appended", "none", "layers"))
+        methods += [("greedy", "greedy", "auto"), ("cpsat", "cpsat", "auto")]
+        steps: dict[tuple[str, str], float] = {}
+        for name in OPTIMIZER_NAMES:
+            for label, method, precond in methods:
+                t0 = time.perf_counter()
+                plan, _, _ = build_plan(prof, replace(cfg, optimizer=name),
+                                        PlanOptions(method, time_limit=time_limit, precond=precond),
+                                        planning=Planning(budget=Budget(time_limit)))
+                st = plan.stats
+                division = plan.config.precond_division
+                steps[(name, f"{label} ({division})" if label == "appended" else label)] = st["step_time_ms"]
+                bound = st.get("best_bound_step_time_ms")
+                status = st.get("solver_status", "-") + ("" if st.get("gap") is None else f", {pct(st['gap'])}")
+                print("| " + " | ".join(str(v) for v in [
+                    name, label, division, f"{st['refresh_steps']} ({st.get('refresh_steps_lower_bound', '-')})",
+                    f"{st['step_time_ms']:.1f}", pct(st["step_time_ms"] / canonical - 1), pct(st["step_time_ms"] / tight - 1),
+                    "-" if bound is None else f"{bound:.1f}", status, f"{max(st['peak_memory_bytes']) / 2**30:.2f}",
+                    f"{exposed_after_last_pass(plan):.1f}", round(time.perf_counter() - t0, 1)]) + " |", flush=True)
+        print()
+        for line in aims(steps, canonical, tight):
+            print(f"- {line}")
+        print(flush=True)
+    print(f"Load average at the end: {load_average()}\n")
+
+
+def aims(steps: dict[tuple[str, str], float], canonical: float, tight: float) -> list[str]:
+    """The two aims, each against both first-order steps."""
+    lines = []
+    for ref_name, ref in (("canonical", canonical), ("best first-order", tight)):
+        planned = steps[("muon", "cpsat")] / ref - 1
+        for (name, label), step in steps.items():
+            if name == "muon" and label.startswith("appended"):
+                appended = step / ref - 1
+                ratio = planned / appended if appended > 0 else float("inf")
+                lines.append(f"Muon vs {ref_name}: CP-SAT {pct(planned)} / {label} {pct(appended)} = {ratio:.2f} "
+                             f"(aim <= {MUON_AIM_RATIO}: {'met' if ratio <= MUON_AIM_RATIO else 'NOT met'})")
+        shampoo = steps[("shampoo", "cpsat")] / ref - 1
+        lines.append(f"Shampoo vs {ref_name}: CP-SAT {pct(shampoo)} (aim <= {pct(SHAMPOO_AIM_OVERHEAD)}: "
+                     f"{'met' if shampoo <= SHAMPOO_AIM_OVERHEAD else 'NOT met'})")
+    return lines
+
+
 def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int, int]] | None = None) -> None:
     prof = scaled_profile(32)
     Ds = (4, 8) if quick else (4, 8, 16, 32)
@@ -227,9 +328,10 @@ def load_average() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small scaling table, shorter limits")
-    ap.add_argument("--time-limit", type=float, default=None, help="paper/memory: CP-SAT seconds per k tried")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="paper/memory: CP-SAT seconds per k tried; optimizers: wall-clock seconds per plan")
     ap.add_argument("--instance-limit", type=float, default=None, help="scaling: CP-SAT seconds per instance")
-    ap.add_argument("--only", choices=("paper", "memory", "scaling"), default=None)
+    ap.add_argument("--only", choices=("paper", "memory", "scaling", "optimizers"), default=None)
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="profile the Python side with cProfile and print its N most expensive functions")
     ap.add_argument("--big", action="store_true",
@@ -268,6 +370,8 @@ def run(args, tl: float, il: float, sizes) -> None:
         memory(greedy, tl)
     if args.only in (None, "scaling"):
         scaling(args.quick, il, args.big, sizes)
+    if args.only in (None, "optimizers"):
+        optimizers(tl)
 
 
 if __name__ == "__main__":

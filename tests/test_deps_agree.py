@@ -1,6 +1,7 @@
 """The graph builder's dependency rules (pfcompile.graph.taskgraph, what the planners place)
 and the replay's (pfcompile.check.deps, what checks their plans) are written apart; here
-they must agree, edge for edge, on every family, with and without K-FAC.
+they must agree, edge for edge, on every family, for every optimizer (K-FAC, Shampoo, Muon,
+AdamW), with each layer's work on every replica and divided between them.
 
 A collective is compared as one unit: the graph makes each member wait for every replica's
 producers, the replay makes each member wait for its own and then for the rendezvous; both
@@ -28,6 +29,18 @@ CASES = [
 ]
 
 
+OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")
+
+
+def _profile():
+    """The uniform profile with Shampoo's and Muon's per-layer costs too."""
+    prof = uniform_profile(blocks=4)
+    for layer in prof.kfac_layers:
+        layer.optimizer_ms = {"shampoo": {"stats": 0.04, "inv_L": 0.3, "inv_R": 0.2, "precond": 0.05},
+                              "muon": {"orth": 0.1}}
+    return prof
+
+
 def _units(tg):
     """Each task's unit: the members of its collective, or itself."""
     unit = {t: (t,) for t in tg.g.nodes}
@@ -37,13 +50,22 @@ def _units(tg):
     return unit
 
 
-@pytest.mark.parametrize("kfac", [True, False])
-@pytest.mark.parametrize("schedule,kw", CASES)
-def test_graph_and_replay_dependency_rules_agree(schedule, kw, kfac):
-    prof = uniform_profile(blocks=4)
-    cfg = PipelineConfig(schedule, refresh_steps=2, optimizer="kfac" if kfac else "adamw", **kw)
+# every case with each optimizer, every layer's work on every replica; where there are
+# replicas and work, also divided layer by layer
+AGREE = [(schedule, kw, opt, "all") for schedule, kw in CASES for opt in OPTIMIZERS] + \
+        [(schedule, kw, opt, "layers") for schedule, kw in CASES for opt in OPTIMIZERS
+         if (kw.get("replicas", 1) > 1 or schedule == "chimera") and opt != "adamw"]
+
+
+@pytest.mark.parametrize("schedule,kw,optimizer,precond", AGREE)
+def test_graph_and_replay_dependency_rules_agree(schedule, kw, optimizer, precond):
+    prof = _profile()
+    cfg = PipelineConfig(schedule, refresh_steps=1 if optimizer == "muon" else 2, optimizer=optimizer,
+                         precond=precond, **kw)
     tg = build_task_graph(prof, cfg)
     plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
+    if precond == "layers":  # each layer's work on its owner, gathered by ag_grad
+        assert plan.config.precond == "split" and None not in plan.config.precond_owner
     layout = PlanLayout(plan)
     listed = {}  # graph task -> the step its plan lists it in
     for q, steps in enumerate(plan.ranks):

@@ -215,6 +215,20 @@ def test_format_profile_lists_every_part_and_layer(measured):
     assert "measured-gloo" in text and measured.hash in text
 
 
+
+def test_format_profile_lists_shampoo_and_muon_costs_where_the_profile_has_them(measured):
+    assert "other optimizers" not in format_profile(measured)  # profiled for K-FAC only: no such table
+    ref = load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json"))
+    text = format_profile(ref)
+    assert ref.provenance["optimizer_note"] in text
+    table = text.split("other optimizers")[1].split("\n\n")[0].splitlines()[4:]  # below its note, head and rule
+    rows = {line.split()[0]: line.split()[1:] for line in table}
+    assert len(rows) == len(ref.kfac_layers)
+    for l in ref.kfac_layers:
+        o = l.optimizer_ms
+        assert rows[l.name] == [f"{o['shampoo'][k]:.3f}" for k in ("stats", "inv_L", "inv_R", "precond")] \
+            + [f"{o['muon']['orth']:.3f}"]
+
 # --- reference profiles from the CSV --------------------------------------------------------------
 def csv_row(model: str, bs: int = 32) -> dict[str, float]:
     with open(CSV_DIR / f"{model}_time_memory_p100.csv", newline="") as f:

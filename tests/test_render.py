@@ -417,7 +417,7 @@ def test_torch_csv_loads_and_validates_in_torch(tmp_path, schedule, D, M, v):
     out = tmp_path / "order.csv"
     r = cli(plan_path, "--torch-csv", out)
     assert r.returncode == 0, r.stderr
-    assert "left out: K-FAC ops" in r.stderr
+    assert "left out: the optimizer's ops (kfac)" in r.stderr
     text = out.read_text()
     assert not re.search(r"C[AB]|inv|precond", text)
 
@@ -551,3 +551,56 @@ def test_a_filter_that_selects_nothing_fails_before_any_output(tmp_path):
     assert r.returncode == 2 and "--ranks: 5 is not in the plan, which has 2 ranks" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "t.json").exists()
+
+
+# --- Shampoo's and Muon's work: named in inspect, drawn in its colours -------------------------
+
+OPTIMIZER_TEXT = {"shampoo": (r"ST\d+", r"I\d+\.L", r"I\d+\.R", r"P\d+"), "muon": (r"O\d+",)}
+OPTIMIZER_GROUPS = {"shampoo": ("stats", "inv", "precond"), "muon": ("orth",)}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZER_TEXT))
+def test_shampoo_and_muon_plans_show_their_ops_in_inspect_timeline_and_graph(tmp_path, optimizer):
+    import numpy as np
+    from matplotlib import image
+
+    from pfcompile.render.style import GROUPS
+
+    plan_path = tmp_path / "plan.json"
+    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-base-p100-ref.json"),
+                           "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--optimizer", optimizer,
+                           "--method", "greedy", "-o", str(plan_path)], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert made.returncode == 0, made.stderr
+    plan = load_plan(str(plan_path))
+
+    # inspect: the header names the optimizer; the op lists hold every op of its work, in text form
+    shown = subprocess.run([sys.executable, "-m", "pfcompile", "inspect", str(plan_path)], capture_output=True,
+                           text=True, cwd=REPO, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert f"optimizer={optimizer}" in lines[0]
+    tokens = [tok for line in lines if line.startswith("rank ") for tok in line.split(": ", 1)[1].split()]
+    work = [str(p.op) for steps in plan.ranks for ops in steps for p in ops if p.op.kind in OPTIMIZER_GROUPS[optimizer]]
+    assert work and sorted(t for t in tokens if t in set(work)) == sorted(work)
+    for form in OPTIMIZER_TEXT[optimizer]:
+        assert any(re.fullmatch(form, t) for t in tokens), form
+
+    # render: the timeline's legend strip (the bottom of the picture) carries each kind's colour;
+    # the collapsed graph puts the per-step work into the stage's update and names the optimizer
+    r = cli(plan_path, "--timeline", tmp_path / "t.png", "--graph", tmp_path / "g.svg", "--collapse", "--json")
+    assert r.returncode == 0, r.stderr
+    px = (image.imread(tmp_path / "t.png")[..., :3] * 255).round().astype(int)
+    legend_strip = px[-30:]
+    for group in OPTIMIZER_GROUPS[optimizer]:
+        rgb = np.array([int(GROUPS[group][1][i:i + 2], 16) for i in (1, 3, 5)])
+        assert (np.abs(legend_strip - rgb).sum(-1) <= 6).sum() > 20, group
+        assert (np.abs(px[:-30] - rgb).sum(-1) <= 6).sum() > 20, group  # and in the bars
+    text = " ".join(t.text or "" for t in ET.parse(tmp_path / "g.svg").getroot().iter(f"{SVG_NS}text"))
+    assert "K-FAC" not in text
+    if optimizer == "shampoo":
+        assert "update: gradient sync, statistics, preconditioning, optimizer step" in text
+        assert f"Shampoo {plan.layers[0]}" in text and "Shampoo refresh work of one layer" in text
+    else:
+        assert "update: gradient sync, orthogonalisation, optimizer step" in text
+        assert "refresh" not in text and f"Muon {plan.layers[0]}" not in text

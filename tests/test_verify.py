@@ -253,6 +253,120 @@ def test_swapped_receives_are_refused_naming_the_pair(tmp_path, plan_obj):
     assert "send #1 SA0.0>1" in r.stderr and "receive #1 RA0.1<0" in r.stderr
 
 
+# --- Shampoo's and Muon's ops: refused as K-FAC's are ----------------------------------------------
+
+def _tiny_with_optimizer_costs():
+    """bert-tiny's profile with Shampoo's and Muon's per-layer costs estimated (the committed
+    profile has none; a plan's timing does not matter here, only its ops)."""
+    from pfcompile.profiler.optimizer_layers import estimated_optimizer_ms
+
+    prof = load_profile(str(TINY))
+    for layer in prof.kfac_layers:
+        for opt in ("shampoo", "muon"):
+            layer.optimizer_ms.setdefault(opt, estimated_optimizer_ms(opt, layer.in_features, layer.out_features, 1e6))
+    return prof
+
+
+@pytest.fixture(scope="module")
+def shampoo_plan_obj() -> dict:
+    """Shampoo on bert-tiny, 1F1B on 2 ranks, CP-SAT with a refresh cycle of 2 steps."""
+    cfg = PipelineConfig("1f1b", 2, 4, optimizer="shampoo")
+    plan, _, _ = build_plan(_tiny_with_optimizer_costs(), cfg, PlanOptions("cpsat", time_limit=10, refresh_steps=2))
+    return plan.to_json()
+
+
+@pytest.fixture(scope="module")
+def muon_plan_obj() -> dict:
+    """Muon on bert-tiny, Chimera on 2 ranks, each layer's work on the replica that owns it."""
+    cfg = PipelineConfig("chimera", 2, 4, optimizer="muon")
+    plan, _, _ = build_plan(_tiny_with_optimizer_costs(), cfg, PlanOptions("greedy", precond="layers"))
+    assert plan.config.precond_division == "layers"
+    return plan.to_json()
+
+
+def _listed(o, kind, **want):
+    """(rank, step, index) of every op of a kind (with the fields asked for)."""
+    return [(q, t, i) for q, r in enumerate(o["ranks"]) for t, ops in enumerate(r["steps"])
+            for i, d in enumerate(ops) if d["op"] == kind and all(d.get(k) == v for k, v in want.items())]
+
+
+def shampoo_root_deleted(o):  # a layer's L root never computed
+    q, t, i = _listed(o, "inv", factor="L")[0]
+    del _ops(o, q, t)[i]
+
+
+def shampoo_root_before_its_statistics(o):
+    """The cycle's step-0 `stats` of a layer moved after the `inv` that reads its snapshot
+    (the inv put in step 0 in front of it)."""
+    q, t, i = _listed(o, "inv", factor="R")[0]
+    inv = _ops(o, q, t).pop(i)
+    _, _, j = _listed(o, "stats", layer=inv["layer"])[0]
+    assert _listed(o, "stats", layer=inv["layer"])[0][:2] == (q, 0)
+    _ops(o, q, 0).insert(j, inv)
+
+
+def shampoo_stats_moved_to_next_step(o):  # step 0's statistics of a layer listed in step 1 instead
+    q, t, i = _listed(o, "stats")[0]
+    assert t == 0
+    _ops(o, q, 1).insert(0, _ops(o, q, 0).pop(i))
+
+
+def shampoo_with_kfac_curvature(o):  # K-FAC's curv_a listed in a Shampoo plan
+    q, t, i = _listed(o, "stats")[0]
+    _ops(o, q, t).insert(i, {**_ops(o, q, t)[i], "op": "curv_a", "mb": 0})
+
+
+def muon_orth_deleted(o):
+    q, t, i = _listed(o, "orth")[0]
+    del _ops(o, q, t)[i]
+
+
+def muon_orth_on_the_other_replica(o):
+    """A layer's orth listed also on the rank of the stage's replica that does not own it."""
+    q, t, i = _listed(o, "orth")[0]
+    layer = _ops(o, q, t)[i]["layer"]
+    stage = o["layer_stage"][layer]
+    other = next(p["rank"] for p in o["placement"] if p["stage"] == stage and p["rank"] != q)
+    assert next(p["replica"] for p in o["placement"] if p["rank"] == q and p["stage"] == stage) == \
+        o["config"]["precond_owner"][layer]
+    ops = _ops(o, other, t)
+    ops.insert(_find(ops, op="step", stage=stage), dict(_ops(o, q, t)[i]))
+
+
+def muon_with_shampoo_statistics(o):  # Shampoo's stats listed in a Muon plan
+    q, t, i = _listed(o, "orth")[0]
+    _ops(o, q, t).insert(i, {**_ops(o, q, t)[i], "op": "stats"})
+
+
+OPTIMIZER_MUTATIONS = [
+    ("shampoo", shampoo_root_deleted, "rule: complete"),
+    ("shampoo", shampoo_root_before_its_statistics, "rule: dependency"),
+    ("shampoo", shampoo_stats_moved_to_next_step, "rule: complete"),
+    ("shampoo", shampoo_with_kfac_curvature, "rule: ops"),
+    ("muon", muon_orth_deleted, "rule: complete"),
+    ("muon", muon_orth_on_the_other_replica, "rule: ops"),
+    ("muon", muon_with_shampoo_statistics, "rule: ops"),
+]
+
+
+@pytest.mark.parametrize("optimizer,mutate,rule", OPTIMIZER_MUTATIONS, ids=[m.__name__ for _, m, _ in OPTIMIZER_MUTATIONS])
+def test_each_optimizer_mutation_is_refused_by_the_verifier_and_the_runtime(tmp_path, request, optimizer, mutate,
+                                                                            rule):
+    obj = copy.deepcopy(request.getfixturevalue(f"{optimizer}_plan_obj"))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(obj))
+    _prepare(path)  # the plan as made is accepted
+    mutate(obj)
+    path.write_text(json.dumps(obj))
+    with pytest.raises(InputError) as by_verifier:
+        verify_plan(plan_from_json(obj, str(path)), str(path))
+    with pytest.raises(InputError) as by_runtime:
+        _prepare(path)
+    for e in (by_verifier, by_runtime):
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(str(path)) and rule in msg, msg
+
+
 # --- the paper setting: Chimera D=8 passes the per-pair check ------------------------------------
 
 def test_paper_setting_greedy_passes_the_per_pair_check():

@@ -534,8 +534,13 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.3f}"
 
 
+# the order of the other optimizers' per-layer costs in `inspect`'s table: as a step runs them
+OTHER_OPTIMIZER_ORDER = ("stats", "inv_L", "inv_R", "precond", "orth")
+
+
 def format_profile(profile: Profile) -> str:
-    """Human-readable summary: provenance, per-part and per-K-FAC-layer costs, communication."""
+    """Human-readable summary: provenance, per-part and per-covered-layer costs (K-FAC's, and
+    Shampoo's and Muon's where the profile has them), communication."""
     m, pv = profile.model, profile.provenance
     shape = ", ".join(f"{k} {m[k]}" for k in ("layers", "hidden", "heads", "ffn", "vocab",
                                                "micro_batch", "seq_len", "dtype") if k in m)
@@ -576,6 +581,17 @@ def format_profile(profile: Profile) -> str:
           _mib(l.factor_a_bytes + l.factor_b_bytes), _mib(l.inverse_a_bytes + l.inverse_b_bytes)]
          for l in profile.kfac_layers],
     )
+    sections = [layers]
+    costed = [o for o in ("shampoo", "muon") if any(o in l.optimizer_ms for l in profile.kfac_layers)]
+    if costed:
+        keys = [(o, k) for o in costed for k in sorted({k for l in profile.kfac_layers for k in l.optimizer_ms.get(o, {})},
+                                                       key=OTHER_OPTIMIZER_ORDER.index)]
+        sections.append(
+            "other optimizers per layer (ms per step; inverse roots once per refresh)"
+            + (f"\n{pv['optimizer_note']}" if pv.get("optimizer_note") else "") + "\n"
+            + _table(["layer", *(f"{o} {k}" for o, k in keys)],
+                     [[l.name, *(_ms(l.optimizer_ms[o][k]) if k in l.optimizer_ms.get(o, {}) else "-" for o, k in keys)]
+                      for l in profile.kfac_layers]))
     c = profile.comm
     comm = (f"communication ({c.method}): message {_mib(c.act_bytes)} MiB; "
             f"p2p {c.p2p.latency_ms:.4f} ms + {c.p2p.bytes_per_ms / 1e6:.3f} GB/s "
@@ -594,5 +610,5 @@ def format_profile(profile: Profile) -> str:
               else "spread: none recorded")
     if not all(p.split_measured for p in profile.parts):
         parts += "\n(B, W in parentheses: not measured, estimated as half the backward each)"
-    return "\n\n".join(["\n".join(head), parts, "times in ms per micro-batch (inversion, preconditioning: once)\n"
-                        + layers, comm + "\n" + spread])
+    sections[0] = "times in ms per micro-batch (inversion, preconditioning: once)\n" + sections[0]
+    return "\n\n".join(["\n".join(head), parts, *sections, comm + "\n" + spread])

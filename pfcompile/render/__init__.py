@@ -70,7 +70,7 @@ def render_files(plan: Plan, graph: str | None = None, timeline: str | None = No
         if collapsed and collapse is None:
             grouping = "per layer" if collapsed == "layer" else "per stage (per layer would be too many nodes for dot)"
             done["notes"].append(f"graph collapsed automatically to {n_nodes} nodes: one per stage and micro-batch, "
-                                 f"K-FAC work grouped {grouping}; --no-collapse for every task, "
+                                 f"the optimizer's refresh work grouped {grouping}; --no-collapse for every task, "
                                  "or --ranks/--steps/--layers to draw less")
     if timeline:
         say(f"drawing the timeline for {timeline}")

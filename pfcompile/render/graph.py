@@ -7,12 +7,14 @@ heavily weighted edges between consecutive nodes (and one `group` per row). An i
 that producer and where it runs, one per producer (per producer group when collapsed),
 so no op is drawn without its inputs.
 
-Large plans (BERT-Large has 144 K-FAC layers: thousands of tasks) are unreadable task by
+Large plans (BERT-Large has 144 covered layers: thousands of tasks) are unreadable task by
 task, so a collapsed view merges each stage's forward (or backward) of one micro-batch
-with its sends and receives, the refresh's K-FAC work of one layer (curvature, factor
-sync, inversion, broadcast), and each stage's update (gradient sync, preconditioning,
+with its sends and receives, the optimizer's refresh work of one layer (K-FAC: curvature,
+factor sync, inversion, broadcast; Shampoo: inverse roots, broadcast), and each stage's
+update (gradient sync, the optimizer's per-step work of its layers: K-FAC's
+preconditioning, Shampoo's statistics and preconditioning, Muon's orthogonalisation;
 optimizer step). When even that is too many nodes for `dot` (its layout time grows much
-faster than the node count), the K-FAC work is grouped per stage instead.
+faster than the node count), the refresh work is grouped per stage instead.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from dataclasses import dataclass, field
 from pfcompile.check.deps import collective_peers, dependencies, planned_times, tasks_of
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import stage_served
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.plan import Plan, Task
-from pfcompile.render.style import GROUPS, color_of, group_of, label_of
+from pfcompile.render.style import GROUPS, OPTIMIZER_TITLES, color_of, group_of, label_of
 
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
-AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group K-FAC per stage
+AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group the refresh work per stage
 COLLAPSE_LEVELS = ("layer", "stage")
 ORDER_WEIGHT = "1000"  # holds a device's consecutive ops in one straight row against the dependency edges
 
@@ -75,7 +78,8 @@ def _collapsed_key(task: Task, plan: Plan, level: str) -> tuple:
         return ("B", stage_served(op), op.mb)
     if k == "bwd_weight":
         return ("W", op.stage, op.mb)
-    if k == "precond":  # every step's update, not the refresh's work: keeps the groups acyclic
+    if k in optimizer_spec(plan.config.optimizer).step_kinds:
+        # every step's update, not the refresh's work: keeps the groups acyclic
         return ("U", plan.layer_stage[op.layer])
     if op.layer is not None:
         return ("K", op.layer) if level == "layer" else ("KS", plan.layer_stage[op.layer])
@@ -90,10 +94,11 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
         return f"B{key[1]}.{key[2]}", GROUPS["bwd"][1]
     if kind == "W":
         return f"W{key[1]}.{key[2]}", GROUPS["bwd_weight"][1]
+    title = OPTIMIZER_TITLES[plan.config.optimizer]
     if kind == "K":
-        return f"K-FAC {plan.layers[key[1]]}", GROUPS["curv"][1]
+        return f"{title} {plan.layers[key[1]]}", GROUPS["curv"][1]
     if kind == "KS":
-        return f"K-FAC stage {key[1]}", GROUPS["curv"][1]
+        return f"{title} stage {key[1]}", GROUPS["curv"][1]
     return f"update stage {key[1]}", GROUPS["step"][1]
 
 
@@ -177,7 +182,7 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
     """The graphviz Digraph of the plan's tasks; returns (digraph, nodes, collapse level or None).
 
     `collapse`: None picks by size; False/None-level draws every task; True or "layer"
-    groups K-FAC work per layer, "stage" per stage."""
+    groups the refresh work per layer, "stage" per stage."""
     import graphviz  # noqa: PLC0415 (only this output needs it)
 
     all_tasks = tasks_of(plan)
@@ -200,7 +205,9 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
 
     cfg = plan.config
     title = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches} "
-             f"method={cfg.method}" + (f" (collapsed, K-FAC per {collapse})" if collapse else ""))
+             f"method={cfg.method}" + (f" (collapsed, {OPTIMIZER_TITLES[cfg.optimizer]} refresh per {collapse})"
+                                       if collapse and optimizer_spec(cfg.optimizer).refreshes
+                                       else " (collapsed)" if collapse else ""))
     g = graphviz.Digraph("plan", graph_attr={"rankdir": "LR", "label": title, "labelloc": "t",
                                              "fontname": "Helvetica", "newrank": "true"},
                          node_attr={"shape": "box", "style": "filled,rounded", "fontname": "Helvetica",
@@ -260,16 +267,19 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
     peers = {(of_task[a].id, of_task[b].id) for a, b in collective_peers(plan, kept)}
     for a_id, b_id in sorted(peers):
         g.edge(a_id, b_id, style="dashed", dir="none", constraint="false", color="#b07aa1")
-    _legend(g, {group_of(t.op.kind) for t in kept}, collapse, bool(stubs))
+    _legend(g, plan, {group_of(t.op.kind) for t in kept}, collapse, bool(stubs))
     return g, nodes, collapse
 
 
-def _legend(g, groups: set[str], collapse: str | None, stubs: bool) -> None:
+def _legend(g, plan: Plan, groups: set[str], collapse: str | None, stubs: bool) -> None:
     if collapse:
+        spec = optimizer_spec(plan.config.optimizer)
+        per_step = [label_of(group_of(k)).split(" (")[0] for k in spec.step_kinds]
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
                 *([(label_of("bwd_weight"), GROUPS["bwd_weight"][1])] if "bwd_weight" in groups else []),
-                (f"K-FAC work of one {collapse}", GROUPS["curv"][1]),
-                ("update: gradient sync, preconditioning, optimizer step", GROUPS["step"][1])]
+                *([(f"{OPTIMIZER_TITLES[plan.config.optimizer]} refresh work of one {collapse}", GROUPS["curv"][1])]
+                  if spec.refreshes else []),
+                ("update: " + ", ".join(["gradient sync", *per_step, "optimizer step"]), GROUPS["step"][1])]
     else:
         rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
     cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)

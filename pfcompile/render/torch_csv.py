@@ -10,7 +10,7 @@ that torch names a receive by the *receiving* stage, pfcompile by the producing 
 `_PipelineScheduleRuntime._load_csv(path, format="compute_comms")`; `"compute_only"`
 keeps forwards and backwards and lets torch place the communication (`_load_csv(path)`).
 
-What the format cannot hold is left out, and `export` says so: K-FAC work, gradient
+What the format cannot hold is left out, and `export` says so: the optimizer's work, gradient
 all-reduce and the optimizer step (torch runs its own), and the refresh cycle (step 0's
 order is written; the pipeline order is the same in every step). torch knows a stage on
 one rank only, so a plan with R replicas of each stage (data parallel, Chimera's two
