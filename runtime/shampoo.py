@@ -67,20 +67,29 @@ class ShampooLayer:
         self.name, self.module, self.cfg = name, module, cfg
         self.covered = (module.weight,)
         self.dims = {"L": module.out_features, "R": module.in_features}
-        like = dict(dtype=module.weight.dtype, device=module.weight.device)
-        self.stats = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
+        # Made at the first update_stats: a replica that does not own the layer (the work
+        # divided between replicas) never holds them.
+        self.stats: dict[str, torch.Tensor] = {}
         # With k = 1 every root is computed within the step that snapshots, before the next
         # update_stats, so the snapshot is the statistic itself: no copy, no memory.
         self._alias = cfg.refresh_steps == 1
-        self.snapshots: dict[str, torch.Tensor] = dict(self.stats) if self._alias else {}
+        self.snapshots: dict[str, torch.Tensor] = {}
         self.roots: dict[str, torch.Tensor] = {}      # in force
         self._pending: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}     # out-of-force roots, the next pending ones' storage
         self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
 
+    def _allocate_stats(self) -> None:
+        if not self.stats:
+            like = dict(dtype=self.module.weight.dtype, device=self.module.weight.device)
+            self.stats = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
+            if self._alias:
+                self.snapshots = dict(self.stats)
+
     def update_stats(self, snapshot: bool) -> None:
         """Fold weight.grad into L and R; on the first step of a cycle also snapshot them
         (a missing gradient, as torch's optimizers skip one, leaves the statistics as they are)."""
+        self._allocate_stats()
         G = self.module.weight.grad
         if G is not None:
             G = G.to(self.stats["L"].dtype)
@@ -170,8 +179,10 @@ class ShampooLayer:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for f in FACTORS:
-            self.stats[f].copy_(sd[f"stat_{f}"])
+        if f"stat_{FACTORS[0]}" in sd:
+            self._allocate_stats()
+            for f in FACTORS:
+                self.stats[f].copy_(sd[f"stat_{f}"])
         pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
         self.snapshots = dict(self.stats) if self._alias else pick("snapshot")
         self.roots, self._pending, self._spare = pick("root"), pick("pending"), {}

@@ -116,6 +116,7 @@ class Costs:
     stage_ranks: list[list[int]] | None = None
     precond_owner: list | None = None  # split preconditioning: replica per layer (None: replica_share)
     split_backward: bool = False  # a zero-bubble family: kept_a shares W's kept input (module doc)
+    refresh_steps: int = 1  # k: with k = 1 Shampoo's snapshot is its statistics themselves
 
     def __post_init__(self):
         self.spec = optimizer_spec(self.optimizer)
@@ -379,15 +380,16 @@ class Costs:
         every replica (each adds its micro-batches' curvature), inverses in force and pending
         where it preconditions. Shampoo: statistics and the cycle's snapshot of L and R, and
         the roots in force and pending, where it preconditions. Muon: the momentum, where it
-        orthogonalises."""
+        orthogonalises. With k = 1 Shampoo keeps no separate snapshot (runtime.shampoo)."""
         L = self.profile.kfac_layers[layer]
         if self.optimizer == "kfac":
             inverses = 2 * (L.inverse_a_bytes + L.inverse_b_bytes) if does_its_work else 0
             return 2 * (L.factor_a_bytes + L.factor_b_bytes) + inverses
         if not does_its_work:
             return 0
-        if self.optimizer == "shampoo":
-            return 4 * (self.root_bytes(layer, "L") + self.root_bytes(layer, "R"))
+        if self.optimizer == "shampoo":  # statistics, the cycle's snapshot (k > 1), roots in force and pending
+            copies = 4 if self.refresh_steps > 1 else 3
+            return copies * (self.root_bytes(layer, "L") + self.root_bytes(layer, "R"))
         if self.optimizer == "muon":
             return L.weight_elements * self.element_bytes()
         return 0

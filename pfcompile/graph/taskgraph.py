@@ -198,7 +198,7 @@ def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
                   stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
-                  split_backward=cfg.split_backward)
+                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
     tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
     if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
         tg.precond_owner = costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
