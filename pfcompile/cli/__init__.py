@@ -46,6 +46,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # what no encoder writes (a lone surrogate) prints escaped
+            stream.reconfigure(errors="backslashreplace")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(wanted if wanted in COMMANDS else None)
     args = parser.parse_args(argv)

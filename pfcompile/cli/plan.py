@@ -6,7 +6,7 @@ import json
 import re
 import sys
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, printable_table
 from pfcompile.formats.jsonio import check_output_path
 from pfcompile.formats.limits import (
     MAX_MICRO_BATCHES,
@@ -286,7 +286,7 @@ def _run(args) -> int:
 
         if args.output:
             print(f"wrote {args.output}")
-        print(format_stats(plan))
+        print(printable_table(format_stats(plan)))
         print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; peak RSS {out['peak_rss_mib']:.0f} MiB")
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from pfcompile.formats.errors import echo
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
 from pfcompile.formats.plan import Plan
@@ -99,9 +100,9 @@ def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> No
         v = m.get(key)
         if v is not None:  # the runtime requires micro_batch and seq_len; a planner's test model may not
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise PlanError(where, f"model.{key}", f"must be a positive integer, got {v!r:.40} (rule: model)")
+                raise PlanError(where, f"model.{key}", f"must be a positive integer, got {echo(v)} (rule: model)")
     if "kind" in m and not isinstance(m["kind"], str):
-        raise PlanError(where, "model.kind", f"must be a string, got {m['kind']!r:.40} (rule: model)")
+        raise PlanError(where, "model.kind", f"must be a string, got {echo(m['kind'])} (rule: model)")
     want = plan.profile.get("model_hash") if isinstance(plan.profile, dict) else None
     if want is None:
         raise PlanError(where, "profile.model_hash", "missing: the plan does not say which model spec it was "
@@ -111,8 +112,8 @@ def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> No
                         "(profile.model_hash); remake the plan from a profile of this model (rule: model)")
     if profile_model is not None and m != profile_model:
         diff = sorted(k for k in set(m) | set(profile_model) if m.get(k) != profile_model.get(k))
-        raise PlanError(where, f"model.{diff[0]}", f"{m.get(diff[0])!r:.40} but the profile's is "
-                        f"{profile_model.get(diff[0])!r:.40} (rule: model)")
+        raise PlanError(where, f"model.{diff[0]}", f"{echo(m.get(diff[0]))} but the profile's is "
+                        f"{echo(profile_model.get(diff[0]))} (rule: model)")
 
 
 # --- times ----------------------------------------------------------------------------------------
