@@ -27,7 +27,7 @@ def spec_path(path: str | Path) -> Path:
 def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
     """Every stage's parameters on rank 0 (None elsewhere), by point-to-point messages
     after the training steps (nothing else is in flight then)."""
-    from runtime.comm import gather_json
+    from runtime.comm import gather_json, talking
 
     owner = {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == 0}
     mine = {s: sr.module.state_dict() for s, sr in stages.items() if sr.replica == 0}
@@ -40,13 +40,15 @@ def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
             out.update({n: t.detach().cpu().clone() for n, t in mine[s].items()})
         elif world.rank == q:
             flat = torch.cat([t.detach().reshape(-1) for t in mine[s].values()])
-            dist.send(flat, dst=0)
+            with talking(f"sending stage {s} to rank 0", world.timeout):
+                dist.send(flat, dst=0)
         elif world.rank == 0:
             entries = layout[q][str(s)]
             dtype = getattr(torch, entries[0][2])
             flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape, _ in entries), dtype=dtype,
                                device=world.device)
-            dist.recv(flat, src=q)
+            with talking(f"receiving stage {s} from rank {q}", world.timeout):
+                dist.recv(flat, src=q)
             offset = 0
             for name, shape, _ in entries:
                 n = int(torch.Size(shape).numel())

@@ -3,6 +3,9 @@
 PFC_RUNTIME_CRASH="RANK:STEP" makes that rank exit abruptly (os._exit, no cleanup) at the
 start of that step, on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), so a
 torchrun restart can be shown to resume from the last complete checkpoint.
+PFC_RUNTIME_PAUSE="RANK:STEP:SECONDS" makes that rank sleep at the start of that step, so
+a peer that crashed meanwhile is already gone when it next talks to it (gloo then raises
+from the call itself: an isend, an irecv, a collective).
 PFC_RUNTIME_NAN="RANK:STEP" fills that rank's first stage's parameters with NaN at the
 start of that step (a diverged update on demand), so the stop on a non-finite loss can be
 shown naming the step and the stage.
@@ -17,12 +20,19 @@ CRASH_EXIT_CODE = 17
 
 def crash_hook(rank: int):
     """A callable `hook(step)` for the loop to call at the start of every step: it kills this
-    process at the configured step, and does nothing otherwise (or when nothing is set)."""
+    process (or pauses it) at the configured step, and does nothing otherwise (or when
+    nothing is set)."""
     step = _crash_step(rank)
+    r, s, seconds = ((os.environ.get("PFC_RUNTIME_PAUSE") or "").split(":") + [None, None])[:3]
+    pause_step = int(s) if seconds is not None and int(r) == rank else None
 
     def hook(current: int) -> None:
         if current == step:
             os._exit(CRASH_EXIT_CODE)
+        if current == pause_step:
+            import time
+
+            time.sleep(float(seconds))
     return hook
 
 

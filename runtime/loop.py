@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from pfcompile.formats.jsonio import write_atomic
 from runtime import affinity, checkpoint, comm, export, faults, measure
@@ -106,7 +105,7 @@ def run(job) -> measure.Summary | None:
         pending: list[tuple] = []  # train_step's rows until the next reduction
         every, log_every = cfg.eval.every, cfg.log.every
         val_batches = r.val_batches
-        dist.barrier()
+        comm.barrier("the barrier before the first step", world.timeout)
         timeline.start()  # all ranks measure from (about) the same instant
         gc.disable()  # collections at chosen steps, not whenever a rank allocates (a straggler)
         for step in range(first, steps):
@@ -141,7 +140,7 @@ def run(job) -> measure.Summary | None:
         return summary
     finally:
         gc.enable()
-        comm.shutdown(clean)
+        comm.shutdown(clean, world.timeout)
 
 
 def _data(job, batch_size: int, seq_len: int):
@@ -169,7 +168,7 @@ def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
     if not pending:
         return
     shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=world.device)
-    dist.all_reduce(shares)
+    comm.all_reduce(shares, "the all-reduce of the logged losses", world.timeout)
     shares = shares.cpu()
     if world.rank == 0:
         rows = []
@@ -192,7 +191,7 @@ def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -
     for sr in stages.values():
         sr.module.train()
     t = torch.tensor([total], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t)
+    comm.all_reduce(t, "the all-reduce of the evaluation loss", world.timeout)
     loss = float(t) / len(batches)
     if world.rank == 0:
         row = metrics.evaluation(step, loss, len(batches))

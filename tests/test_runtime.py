@@ -409,6 +409,48 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     assert logged[-1] == 5 and json.loads((attempts[-1] / "summary.json").read_text())["steps"] == 5
 
 
+def ranks_without_torchrun(plan: Path, nproc: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
+    """The runtime's ranks as plain processes meeting on 127.0.0.1: no agent stops the
+    survivors when one dies, so each ends by what it notices itself."""
+    port = free_port()
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    procs = []
+    for q in range(nproc):
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "RANK": str(q),
+                    "LOCAL_RANK": str(q), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), **(env or {})}
+        full_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--dtype", "float64", "--data",
+                                       "synthetic", *args], cwd=plan.parent, env=full_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+# (plan, rank that dies at step 3, flags): the survivor, paused at step 3 until its peer is
+# gone, next talks to it in a send (rank 0 of 1F1B starts each step with a forward and its
+# send; no receive posted ahead), in posting a receive (rank 1 of 1F1B posts the step's first
+# receive ahead), or in a collective (two replicas of one stage all-reduce their gradients)
+LOST_PEER = {"send": (("1f1b", 2, 1), 1, ["--recv-ahead", "0"]), "receive": (("1f1b", 2, 1), 0, []),
+             "collective": (("gpipe", 1, 2), 1, [])}
+
+
+@pytest.mark.parametrize("side", LOST_PEER)
+def test_a_lost_peer_is_one_line_on_every_side(tmp_path, side):
+    (schedule, D, R), dead, flags = LOST_PEER[side]
+    plan = make_plan(tmp_path, schedule, D, R)
+    procs = ranks_without_torchrun(plan, 2, "--steps", "6", "--timeout", "15", *flags,
+                                   env={"PFC_RUNTIME_CRASH": f"{dead}:3", "PFC_RUNTIME_PAUSE": f"{1 - dead}:3:2"})
+    outs = [p.communicate(timeout=180) for p in procs]
+    from runtime.faults import CRASH_EXIT_CODE
+
+    assert procs[dead].returncode == CRASH_EXIT_CODE
+    survivor = 1 - dead
+    out, err = outs[survivor]
+    assert procs[survivor].returncode == 3, err[-3000:]
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith(f"runtime[rank {survivor}]: error: ") and "no answer within 15 s or peer lost" in err, err
+
+
 def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):
     """A real `pfcompile plan` output (Chimera, greedy placement, from the committed bert-tiny
     profile's op costs) runs one whole refresh cycle and one step with the new inverses in
