@@ -78,6 +78,6 @@ def _exit_without_teardown(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if code == 0:
-        _exit_without_teardown(0)
+    if code in (0, EXIT_DIVERGED):  # every rank ends together (runtime.loop): no teardown race
+        _exit_without_teardown(code)
     sys.exit(code)

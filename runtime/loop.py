@@ -19,7 +19,7 @@ from pfcompile.formats.jsonio import write_atomic
 from runtime import affinity, checkpoint, comm, export, faults, measure
 from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
-from runtime.interpreter import Interpreter
+from runtime.interpreter import Interpreter, NonFiniteError
 from runtime.metrics import RUNS_DIR, Metrics, make_run_folder
 
 # Python's cyclic garbage collector runs when a rank has allocated enough container
@@ -121,11 +121,13 @@ def run(job) -> measure.Summary | None:
             if evaluate_now:
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if ckpt.every and done % ckpt.every == 0:
+                interp.agree_parameters(step)  # the last good checkpoint stays the last one written
                 checkpoint.save_rank(ckpt.dir, done, world, stages, keep=ckpt.keep)
                 if ckpt.save_model_every_checkpoint:
                     _save_model(job, world, stages, len(val_batches or []))
 
         if ckpt.save_model:
+            interp.agree_parameters(steps - 1)
             _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         gathered = comm.gather_json(world, timeline.to_json())
@@ -138,6 +140,9 @@ def run(job) -> measure.Summary | None:
         metrics.summary(summary.__dict__)
         metrics.close()
         return summary
+    except NonFiniteError:
+        clean = True  # every rank raised it in the same step (Interpreter.agree): they leave together
+        raise
     finally:
         gc.enable()
         comm.shutdown(clean, world.timeout)

@@ -169,7 +169,7 @@ def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     r = _run(str(plan), "--steps", "6", env={"PFC_RUNTIME_NAN": "0:2"})  # parameters NaN from step 2
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
     err = _one_line(r.stderr)
-    assert "step 2: stage 0 (rank 0) produced a non-finite activation or loss" in err, err
+    assert "runtime[rank 0]: error: step 2: stage 0 produced a non-finite loss; the run diverged" in err, err
 
 
 def test_the_finite_check_agrees_with_isfinite_all():

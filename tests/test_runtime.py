@@ -451,6 +451,42 @@ def test_a_lost_peer_is_one_line_on_every_side(tmp_path, side):
     assert err.startswith(f"runtime[rank {survivor}]: error: ") and "no answer within 15 s or peer lost" in err, err
 
 
+def test_a_diverging_run_stops_every_rank_in_the_same_step(tmp_path):
+    """The loss forced to NaN at step 3 on one rank of a 4-rank Chimera: every rank prints
+    the same line (step, stage, value), exits 4 within seconds of the NaN, and the last
+    checkpoint written (step 2) is complete and finite; step 4's is never written."""
+    plan = make_plan(tmp_path, "chimera", 4)
+    ckpt = tmp_path / "ckpt"
+    p = torchrun(plan, 4, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeout", "60",
+                 env={"PFC_RUNTIME_NAN": "0:3:3"}, wait=False)  # rank 0 holds stage 3, the head of replica 0
+    seen: list[tuple[float, str]] = []  # (arrival, line): the lines as they come
+    for line in p.stdout:
+        seen.append((time.time(), line.rstrip("\n")))
+    p.wait(timeout=60)
+    ended = time.time()
+    text = "\n".join(line for _, line in seen)
+    fault = next(line for _, line in seen if "fault:" in line)
+    poisoned = float(re.search(r"unix time ([0-9.]+)", fault).group(1))
+    errors = {int(m.group(1)): (t, m.group(2)) for t, line in seen
+              if (m := re.fullmatch(r"runtime\[rank (\d)\]: error: (.*)", line))}
+    assert sorted(errors) == [0, 1, 2, 3], text[-4000:]
+    lines = {msg for _, msg in errors.values()}
+    assert lines == {"step 3: stage 3 produced a non-finite loss; the run diverged (a smaller --lr?)"}, lines
+    codes = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", text))  # torchrun's report
+    assert codes == {"0": "4", "1": "4", "2": "4", "3": "4"}, text[-4000:]
+    assert 'File "' + str(ROOT / "runtime") not in text  # no traceback from the runtime itself
+    last_line = max(t for t, _ in errors.values()) - poisoned
+    print(f"\nNaN at step 3 -> every rank's line within {last_line:.2f} s, torchrun ended {ended - poisoned:.2f} s "
+          "after the NaN")
+    assert ended - poisoned < 20
+    from runtime.checkpoint import complete_steps
+
+    assert complete_steps(ckpt, 4) == [2] and not (ckpt / "step-00000004").exists()
+    for q in range(4):
+        state = torch.load(ckpt / "step-00000002" / f"rank-{q}.pt", weights_only=True)
+        assert all(torch.isfinite(t).all() for st in state["stages"].values() for t in st["params"].values())
+
+
 def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):
     """A real `pfcompile plan` output (Chimera, greedy placement, from the committed bert-tiny
     profile's op costs) runs one whole refresh cycle and one step with the new inverses in
