@@ -68,13 +68,19 @@ def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict) -> None:
 
 def model_spec(job, val_batches: int) -> dict:
     """What load_trained and runtime.evaluate need: the model, its dtype, and the evaluation
-    batches of the run (so a single process evaluates on exactly the same batches); and the
-    run's config (`job`: runtime.job_config's sections), which made it."""
+    of the run (its batches, precision and stages, so a single process evaluates exactly as
+    the pipeline did); and the run's config (`job`: runtime.job_config's sections), which
+    made it."""
     plan, cfg = job.plan, job.spec.cfg
     N = plan.config.micro_batches
     built_in = ":" not in plan.model["name"]
     return {"model": plan.model["name"], "config": cfg.to_dict() if built_in else None,
             "dtype": str(job.dtype).removeprefix("torch."), "part_names": list(job.spec.part_names),
             "eval": {"batch_size": int(plan.model["micro_batch"]) * N, "micro_batches": N,
-                     "seq_len": int(plan.model["seq_len"]), "batches": val_batches, "kind": cfg.kind},
+                     "seq_len": int(plan.model["seq_len"]), "batches": val_batches, "kind": cfg.kind,
+                     # how the pipeline evaluated: its precision (bfloat16: autocast, and the
+                     # activations cast at each stage boundary), its stages, and which replica
+                     # summed which micro-batches' losses
+                     "precision": job.precision.name, "partition": plan.partition,
+                     "micro_batch_replica": plan.micro_batch_replica},
             "job": job.config.to_dict()}
