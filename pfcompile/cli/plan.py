@@ -230,14 +230,17 @@ def _run(args) -> int:
     check_plan_bounds(args)  # before reading anything: a typo must not start a runaway
     if args.output:
         check_output_path(args.output, "--output")
-    from pfcompile.cli import STARTED
     from pfcompile.place.budget import Budget
 
     options = options_from_args(args)
-    budget = Budget(args.time_limit, started=STARTED)  # from the command's start: imports, loading, writing count
+    # from the command's start (pfcompile.cli.main): the interpreter, imports, loading, writing count
+    budget = Budget(args.time_limit, started=getattr(args, "started", None))
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
     check_task_bound(cfg, len(profile.kfac_layers))
+    from pfcompile.place.upfront import check_before_planning
+
+    check_before_planning(profile, cfg, args.method)  # no plan can: refused before the task graph
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
