@@ -1,9 +1,11 @@
 """Bounds that cost nothing, checked before the task graph is built: a request no plan can
 satisfy is refused in well under a second instead of after minutes of planning.
 
-- memory: a rank always holds its stages' parameters, gradients, optimizer and K-FAC
-  state (Costs.resident_bytes) and, at some moment, one micro-batch's activations of each
-  stage it runs; above the limit, no order of its ops fits.
+- memory (the greedy and `none`, which place without a memory model): a rank always holds
+  its stages' parameters, gradients, optimizer and K-FAC state (Costs.resident_bytes) and,
+  at some moment, one micro-batch's activations of each stage it runs; above the limit,
+  no order of its ops fits. (CP-SAT names the smallest feasible limit itself, from its
+  task graph.)
 - the greedy's refresh cycle: its bubbles are those of the family's step with the K-FAC
   work left out (`family_step`: the step's ops in the family's order, timed as soon as
   possible, in plain Python over the ops of one step, without the task graph), and each
@@ -143,9 +145,9 @@ def check_memory(costs: Costs, cfg: PipelineConfig) -> None:
         held = [s for s, _ in cfg.stages_of(q)]
         need = costs.resident_bytes(held) + max(costs.act_bytes(s) for s in held)
         if need > limit:
-            raise InputError("--memory-limit", None, f"{limit} bytes, but rank {q} needs at least {need} whatever "
-                             f"its order: {costs.resident_bytes(held)} always held (parameters, gradients, optimizer "
-                             "and K-FAC state of its stages) and one micro-batch's activations")
+            raise InputError("--memory-limit", None, f"rank {q} needs at least {need} bytes whatever its order "
+                             f"({costs.resident_bytes(held)} always held: parameters, gradients, optimizer and K-FAC "
+                             f"state of its stages; and one micro-batch's activations), over the limit of {limit}")
 
 
 def check_cycle(step: FamilyStep, cfg: PipelineConfig) -> int:
@@ -171,10 +173,10 @@ def check_cycle(step: FamilyStep, cfg: PipelineConfig) -> int:
 
 
 def check_before_planning(profile: Profile, cfg: PipelineConfig, method: str) -> None:
-    """The bounds of the module docstring: memory for every method, the cycle for the greedy
-    (CP-SAT stretches the step instead; `none` appends the work to every step)."""
+    """The bounds of the module docstring: memory for the greedy and `none`, the cycle for
+    the greedy (CP-SAT stretches the step instead; `none` appends the work to every step)."""
     cycle = method == "greedy" and cfg.kfac and cfg.cluster is None  # (on a cluster the ranks' places change the lags)
-    if cfg.memory_limit_bytes is None and not cycle:
+    if method == "cpsat" or (cfg.memory_limit_bytes is None and not cycle):
         return
     if cycle:
         step = family_step(profile, cfg)
