@@ -9,7 +9,7 @@ import unicodedata
 # An echoed value is cut to this many characters (a file's string may be 100,000 long);
 # an error line as a whole to MAX_ERROR_CHARS, a backstop for messages that list values;
 # a word of a table to MAX_TABLE_WORD.
-ECHO_CHARS = 60
+ECHO_CHARS = 40
 MAX_ERROR_CHARS = 2000
 MAX_TABLE_WORD = 120
 
