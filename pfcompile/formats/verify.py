@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from pfcompile.formats.errors import echo
+from pfcompile.formats.errors import cut, echo
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
 from pfcompile.formats.models import BUILTIN_MODELS, DTYPES, is_user_model, kfac_layer_names, part_names
@@ -165,18 +165,19 @@ def check_parts(plan: Plan, where: str) -> None:
     part its stage holds (a built-in model's: one K-FAC covers), named once."""
     parts = model_parts(plan, where)
     if parts is not None:
-        shown = ", ".join(parts) if len(parts) <= 6 else f"{parts[0]}, {parts[1]}, ..., {parts[-1]}"
+        names = [cut(p) for p in parts]  # a user model's, from the file: any length
+        shown = ", ".join(names) if len(names) <= 6 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
         i = 0
         for s, stage in enumerate(plan.partition):
             for j, part in enumerate(stage):
                 if i >= len(parts) or part != parts[i]:
-                    want = f"the model's next part {parts[i]!r}" if i < len(parts) else "past the model's last part"
-                    raise PlanError(where, f"partition[{s}][{j}]", f"{echo(part)} is not {want} (the partition cuts "
-                                    f"{plan.model['name']!r}'s parts {shown} into stages, in order) (rule: model)")
+                    want = f"the model's next part {echo(parts[i])}" if i < len(parts) else "past the model's last part"
+                    raise PlanError(where, f"partition[{s}][{j}]", f"{echo(part)} is not {want} (the partition cuts the parts "
+                                    f"of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
                 i += 1
         if i < len(parts):
-            raise PlanError(where, "partition", f"ends before the model's part {parts[i]!r} (it must cut "
-                            f"{plan.model['name']!r}'s parts {shown} into stages, in order) (rule: model)")
+            raise PlanError(where, "partition", f"ends before the model's part {echo(parts[i])} (the partition cuts "
+                            f"the parts of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
     built_in = not is_user_model(plan.model["name"])
     covered = set(kfac_layer_names(BUILTIN_MODELS[plan.model["name"]]["layers"])) if built_in else None
     seen: set[str] = set()
