@@ -256,10 +256,11 @@ def gather_json(world: World, obj) -> list | None:
     sizes = [torch.zeros_like(size) for _ in range(world.world_size)]
     with talking("gathering every rank's JSON", world.timeout):
         dist.all_gather(sizes, size)
-        longest = int(max(int(s) for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=world.device)
-        padded[: data.numel()] = data.to(world.device)
-        bufs = [torch.zeros_like(padded) for _ in range(world.world_size)]
+    longest = int(max(int(s) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=world.device)
+    padded[: data.numel()] = data.to(world.device)
+    bufs = [torch.zeros_like(padded) for _ in range(world.world_size)]
+    with talking("gathering every rank's JSON", world.timeout):
         dist.all_gather(bufs, padded)
     if world.rank != 0:
         return None

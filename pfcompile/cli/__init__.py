@@ -13,6 +13,19 @@ import os
 import sys
 import time
 
+from pfcompile import __version__
+from pfcompile.formats.errors import InputError
+
+# module -> the sub-commands it registers. Imported lazily so that `pfcompile plan` never
+# pays for importing torch, and a missing optional piece breaks only its own command.
+COMMANDS = {
+    "profile": "pfcompile.cli.profile",
+    "plan": "pfcompile.cli.plan",
+    "render": "pfcompile.cli.render",
+    "inspect": "pfcompile.cli.inspect",
+    "calibrate": "pfcompile.cli.calibrate",
+}
+
 
 def process_start() -> float:
     """When this process started, on the time.monotonic() clock: from its start time in
@@ -28,19 +41,6 @@ def process_start() -> float:
     except (OSError, ValueError, IndexError, AttributeError):
         return now
     return now - since if 0.0 <= since < 3600.0 else now  # an hour-old "start" is a misread
-
-from pfcompile import __version__
-from pfcompile.formats.errors import InputError
-
-# module -> the sub-commands it registers. Imported lazily so that `pfcompile plan` never
-# pays for importing torch, and a missing optional piece breaks only its own command.
-COMMANDS = {
-    "profile": "pfcompile.cli.profile",
-    "plan": "pfcompile.cli.plan",
-    "render": "pfcompile.cli.render",
-    "inspect": "pfcompile.cli.inspect",
-    "calibrate": "pfcompile.cli.calibrate",
-}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
