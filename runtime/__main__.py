@@ -18,13 +18,16 @@ import json
 import os
 import sys
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, printable
 from runtime.config import build_parser, prepare
 
 EXIT_INPUT, EXIT_COMM, EXIT_DIVERGED = 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # what no encoder writes (a lone surrogate) prints escaped
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     # From the environment torchrun sets, not from torch: bad input fails before torch loads.
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(rank: int, error: Exception, code: int) -> int:
-    print(f"runtime[rank {rank}]: error: {error}", file=sys.stderr, flush=True)
+    print(f"runtime[rank {rank}]: error: {printable(str(error))}", file=sys.stderr, flush=True)
     return code
 
 
@@ -75,6 +78,6 @@ def _exit_without_teardown(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if code == 0:
-        _exit_without_teardown(0)
+    if code in (0, EXIT_DIVERGED):  # every rank ends together (runtime.loop): no teardown race
+        _exit_without_teardown(code)
     sys.exit(code)

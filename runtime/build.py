@@ -106,10 +106,11 @@ class Update:
         if self.max_grad_norm <= 0:
             return share
         import torch
-        import torch.distributed as dist
+
+        from runtime.comm import all_reduce
 
         total = torch.tensor([share], dtype=torch.float64, device=self.world.device)
-        dist.all_reduce(total)
+        all_reduce(total, "the all-reduce of the gradient norm", self.world.timeout)
         norm_sq = float(total)
         c = clip_coefficient(norm_sq ** 0.5, self.max_grad_norm)
         for sr in self.deferred:

@@ -144,10 +144,12 @@ def resume(root: str, world, stages: dict) -> int:
     import torch.distributed as dist
 
     from pfcompile.formats.errors import InputError
+    from runtime.comm import all_reduce
 
     done = complete_steps(root, world.world_size)
     latest = torch.tensor([done[-1] if done else 0], dtype=torch.int64, device=world.device)
-    dist.all_reduce(latest, op=dist.ReduceOp.MIN)  # ranks may see the folder at different moments
+    # ranks may see the folder at different moments
+    all_reduce(latest, "agreeing on the checkpoint to resume", world.timeout, op=dist.ReduceOp.MIN)
     step = int(latest)
     if step == 0:
         return 0

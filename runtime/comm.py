@@ -22,10 +22,16 @@ Why each choice:
   tensors even on a GPU host, NCCL with one GPU per local rank for CUDA.
 - A collective's `wait` carries the same timeout as the group, so a lost peer ends the
   run with an error naming the op instead of hanging forever.
+- Every call that talks to another rank (posting a send or a receive, waiting for one, a
+  collective, a barrier) goes through `talking`: gloo reports a peer that died as a
+  RuntimeError from whichever call notices first ("Connection reset by peer" from an
+  isend, a timeout from a wait), and every one of them ends the rank with the same one
+  line, CommTimeout (exit status 3), instead of a traceback on one side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +46,20 @@ DEFAULT_TIMEOUT_S = 60.0
 
 class CommTimeout(RuntimeError):
     """A peer did not answer within the timeout (it died, or the plan is inconsistent)."""
+
+
+@contextlib.contextmanager
+def talking(what: str, timeout: timedelta):
+    """A block of calls that talk to other ranks: what torch.distributed raises in it (a
+    lost peer, a timeout) becomes one CommTimeout line naming `what`."""
+    try:
+        yield
+    except CommTimeout:
+        raise
+    except RuntimeError as e:  # gloo/NCCL: DistBackendError, DistNetworkError, plain RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CommTimeout(f"{what}: no answer within {timeout.total_seconds():g} s or peer lost "
+                          f"({first[:300]})") from None
 
 
 @dataclass
@@ -91,8 +111,9 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -
     if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
-                            store=_attempt_store(rank, world_size, timeout))
+    with talking("joining the job (rendezvous)", timeout):
+        dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
+                                store=_attempt_store(rank, world_size, timeout))
     return World(rank, world_size, local_rank, device, backend, timeout)
 
 
@@ -121,12 +142,13 @@ def make_stage_groups(world: World, replica_ranks: list[list[int]]) -> None:
     world, so every rank creates every group, in stage order, even those it is not in."""
     for stage, ranks in enumerate(replica_ranks):
         if len(ranks) > 1:
-            group = dist.new_group(sorted(ranks), timeout=world.timeout)
+            with talking(f"making the group of stage {stage}", world.timeout):
+                group = dist.new_group(sorted(ranks), timeout=world.timeout)
             if world.rank in ranks:
                 world.stage_groups[stage] = group
 
 
-def shutdown(clean: bool = True) -> None:
+def shutdown(clean: bool = True, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)) -> None:
     """Leave the job.
 
     After a clean run every rank meets at a barrier and then leaves WITHOUT tearing down
@@ -136,9 +158,26 @@ def shutdown(clean: bool = True) -> None:
     if not dist.is_initialized():
         return
     if clean:
-        dist.barrier()
+        barrier("the final barrier", timeout)
         return
-    dist.destroy_process_group()
+    try:
+        dist.destroy_process_group()
+    except RuntimeError:  # a peer already gone: the error that ended the run is what is reported
+        pass
+
+
+def barrier(what: str, timeout: timedelta, group=None) -> None:
+    with talking(what, timeout):
+        dist.barrier(group=group)
+
+
+MIN = dist.ReduceOp.MIN
+
+
+def all_reduce(tensor: torch.Tensor, what: str, timeout: timedelta, op=None, group=None) -> None:
+    """One tensor reduced in place over the group (default: the world; op default: sum)."""
+    with talking(what, timeout):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True).wait(timeout)
 
 
 # --- point-to-point --------------------------------------------------------------------
@@ -165,14 +204,16 @@ class Mailbox:
 
     def send(self, what: str, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()  # the buffer must live until the send completes
-        work = dist.isend(tensor, dst=dst, tag=tag if self.tags else 0)
+        with talking(what, self.world.timeout):
+            work = dist.isend(tensor, dst=dst, tag=tag if self.tags else 0)
         self.in_flight.append((what, work, tensor))
 
     def post(self, shape, dtype, src: int, tag: int) -> None:
         """Post a receive now; `recv` with the same source and tag completes it."""
         if (src, tag) not in self.posted:
             buf = torch.empty(shape, dtype=dtype, device=self.world.device)
-            self.posted[(src, tag)] = (dist.irecv(buf, src=src, tag=tag if self.tags else 0), buf)
+            with talking(f"posting a receive from rank {src}", self.world.timeout):
+                self.posted[(src, tag)] = (dist.irecv(buf, src=src, tag=tag if self.tags else 0), buf)
 
     def recv(self, what: str, shape, dtype, src: int, tag: int) -> torch.Tensor:
         self.post(shape, dtype, src, tag)
@@ -192,7 +233,8 @@ def all_reduce_sum(tensors: list[torch.Tensor], group, timeout: timedelta, what:
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    _wait(dist.all_reduce(flat, group=group, async_op=True), timeout, what)
+    with talking(what, timeout):
+        dist.all_reduce(flat, group=group, async_op=True).wait(timeout)
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -201,7 +243,8 @@ def all_reduce_sum(tensors: list[torch.Tensor], group, timeout: timedelta, what:
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, timeout: timedelta, what: str) -> None:
-    _wait(dist.broadcast(tensor, src=src, group=group, async_op=True), timeout, what)
+    with talking(what, timeout):
+        dist.broadcast(tensor, src=src, group=group, async_op=True).wait(timeout)
 
 
 def gather_json(world: World, obj) -> list | None:
@@ -211,20 +254,19 @@ def gather_json(world: World, obj) -> list | None:
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=world.device)
     sizes = [torch.zeros_like(size) for _ in range(world.world_size)]
-    dist.all_gather(sizes, size)
+    with talking("gathering every rank's JSON", world.timeout):
+        dist.all_gather(sizes, size)
     longest = int(max(int(s) for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=world.device)
     padded[: data.numel()] = data.to(world.device)
     bufs = [torch.zeros_like(padded) for _ in range(world.world_size)]
-    dist.all_gather(bufs, padded)
+    with talking("gathering every rank's JSON", world.timeout):
+        dist.all_gather(bufs, padded)
     if world.rank != 0:
         return None
     return [json.loads(bytes(b[: int(n)].cpu().tolist())) for b, n in zip(bufs, sizes)]
 
 
 def _wait(work, timeout: timedelta, what: str) -> None:
-    try:
+    with talking(what, timeout):
         work.wait(timeout)
-    except RuntimeError as e:  # gloo/NCCL report a lost peer or a timeout as RuntimeError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CommTimeout(f"{what}: no answer within {timeout.total_seconds():g} s or peer lost ({first})") from None

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, echo
 from pfcompile.formats.jsonio import check_output_dir, check_output_path
 from pfcompile.formats.ops import stage_served
 from runtime import job_config
@@ -141,11 +141,12 @@ def make_job(cfg: JobConfig, plan_path: str, rank: int, world_size: int) -> Job:
         raise InputError(where, "config.world_size",
                          f"the plan is for {plan.world_size} ranks but this job has {world_size} "
                          f"(launch with torchrun --nproc-per-node/--nnodes giving {plan.world_size})")
-    _check_rank_ops(plan, rank, where)
     # The whole plan, every rank's lists: the same verdict on every rank, before any
-    # collective (a plan that would deadlock or train different mathematics ends here).
+    # collective (a plan that would deadlock or train different mathematics ends here),
+    # and the same line `pfcompile inspect` prints for it.
     from pfcompile.formats.verify import verify_plan
     verify_plan(plan, where)
+    _check_rank_ops(plan, rank, where)
     spec = _resolve_model(plan, cfg, where)
     _check_plan_fits_model(plan, spec, where)
     job_config.apply_plan(cfg, plan, where)
@@ -247,21 +248,18 @@ def _resolve_model(plan, cfg: JobConfig, where: str):
 
 
 def _check_plan_fits_model(plan, spec, where: str) -> None:
+    """The model built here against the plan. The verifier has checked the plan against
+    the built-in models and a user model's recorded parts (pfcompile.formats.models); this
+    checks a user model's code, which only the runtime imports."""
     parts = [p for stage in plan.partition for p in stage]
     if parts != list(spec.part_names):
-        raise InputError(where, "partition", f"{parts} does not cut the model's parts {list(spec.part_names)} in order")
-    for key in ("micro_batch", "seq_len"):
-        v = plan.model.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise InputError(where, f"model.{key}", f"must be a positive integer, got {v!r}")
-    # the spec the plan was made for must be the model built here (the runtime builds by name)
+        raise InputError(where, "partition", f"{echo(parts)} does not cut the model's parts "
+                                             f"{echo(list(spec.part_names))} in order")
+    # the spec the plan was made for must be the model built here
     for key in ("kind", "layers", "hidden", "heads", "ffn", "vocab"):
-        if key in plan.model and plan.model[key] != getattr(spec.cfg, key):
-            raise InputError(where, f"model.{key}", f"{plan.model[key]!r:.40} but the model {plan.model['name']!r} "
-                             f"built here has {getattr(spec.cfg, key)!r} (rule: model)")
-    if len(plan.micro_batch_replica) != plan.config.micro_batches:
-        raise InputError(where, "micro_batch_replica",
-                         f"has {len(plan.micro_batch_replica)} entries for {plan.config.micro_batches} micro-batches")
+        if key in plan.model and plan.model[key] != getattr(spec.cfg, key, None):
+            raise InputError(where, f"model.{key}", f"{echo(plan.model[key])} but the model "
+                             f"{echo(plan.model['name'])} built here has {echo(getattr(spec.cfg, key, None))} (rule: model)")
 
 
 def _check_rank_ops(plan, rank: int, where: str) -> None:

@@ -3,8 +3,10 @@ a trained model file (written by `torchrun -m runtime ... --save-model`) on held
 in one process.
 
 By default it uses the run's evaluation batches (batch size, micro-batches, sequence length
-and count are in the spec beside the model file), so it reproduces the pipeline's last
-evaluation; `--data pydoc` evaluates on the pydoc corpus' held-out part.
+and count are in the spec beside the model file) and computes as the pipeline did (its
+precision: bfloat16 under autocast with the activations cast at each stage boundary; each
+replica's sum of its micro-batches' loss / N in the compute's float), so it reproduces the
+pipeline's last evaluation; `--data pydoc` evaluates on the pydoc corpus' held-out part.
 """
 
 from __future__ import annotations
@@ -20,17 +22,39 @@ from pfcompile.formats.errors import InputError
 
 
 @torch.no_grad()
-def evaluate_model(model, batches, micro_batches: int) -> float:
+def evaluate_model(model, batches, micro_batches: int, precision: str = "float32", partition=None,
+                   micro_batch_replica=None) -> float:
     """Mean over batches of the mean over micro-batches of each one's mean loss: the
-    pipeline's evaluation, computed by the unpipelined model."""
+    pipeline's evaluation (runtime.loop._evaluate), computed by the unpipelined model the
+    way the pipeline computes it: stage by stage (`partition`, default one stage) under the
+    run's precision, each stage's output cast as it crosses to the next, each replica
+    summing loss_m / N over its micro-batches (`micro_batch_replica`) as a tensor in the
+    compute's float, each replica's sums added over the batches in float64, then the
+    replicas' totals."""
     from runtime.data import split_micro_batches
+    from runtime.precision import precision as make_precision
 
+    prec = make_precision(precision)
+    stages = partition or [list(model.names)]
+    replica_of = micro_batch_replica or [0] * micro_batches
+    device_type = next(model.parameters()).device.type
     model.eval()
-    total = 0.0
+    totals: dict[int, float] = {}  # replica -> its last stage's rank's total over the batches
     for batch in batches:
-        mbs = split_micro_batches(batch, micro_batches)
-        total += sum(float(model(b.tokens, b.targets)) for b in mbs) / micro_batches
-    return total / len(batches)
+        sums: dict[int, object] = {}
+        for m, b in enumerate(split_micro_batches(batch, micro_batches)):
+            x = b.tokens
+            for s, names in enumerate(stages):
+                last = s == len(stages) - 1
+                with prec.autocast(device_type):
+                    for name in names[:-1] if last else names:
+                        x = model.parts[name](x)
+                    x = model.parts[names[-1]](x, b.targets) / micro_batches if last else prec.boundary(x)
+            r = replica_of[m]
+            sums[r] = sums.get(r, 0.0) + x
+        for r, v in sums.items():
+            totals[r] = totals.get(r, 0.0) + float(v)
+    return sum(v for _, v in sorted(totals.items())) / len(batches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens = open_token_file(args.data, model.cfg.vocab, ev["batch_size"], ev["seq_len"])
             stream = make_stream(ev["kind"], ev["batch_size"], ev["seq_len"], seed=0, token_file=tokens)
         batches = stream.fixed_batches(n)
-        loss = evaluate_model(model, batches, ev["micro_batches"])
+        loss = evaluate_model(model, batches, ev["micro_batches"], ev.get("precision", meta.get("dtype", "float32")),
+                              ev.get("partition"), ev.get("micro_batch_replica"))
     except InputError as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2

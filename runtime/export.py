@@ -29,7 +29,7 @@ def spec_path(path: str | Path) -> Path:
 def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
     """Every stage's parameters on rank 0 (None elsewhere), by point-to-point messages
     after the training steps (nothing else is in flight then)."""
-    from runtime.comm import gather_json
+    from runtime.comm import gather_json, talking
 
     owner = {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == 0}
     mine = {s: sr.module.state_dict() for s, sr in stages.items() if sr.replica == 0}
@@ -42,13 +42,15 @@ def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
             out.update({n: t.detach().cpu().clone() for n, t in mine[s].items()})
         elif world.rank == q:
             flat = torch.cat([t.detach().reshape(-1) for t in mine[s].values()])
-            dist.send(flat, dst=0)
+            with talking(f"sending stage {s} to rank 0", world.timeout):
+                dist.send(flat, dst=0)
         elif world.rank == 0:
             entries = layout[q][str(s)]
             dtype = getattr(torch, entries[0][2])
             flat = torch.empty(sum(int(torch.Size(shape).numel()) for _, shape, _ in entries), dtype=dtype,
                                device=world.device)
-            dist.recv(flat, src=q)
+            with talking(f"receiving stage {s} from rank {q}", world.timeout):
+                dist.recv(flat, src=q)
             offset = 0
             for name, shape, _ in entries:
                 n = int(torch.Size(shape).numel())
@@ -80,13 +82,19 @@ def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict, model=No
 
 def model_spec(job, val_batches: int) -> dict:
     """What load_trained and runtime.evaluate need: the model, its dtype, and the evaluation
-    batches of the run (so a single process evaluates on exactly the same batches); and the
-    run's config (`job`: runtime.job_config's sections), which made it."""
+    of the run (its batches, precision and stages, so a single process evaluates exactly as
+    the pipeline did); and the run's config (`job`: runtime.job_config's sections), which
+    made it."""
     plan, cfg = job.plan, job.spec.cfg
     N = plan.config.micro_batches
     built_in = ":" not in plan.model["name"]
     return {"model": plan.model["name"], "config": cfg.to_dict() if built_in else None,
             "dtype": str(job.dtype).removeprefix("torch."), "part_names": list(job.spec.part_names),
             "eval": {"batch_size": int(plan.model["micro_batch"]) * N, "micro_batches": N,
-                     "seq_len": int(plan.model["seq_len"]), "batches": val_batches, "kind": cfg.kind},
+                     "seq_len": int(plan.model["seq_len"]), "batches": val_batches, "kind": cfg.kind,
+                     # how the pipeline evaluated: its precision (bfloat16: autocast, and the
+                     # activations cast at each stage boundary), its stages, and which replica
+                     # summed which micro-batches' losses
+                     "precision": job.precision.name, "partition": plan.partition,
+                     "micro_batch_replica": plan.micro_batch_replica},
             "job": job.config.to_dict()}

@@ -43,7 +43,39 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
 
 
 class NonFiniteError(RuntimeError):
-    """The run diverged: a stage's forward produced inf or NaN (checked once per step)."""
+    """The run diverged: a stage's forward produced inf or NaN, or a K-FAC factor could not
+    be inverted. Raised on every rank at once, with the same message (Interpreter.agree)."""
+
+
+# What went non-finite, as one integer every rank can MIN-reduce: the smallest is reported
+# (the earliest stage's forward before any factor). NO_DIVERGENCE: nothing did.
+NO_DIVERGENCE = 2**62
+_FACTOR_BASE = 2**40
+_PARAMS_BASE = 2**41
+
+
+def divergence_code(stage: int | None = None, layer: int | None = None, factor: str | None = None,
+                    params: bool = False) -> int:
+    """A forward of `stage` went non-finite (`params`: the stage's parameters did), or
+    factor `factor` of K-FAC `layer` did."""
+    if stage is not None:
+        return _PARAMS_BASE + stage if params else stage
+    return _FACTOR_BASE + 2 * layer + (factor == "B")
+
+
+def divergence_message(code: int, step: int, plan: Plan) -> str:
+    """The one line every rank prints for the code: the step, the stage and the value."""
+    if code < _FACTOR_BASE:
+        what = "loss" if code == plan.num_stages - 1 else "activation (its forward's output)"
+        return (f"step {step}: stage {code} produced a non-finite {what}; the run diverged "
+                "(a smaller --lr?)")
+    if code >= _PARAMS_BASE:
+        return (f"step {step}: stage {code - _PARAMS_BASE}'s parameters are non-finite after its update; the run "
+                "diverged, and the checkpoint of this step is not written (a smaller --lr?)")
+    layer, b = divmod(code - _FACTOR_BASE, 2)
+    return (f"step {step}: K-FAC factor {'B' if b else 'A'} of layer {plan.layers[layer]} (stage "
+            f"{plan.layer_stage[layer]}) is non-finite or not positive definite, its inversion failed; "
+            "the run diverged (a smaller --lr or a larger damping?)")
 
 
 @dataclass
@@ -85,6 +117,7 @@ class Interpreter:
         self.targets: list[torch.Tensor] = []
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
         self.finite: dict[int, torch.Tensor] = {}  # stage -> all its forwards' outputs finite this step
+        self.factor_failed: int = NO_DIVERGENCE  # divergence_code of the first failed inversion this step
         # plan layer index -> the optimizer's layer, over all stages of this rank
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
         self.optimizer = plan.config.optimizer
@@ -128,19 +161,15 @@ class Interpreter:
         ops = self.plan.ops(self.world.rank, step)
         self.upcoming = [op for op in ops if op.kind in ("recv_act", "recv_grad")] if self.recv_ahead else []
         self._post_ahead()
-        try:
-            for op in ops:
-                start = tl.mark()
-                self.handlers[op.kind](op)
-                tl.record(step, str(op), op.kind, start, tl.mark())
-                mem.after(op.kind, op.stage, op.mb, op.layer)
-        except kfac.NonFiniteFactorError as e:  # the divergence reached a factor first
-            self._check_finite(step)  # names the first stage whose forward went non-finite
-            raise NonFiniteError(f"step {step}: rank {self.world.rank}: {e}") from None
+        for op in ops:
+            start = tl.mark()
+            self.handlers[op.kind](op)
+            tl.record(step, str(op), op.kind, start, tl.mark())
+            mem.after(op.kind, op.stage, op.mb, op.layer)
         self.mailbox.drain()
         self.upcoming = []
         tl.end_step(step, step_start, tl.mark(), mem.end_step())
-        self._check_finite(step)
+        self.agree(step)
         return float(self.loss_sum)
 
     def run_forward(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -160,14 +189,30 @@ class Interpreter:
         self.memory.acts.clear()  # no backward will release what these forwards registered
         return float(self.loss_sum)
 
-    def _check_finite(self, step: int) -> None:
-        """One host read per step of flags the forwards set without waiting (see _fwd)."""
+    def agree(self, step: int) -> None:
+        """Every rank learns in the same step whether any diverged: this rank's verdict (one
+        host read of the flags the forwards set without waiting, see _fwd, and the first
+        failed inversion) goes into one all-reduce (MIN) of one integer over the world, and
+        every rank raises the same NonFiniteError. A diverged rank alone stopping would
+        leave the others waiting on it until the timeout."""
         flags, self.finite = self.finite, {}
-        if not flags or bool(torch.stack([ok for _, ok in sorted(flags.items())]).all()):
-            return
-        stage = min(s for s, ok in flags.items() if not bool(ok))
-        raise NonFiniteError(f"step {step}: stage {stage} (rank {self.world.rank}) produced a non-finite "
-                             f"activation or loss; the run diverged (a smaller --lr?)")
+        code, self.factor_failed = self.factor_failed, NO_DIVERGENCE
+        if flags and not bool(torch.stack([ok for _, ok in sorted(flags.items())]).all()):
+            code = min(code, divergence_code(stage=min(s for s, ok in flags.items() if not bool(ok))))
+        self._raise_if_any(code, step)
+
+    def agree_parameters(self, step: int) -> None:
+        """As `agree`, for the parameters after the update of `step` (before a checkpoint
+        or the model file is written: what is saved is always finite)."""
+        code = min((divergence_code(stage=s, params=True) for s, sr in sorted(self.stages.items())
+                    if not all(bool(all_finite(p.detach())) for p in sr.module.parameters())), default=NO_DIVERGENCE)
+        self._raise_if_any(code, step)
+
+    def _raise_if_any(self, code: int, step: int) -> None:
+        verdict = torch.tensor([code], dtype=torch.int64, device=self.world.device)
+        comm.all_reduce(verdict, f"the divergence check of step {step}", self.world.timeout, op=comm.MIN)
+        if int(verdict) != NO_DIVERGENCE:
+            raise NonFiniteError(divergence_message(int(verdict), step, self.plan))
 
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
@@ -270,7 +315,14 @@ class Interpreter:
     def _inv(self, op: Op) -> None:
         """K-FAC's damped inverse of a factor, or Shampoo's inverse fourth root, into the pending slot."""
         layer = self.layers[op.layer]
-        (layer.compute_root if self.optimizer == "shampoo" else layer.invert)(op.factor)
+        try:
+            (layer.compute_root if self.optimizer == "shampoo" else layer.invert)(op.factor)
+        except kfac.NonFiniteFactorError:
+            # the step runs on (its messages and collectives are awaited by other ranks)
+            # with a NaN inverse, and every rank stops at its end (agree)
+            self.factor_failed = min(self.factor_failed, divergence_code(layer=op.layer, factor=op.factor))
+            layer.set_pending(op.factor, torch.full(layer.pending_shape(op.factor), float("nan"),
+                                                    dtype=self.precision.param_dtype, device=self.world.device))
 
     def _stats(self, op: Op) -> None:
         """Shampoo: the step's gradient into L and R; the cycle's first step also snapshots them."""

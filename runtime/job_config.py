@@ -34,6 +34,7 @@ import typing
 from dataclasses import dataclass, field
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.models import DTYPES  # runtime.precision's, named where no torch is imported
 
 try:
     import tomllib
@@ -44,7 +45,6 @@ MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
-DTYPES = ("float32", "float64", "bfloat16")  # runtime.precision's, named here where no torch is imported
 OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optim.build_optimizer's
 
 

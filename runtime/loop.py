@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from pfcompile.formats.jsonio import write_atomic
 from runtime import affinity, checkpoint, comm, export, faults, measure
 from runtime.build import Update, build_stages
 from runtime.data import make_stream, split_micro_batches
-from runtime.interpreter import Interpreter
+from runtime.interpreter import Interpreter, NonFiniteError
 from runtime.metrics import RUNS_DIR, Metrics, make_run_folder
 
 # Python's cyclic garbage collector runs when a rank has allocated enough container
@@ -108,7 +107,7 @@ def run(job) -> measure.Summary | None:
         pending: list[tuple] = []  # train_step's rows until the next reduction
         every, log_every = cfg.eval.every, cfg.log.every
         val_batches = r.val_batches
-        dist.barrier()
+        comm.barrier("the barrier before the first step", world.timeout)
         timeline.start()  # all ranks measure from (about) the same instant
         gc.disable()  # collections at chosen steps, not whenever a rank allocates (a straggler)
         for step in range(first, steps):
@@ -124,11 +123,13 @@ def run(job) -> measure.Summary | None:
             if evaluate_now:
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if ckpt.every and done % ckpt.every == 0:
+                interp.agree_parameters(step)  # the last good checkpoint stays the last one written
                 checkpoint.save_rank(ckpt.dir, done, world, stages, keep=ckpt.keep)
                 if ckpt.save_model_every_checkpoint:
                     _save_model(job, world, stages, len(val_batches or []))
 
         if ckpt.save_model:
+            interp.agree_parameters(steps - 1)
             _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         gathered = comm.gather_json(world, timeline.to_json())
@@ -141,9 +142,12 @@ def run(job) -> measure.Summary | None:
         metrics.summary(summary.__dict__)
         metrics.close()
         return summary
+    except NonFiniteError:
+        clean = True  # every rank raised it in the same step (Interpreter.agree): they leave together
+        raise
     finally:
         gc.enable()
-        comm.shutdown(clean)
+        comm.shutdown(clean, world.timeout)
 
 
 def _data(job, batch_size: int, seq_len: int):
@@ -174,7 +178,7 @@ def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
     if not pending:
         return
     shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=world.device)
-    dist.all_reduce(shares)
+    comm.all_reduce(shares, "the all-reduce of the logged losses", world.timeout)
     shares = shares.cpu()
     if world.rank == 0:
         rows = []
@@ -197,7 +201,7 @@ def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -
     for sr in stages.values():
         sr.module.train()
     t = torch.tensor([total], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t)
+    comm.all_reduce(t, "the all-reduce of the evaluation loss", world.timeout)
     loss = float(t) / len(batches)
     if world.rank == 0:
         row = metrics.evaluation(step, loss, len(batches))

@@ -34,11 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The pydoc corpus' character vocabulary (runtime.data.VOCAB); kept as a number here so
-# building a model does not read the corpus.
-CORPUS_VOCAB = 100
-BERT_VOCAB = 30522
-LLAMA3_VOCAB = 128256
+from pfcompile.formats import models as contract
+from pfcompile.formats.models import CORPUS_VOCAB
+
 IGNORE_INDEX = -100
 ARCHS = ("gpt2", "llama", "hf")
 
@@ -94,26 +92,8 @@ class ModelConfig:
         return ModelConfig(**{k: v for k, v in d.items() if k in keys})
 
 
-def _family(kind: str) -> dict[str, ModelConfig]:
-    sizes = {"tiny": (2, 64, 2, CORPUS_VOCAB, 128), "mini": (4, 256, 4, CORPUS_VOCAB, 128),
-             "base": (12, 768, 12, BERT_VOCAB, 512), "large": (24, 1024, 16, BERT_VOCAB, 512)}
-    return {f"{kind}-{s}": ModelConfig(f"{kind}-{s}", kind, n, h, heads, 4 * h, vocab, seq)
-            for s, (n, h, heads, vocab, seq) in sizes.items()}
-
-
-def _llama_family() -> dict[str, ModelConfig]:
-    """CPU sizes (the SwiGLU width ~8/3 of hidden, as Llama's) and the shapes of Llama-3.2-1B
-    and Llama-3-8B for profiling on a GPU (their rope scaling is left out: it changes no cost)."""
-    sizes = {"tiny": (2, 64, 4, 2, 176, CORPUS_VOCAB, 128, 1e4),
-             "mini": (4, 256, 8, 2, 688, CORPUS_VOCAB, 128, 1e4),
-             "1b": (16, 2048, 32, 8, 8192, LLAMA3_VOCAB, 131072, 5e5),
-             "8b": (32, 4096, 32, 8, 14336, LLAMA3_VOCAB, 8192, 5e5)}
-    return {f"llama-{s}": ModelConfig(f"llama-{s}", "gpt", n, h, heads, ffn, vocab, seq, arch="llama",
-                                      kv_heads=kv, rope_theta=theta)
-            for s, (n, h, heads, kv, ffn, vocab, seq, theta) in sizes.items()}
-
-
-MODEL_CONFIGS: dict[str, ModelConfig] = {**_family("bert"), **_family("gpt"), **_llama_family()}
+# the built-in models, from the contract's table (the verifier checks plans against it too)
+MODEL_CONFIGS: dict[str, ModelConfig] = {name: ModelConfig(name, **sizes) for name, sizes in contract.BUILTIN_MODELS.items()}
 
 
 # --- parts -------------------------------------------------------------------------------
@@ -288,7 +268,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def part_names(cfg: ModelConfig) -> list[str]:
-    return ["embed", *(f"block{i}" for i in range(cfg.layers)), "head"]
+    return contract.part_names(cfg.layers)
 
 
 def part_seed(seed: int, part_name: str) -> int:

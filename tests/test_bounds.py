@@ -5,7 +5,9 @@ the rank-span bound is strictly above the older bounds where a pipeline's waits 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_graph import uniform_profile
@@ -135,3 +137,44 @@ def test_balanced_inverters_take_one_option_per_choice_and_share_the_inversions(
     s = list_schedule(p, options=taken)
     assert violations(p, s) == []
     assert s.makespan >= lower_bounds(p).makespan
+
+
+# --- the bounds checked before planning (pfcompile.place.upfront) -----------------------------
+
+UPFRONT_FAMILIES = [dict(schedule="gpipe", stages=4, micro_batches=6), dict(schedule="1f1b", stages=4, micro_batches=7),
+                    dict(schedule="1f1b", stages=2, micro_batches=4, replicas=2),
+                    dict(schedule="1f1b", stages=2, micro_batches=4, replicas=2, precond="split"),
+                    dict(schedule="interleaved", stages=2, micro_batches=4, virtual_stages=2),
+                    dict(schedule="zb-h1", stages=3, micro_batches=5), dict(schedule="zb-v", stages=2, micro_batches=4,
+                                                                             virtual_stages=2),
+                    dict(schedule="chimera", stages=4, micro_batches=8)]
+
+
+def test_family_step_is_the_greedys_step_and_its_cycle_bound_is_below_the_greedys():
+    """The step, bubbles and curvature work the up-front check uses (no task graph) are the
+    greedy's (task graph, networkx), on every family, with messages that take time; so
+    its k is a lower bound of the greedy's own, and it refuses only what the greedy would."""
+    from pfcompile.formats.ops import FLOATING_KINDS
+    from pfcompile.formats.profile import load_profile
+    from pfcompile.place.greedy import greedy_steps
+    from pfcompile.place.upfront import check_cycle, curvature_ms, family_step
+
+    tiny = load_profile(str(Path(__file__).resolve().parents[1] / "profiles" / "bert-tiny-cpu.json"))
+    cases = [(uniform_profile(blocks=kw["stages"] * kw.get("virtual_stages", 1), curv=0.3, inv=0.7, latency_ms=0.2), kw)
+             for kw in UPFRONT_FAMILIES]  # and the measured profile, with the runtime's overheads
+    cases += [(tiny, dict(schedule="chimera", stages=4, micro_batches=8)), (tiny, dict(schedule="gpipe", stages=2,
+                                                                                         micro_batches=16))]
+    for prof, kw in cases:
+        cfg = PipelineConfig(**kw)
+        step = family_step(prof, cfg)
+        tg, _, info = greedy_steps(prof, cfg)
+        assert step.step_ms == info["step_time_model_ms"], kw
+        for q, b in info["bubble_ms"].items():
+            assert abs(step.bubble_ms[q] - b) < 1e-9, (kw, q)
+        curv = {}
+        for t in tg.g.nodes:
+            if t.op.kind in ("curv_a", "curv_b"):
+                curv[t.rank] = curv.get(t.rank, 0.0) + tg.duration(t)
+        assert curvature_ms(step.costs, cfg) == pytest.approx(curv, rel=1e-12), kw
+        assert all(t.op.kind in FLOATING_KINDS for t in tg.g.nodes if t.step is None)  # curvature is floating work
+        assert check_cycle(step, cfg) <= info["refresh_steps"], kw

@@ -144,3 +144,22 @@ def test_plan_loader_names_the_field(mutate, field):
     msg = str(e.value)
     assert msg.startswith(f"x.json: {field}"), msg
     assert "\n" not in msg
+
+
+def test_text_a_file_brings_prints_on_one_line():
+    """Errors escape what a terminal would not show as itself and cut echoed values with a
+    marker; tables escape it and cut over-long words."""
+    from pfcompile.formats.errors import InputError, echo, printable_table
+    from pfcompile.formats.ops import Op
+
+    for bad in ("\ud800", "a\x1b[2J\nb", "\u202eevil\u202c", "\u200f", "x" * 100_000, "\U0001f600" * 50):
+        with pytest.raises(ValueError) as e:
+            Op.from_dict({"op": bad, "stage": 0, "mb": 0})
+        msg = str(InputError("p.json", "ranks[0].steps[0][0]", str(e.value)))
+        assert msg.isprintable() and len(msg) < 400, msg[:200]
+        msg.encode("utf-8")  # nothing an encoder cannot write
+        if len(bad) > 40:
+            assert "more chars]" in msg
+    assert echo("\ud800") == "'\\ud800'" and echo("\u200f") == "'\\u200f'"
+    table = printable_table("part  " + "é" * 1000 + "  1.0\nnext \x1b[31m \u202e line")
+    assert all(line.isprintable() for line in table.split("\n")) and len(table) < 300

@@ -1,4 +1,5 @@
-"""Structural fuzzing of profiles and plans (deterministic seed, a few hundred cases).
+"""Structural fuzzing of profiles and plans (deterministic seed, a few hundred cases), and
+fuzzing of their string fields through every command that reads them.
 
 Every mutated input must end in one of two ways: a one-line refusal (an InputError naming
 the file and a field), or acceptance. An accepted plan must train exactly like the
@@ -9,11 +10,21 @@ An accepted profile must give a plan the verifier accepts (what a profile can ch
 the schedule, not the mathematics; the runtime's exactness for any valid plan is
 tests/test_runtime.py's). A traceback (any other exception) or a hang (a case over 20 s)
 fails the test. The counts per target are printed (pytest -s).
+
+String fields (names, kinds, notes, op names) get lone surrogates, control characters,
+right-to-left marks, emoji runs and 100,000-character strings, and go through `pfcompile
+plan` (profiles), `inspect` (plans and profiles), `render` (plans) and the runtime's
+validation (plans; what every rank runs before joining the job). Each must end in a
+refusal or an acceptance whose every printed line is printable (no raw control or format
+character, nothing an encoder cannot write), an error being one line of bounded length.
+The table of outcomes per target is printed (pytest -s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -307,3 +318,123 @@ def test_fuzz_profiles_and_plans(tmp_path):
         assert c["traceback"] == 0 and c["hang"] == 0, c
         assert c["tried"] == c["refused"] + c["accepted"]
     assert counts["refused"] > 0 and counts["accepted"] > 0 and sample
+
+
+# --- string fields -----------------------------------------------------------------------------
+
+STRINGS = ["\ud800", "a\udfffb", "\x00\x07\x1b[2J\r\nX", "\u202eevil\u202c", "\u200f\u200e\u2066x\u2069", "\u00e9",
+           "\U0001f600" * 50, "x" * 100_000, "\u00e9" * 100_000, "\t", "", "bert-tiny\n"]
+PLAN_STRING_FIELDS = [
+    ("model", "name"), ("model", "kind"), ("model", "dtype"), ("partition", 0, 0), ("partition", 1, -1),
+    ("layers", 0), ("layers", -1), ("config", "schedule"), ("config", "method"), ("config", "inverse"),
+    ("config", "inversion"), ("config", "precond"), ("ranks", 0, "steps", 0, 0, "op"),
+    ("ranks", 1, "steps", 0, -1, "op"), ("profile", "name"), ("profile", "hash"), ("profile", "device_type"),
+    ("profile", "parts", 1), ("stats", "solver_status"), ("stats", "refresh_steps_note"), ("schema",)]
+PROFILE_STRING_FIELDS = [
+    ("model", "name"), ("model", "kind"), ("model", "dtype"), ("parts", 0, "name"), ("parts", 2, "name"),
+    ("kfac_layers", 0, "name"), ("kfac_layers", 3, "part"), ("provenance", "note"), ("provenance", "device"),
+    ("provenance", "host"), ("source",), ("comm", "method"), ("schema",)]
+STRING_CASES = 60  # per target
+
+
+def _set(obj, path, value) -> None:
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value
+
+
+def _strict() -> io.TextIOWrapper:
+    """A stream like a UTF-8 terminal's: what cannot be encoded raises."""
+    return io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", newline="\n")
+
+
+def _shown(stream: io.TextIOWrapper) -> str:
+    stream.flush()
+    return stream.buffer.getvalue().decode("utf-8")
+
+
+def _printable_lines(text: str) -> None:
+    """Every line printable: no control or format character, nothing an encoder cannot write."""
+    for line in text.splitlines():
+        assert line.isprintable(), repr(line[:200])
+
+
+def _run_cli(run) -> int:
+    """Run a command with strict stdout/stderr; its printed lines must be printable."""
+    out, err = _strict(), _strict()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run()
+    shown = _shown(err)
+    _printable_lines(_shown(out) + shown)
+    if code not in (0, 2):
+        raise AssertionError(f"exit {code}")
+    if code == 2:  # a refusal: one line of bounded length, printed
+        assert shown.count("\n") == 1 and len(shown) < 2400, repr(shown[:300])
+        raise InputError(None, "cli", shown.rstrip("\n"))
+    return code
+
+
+def _runtime_validation(path: Path) -> int:
+    """What every rank runs before joining the job; a refusal printed as the runtime does."""
+    from runtime.__main__ import EXIT_INPUT, _fail
+    from runtime.config import build_parser, prepare
+
+    def run():
+        try:
+            prepare(build_parser().parse_args([str(path), "--data", "synthetic"]), 0, 2)
+        except InputError as e:
+            return _fail(0, e, EXIT_INPUT)
+        return 0
+    return _run_cli(run)
+
+
+def test_fuzz_string_fields(tmp_path, monkeypatch):
+    from pfcompile.cli import main as pfcompile_main
+
+    monkeypatch.chdir(tmp_path)  # the runtime's run folder would go here
+    rng = random.Random(SEED + 1)
+    profile = load_profile(str(TINY))
+    plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"))
+    plan_json, profile_json = plan.to_json(), json.loads(TINY.read_text())
+    table = {t: {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+             for t in ("plan", "inspect", "render", "runtime")}
+    tracebacks: list = []
+
+    def case(target: str, make, fields, n: int):
+        obj = copy.deepcopy(make)
+        path_in = rng.choice(fields)
+        value = rng.choice(STRINGS)
+        _set(obj, path_in, value)
+        if fields is PROFILE_STRING_FIELDS:
+            obj.pop("hash", None)  # hand-edited: its content is checked, not a hash
+        f = tmp_path / f"{target}-{n}.json"
+        f.write_text(json.dumps(obj))  # ensure_ascii: any string, surrogates too, is valid JSON text
+        return f, (path_in, value[:20])
+
+    runs = {
+        "plan": (profile_json, PROFILE_STRING_FIELDS, lambda f: _run_cli(lambda: pfcompile_main(
+            ["plan", str(f), "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "--method", "greedy",
+             "-o", str(tmp_path / "out.json")]))),
+        "inspect": (None, None, lambda f: _run_cli(lambda: pfcompile_main(["inspect", str(f)]))),
+        "render": (plan_json, PLAN_STRING_FIELDS, lambda f: _run_cli(lambda: pfcompile_main(
+            ["render", str(f), "--trace", str(tmp_path / "t.json"), "--torch-csv", str(tmp_path / "t.csv"),
+             "--graph", str(tmp_path / "g.svg")]))),
+        "runtime": (plan_json, PLAN_STRING_FIELDS, _runtime_validation),
+    }
+    for target, (make, fields, run) in runs.items():
+        counts = table[target]
+        for n in range(STRING_CASES):
+            if target == "inspect":  # plans and profiles alike
+                make, fields = (plan_json, PLAN_STRING_FIELDS) if n % 2 else (profile_json, PROFILE_STRING_FIELDS)
+            f, what = case(target, make, fields, n)
+            _classify(lambda f=f, run=run: run(f), counts, [], what)
+        tracebacks += [(target, t) for t in counts.pop("tracebacks", [])]
+    print("\nstring fuzz (tried, refused, accepted, traceback, hang):")
+    print("| target | tried | refused | accepted | traceback | hang |")
+    print("|---|---|---|---|---|---|")
+    for target, c in table.items():
+        print(f"| {target} | {c['tried']} | {c['refused']} | {c['accepted']} | {c['traceback']} | {c['hang']} |")
+    assert not tracebacks, "\n".join(f"{target}: {t}" for target, t in tracebacks)
+    for target, c in table.items():
+        assert c["traceback"] == 0 and c["hang"] == 0 and c["tried"] == c["refused"] + c["accepted"], (target, c)
+        assert c["refused"] > 0 and c["accepted"] > 0, (target, c)

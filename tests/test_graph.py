@@ -27,7 +27,7 @@ def uniform_profile(blocks: int = 4, fwd: float = 1.0, bwd: float = 2.0, layers_
     parts.append(Part("head", 0.0, 0.0, 0, 0, 0, 0))
     link = LinkModel(latency_ms=latency_ms, bytes_per_ms=1e6)
     prof = Profile(source="reference", provenance={"note": "synthetic, tests"},
-                   model={"name": "synthetic", "micro_batch": 1, "seq_len": 1},
+                   model={"name": "tests:synthetic", "micro_batch": 1, "seq_len": 1},  # user code: its own parts
                    parts=parts, kfac_layers=layers, comm=Comm("model", out_bytes, link, link))
     prof.to_json()  # sets the hash
     return prof

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,17 +74,59 @@ def test_runaway_sizes_are_refused_before_the_profile_is_read(capsys):
         assert f"{flag}: {value} is over the limit" in err, err
 
 
-def test_task_count_over_the_limit_is_refused_up_front(capsys, ops_only_tiny):
+def _no_planning(monkeypatch) -> None:
+    """Building a task graph or a plan fails the test: what is refused is refused before."""
+    import pfcompile.graph.taskgraph
+    import pfcompile.place.build
+
+    def planned(*_a, **_k):
+        raise AssertionError("planning started")
+    monkeypatch.setattr(pfcompile.graph.taskgraph, "build_task_graph", planned)
+    monkeypatch.setattr(pfcompile.place.build, "build_plan", planned)
+
+
+def test_task_count_over_the_limit_is_refused_up_front(capsys, ops_only_tiny, monkeypatch):
+    _no_planning(monkeypatch)
     # each size within its own bound, the ops of one step over the task limit
     big = str(ROOT / "profiles" / "bert-large-p100-ref.json")
     argv = ["plan", big, "--schedule", "gpipe", "--stages", "8", "--micro-batches", "16384", "--method", "greedy"]
     assert pfcompile_main(argv) == 2
     assert "tasks per step, over the limit" in _one_line(capsys.readouterr().err)
-    # a cycle the bubbles would need too many steps for: refused before placing anything
-    argv = ["plan", str(ops_only_tiny), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1024", "--method", "greedy"]
-    assert pfcompile_main(argv) == 2
-    err = _one_line(capsys.readouterr().err)
-    assert "refresh cycle of at least" in err and "ms of bubble per step" in err and "--method none" in err
+    # a cycle the bubbles would need too many steps for: refused before the task graph, at
+    # once (the bound: the family's step timed without its graph, the curvature work)
+    for profile in (ops_only_tiny, TINY):
+        argv = ["plan", str(profile), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "1024", "--method",
+                "greedy"]
+        start = time.monotonic()
+        assert pfcompile_main(argv) == 2
+        took = time.monotonic() - start
+        err = _one_line(capsys.readouterr().err)
+        assert "refresh cycle of at least" in err and "ms of bubble per step" in err and "--method none" in err
+        print(f"\n{profile.name}: gpipe, 2 stages, 1024 micro-batches refused in {took:.2f} s: {err.strip()}")
+        assert took < 1.0
+
+
+def test_a_memory_limit_no_order_fits_is_refused_up_front(capsys, monkeypatch):
+    _no_planning(monkeypatch)
+    for method in ("greedy", "none"):  # (CP-SAT names the smallest feasible limit, from its task graph)
+        argv = ["plan", str(TINY), "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "--method", method,
+                "--memory-limit", "100KiB"]
+        assert pfcompile_main(argv) == 2
+        err = _one_line(capsys.readouterr().err)
+        assert "--memory-limit: rank 0 needs at least" in err and "over the limit of 102400" in err, err
+
+
+def test_the_time_limit_counts_from_the_process_start():
+    """The command's clock starts when its process does: a second and a half spent before
+    pfcompile is even imported counts against --time-limit (and in its stage_seconds)."""
+    code = "import sys, time; time.sleep(1.5); from pfcompile.cli import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, "plan", str(TINY), "--schedule", "1f1b", "--stages", "2",
+                        "--micro-batches", "2", "--method", "greedy", "--time-limit", "600", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get(
+                           "PYTHONPATH")) if p)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stage_seconds"]["total"] >= 1.5
 
 
 def test_plan_output_path_is_checked_before_planning(tmp_path, capsys):
@@ -169,7 +212,7 @@ def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     r = _run(str(plan), "--steps", "6", env={"PFC_RUNTIME_NAN": "0:2"})  # parameters NaN from step 2
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
     err = _one_line(r.stderr)
-    assert "step 2: stage 0 (rank 0) produced a non-finite activation or loss" in err, err
+    assert "runtime[rank 0]: error: step 2: stage 0 produced a non-finite loss; the run diverged" in err, err
 
 
 def test_the_finite_check_agrees_with_isfinite_all():

@@ -119,6 +119,20 @@ def test_builtin_configs():
     assert part_names(MODEL_CONFIGS["bert-mini"]) == ["embed", "block0", "block1", "block2", "block3", "head"]
 
 
+def test_the_contracts_table_is_the_runtimes_models():
+    """What the verifier checks plans against (pfcompile.formats.models, torch-free) is what
+    the runtime builds: the same names, sizes, parts and K-FAC layers (a family added to
+    runtime.models without the table would be refused by every verifier)."""
+    from pfcompile.formats import models as contract
+
+    assert set(MODEL_CONFIGS) == set(contract.BUILTIN_MODELS)
+    for name, cfg in MODEL_CONFIGS.items():
+        assert {k: getattr(cfg, k) for k in contract.BUILTIN_MODELS[name]} == contract.BUILTIN_MODELS[name]
+        assert part_names(cfg) == contract.part_names(cfg.layers)
+        if cfg.hidden <= 256:  # built: the tiny and mini ones
+            assert [n for n, _ in kfac_linears(build_model(cfg))] == contract.kfac_layer_names(cfg.layers, cfg.arch)
+
+
 @pytest.mark.parametrize("spec", ["bert-huge", "nosuch.module:fn", "runtime.models:no_such_function",
                                   "runtime.models:part_names", "my_model:not_a_model"])
 def test_bad_model_names_give_one_line_listing_valid_names(spec, monkeypatch):

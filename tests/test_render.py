@@ -105,7 +105,7 @@ def build_plan(schedule="1f1b", D=2, M=4, v=1, kfac=True, layers_per_stage=2) ->
         "schema": "pfcompile-plan", "schema_version": 1,
         "config": {"schedule": schedule, "stages": D, "virtual_stages": v, "micro_batches": M, "replicas": 1,
                    "world_size": D, "method": "none", "kfac": kfac, "refresh_steps": 1},
-        "model": {"name": "toy"},
+        "model": {"name": "tests:toy", "micro_batch": 1, "seq_len": 1},  # user code: parts of its own
         "partition": [[f"block{s}"] for s in range(S)],
         "layers": [f"block{s}.fc{i}" for s in range(S) for i in range(layers_per_stage)],
         "layer_stage": layer_stage,
@@ -113,7 +113,7 @@ def build_plan(schedule="1f1b", D=2, M=4, v=1, kfac=True, layers_per_stage=2) ->
         "micro_batch_replica": [0] * M,
         "ranks": [{"rank": q, "steps": [programs[q]]} for q in range(D)],
         "stats": {"step_time_ms": max(clock)},
-        "profile": {"model_hash": canonical_hash({"name": "toy"})},  # the spec the plan was made for
+        "profile": {"model_hash": canonical_hash({"name": "tests:toy", "micro_batch": 1, "seq_len": 1})},
     }
 
 

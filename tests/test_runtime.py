@@ -391,6 +391,9 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
                  "--timeout", "20", launcher=["--standalone", "--max-restarts", "1"],
                  env={"PFC_RUNTIME_CRASH": "1:3"})
     assert r.returncode == 0, r.stdout[-3000:]
+    # the survivor either noticed (one line, test_a_lost_peer_is_one_line_on_every_side) or
+    # was stopped by torchrun first: never a traceback from the runtime's code
+    assert 'File "' + str(ROOT / "runtime") not in r.stdout, r.stdout[-3000:]
     # Rank 1 saved step 3 and died; torchrun may stop rank 0 before it saves step 3 too, and
     # then the last checkpoint complete on both ranks is step 2.
     resumed = re.search(r"resumed from .* at step (\d+)", r.stdout)
@@ -409,6 +412,84 @@ def test_killed_rank_resumes_from_checkpoint(tmp_path):
     assert len(attempts) == 2, attempts
     logged = [json.loads(line)["step"] for line in (attempts[-1] / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1] == 5 and json.loads((attempts[-1] / "summary.json").read_text())["steps"] == 5
+
+
+def ranks_without_torchrun(plan: Path, nproc: int, *args: str, env: dict | None = None) -> list[subprocess.Popen]:
+    """The runtime's ranks as plain processes meeting on 127.0.0.1: no agent stops the
+    survivors when one dies, so each ends by what it notices itself."""
+    port = free_port()
+    python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    procs = []
+    for q in range(nproc):
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "RANK": str(q),
+                    "LOCAL_RANK": str(q), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), **(env or {})}
+        full_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "runtime", str(plan), "--dtype", "float64", "--data",
+                                       "synthetic", *args], cwd=plan.parent, env=full_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+# (plan, rank that dies at step 3, flags): the survivor, paused at step 3 until its peer is
+# gone, next talks to it in a send (rank 0 of 1F1B starts each step with a forward and its
+# send; no receive posted ahead), in posting a receive (rank 1 of 1F1B posts the step's first
+# receive ahead), or in a collective (two replicas of one stage all-reduce their gradients)
+LOST_PEER = {"send": (("1f1b", 2, 1), 1, ["--recv-ahead", "0"]), "receive": (("1f1b", 2, 1), 0, []),
+             "collective": (("gpipe", 1, 2), 1, [])}
+
+
+@pytest.mark.parametrize("side", LOST_PEER)
+def test_a_lost_peer_is_one_line_on_every_side(tmp_path, side):
+    (schedule, D, R), dead, flags = LOST_PEER[side]
+    plan = make_plan(tmp_path, schedule, D, R)
+    procs = ranks_without_torchrun(plan, 2, "--steps", "6", "--timeout", "15", *flags,
+                                   env={"PFC_RUNTIME_CRASH": f"{dead}:3", "PFC_RUNTIME_PAUSE": f"{1 - dead}:3:2"})
+    outs = [p.communicate(timeout=180) for p in procs]
+    from runtime.faults import CRASH_EXIT_CODE
+
+    assert procs[dead].returncode == CRASH_EXIT_CODE
+    survivor = 1 - dead
+    out, err = outs[survivor]
+    assert procs[survivor].returncode == 3, err[-3000:]
+    assert err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith(f"runtime[rank {survivor}]: error: ") and "no answer within 15 s or peer lost" in err, err
+
+
+def test_a_diverging_run_stops_every_rank_in_the_same_step(tmp_path):
+    """The loss forced to NaN at step 3 on one rank of a 4-rank Chimera: every rank prints
+    the same line (step, stage, value), exits 4 within seconds of the NaN, and the last
+    checkpoint written (step 2) is complete and finite; step 4's is never written."""
+    plan = make_plan(tmp_path, "chimera", 4)
+    ckpt = tmp_path / "ckpt"
+    p = torchrun(plan, 4, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeout", "60",
+                 env={"PFC_RUNTIME_NAN": "0:3:3"}, wait=False)  # rank 0 holds stage 3, the head of replica 0
+    seen: list[tuple[float, str]] = []  # (arrival, line): the lines as they come
+    for line in p.stdout:
+        seen.append((time.time(), line.rstrip("\n")))
+    p.wait(timeout=60)
+    ended = time.time()
+    text = "\n".join(line for _, line in seen)
+    fault = next(line for _, line in seen if "fault:" in line)
+    poisoned = float(re.search(r"unix time ([0-9.]+)", fault).group(1))
+    errors = {int(m.group(1)): (t, m.group(2)) for t, line in seen
+              if (m := re.fullmatch(r"runtime\[rank (\d)\]: error: (.*)", line))}
+    assert sorted(errors) == [0, 1, 2, 3], text[-4000:]
+    lines = {msg for _, msg in errors.values()}
+    assert lines == {"step 3: stage 3 produced a non-finite loss; the run diverged (a smaller --lr?)"}, lines
+    codes = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", text))  # torchrun's report
+    assert codes == {"0": "4", "1": "4", "2": "4", "3": "4"}, text[-4000:]
+    assert 'File "' + str(ROOT / "runtime") not in text  # no traceback from the runtime itself
+    last_line = max(t for t, _ in errors.values()) - poisoned
+    print(f"\nNaN at step 3 -> every rank's line within {last_line:.2f} s, torchrun ended {ended - poisoned:.2f} s "
+          "after the NaN")
+    assert ended - poisoned < 20
+    from runtime.checkpoint import complete_steps
+
+    assert complete_steps(ckpt, 4) == [2] and not (ckpt / "step-00000004").exists()
+    for q in range(4):
+        state = torch.load(ckpt / "step-00000002" / f"rank-{q}.pt", weights_only=True)
+        assert all(torch.isfinite(t).all() for st in state["stages"].values() for t in st["params"].values())
 
 
 def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):

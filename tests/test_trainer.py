@@ -151,6 +151,36 @@ def test_config_run_equals_single_process(tmp_path, data, schedule, D):
     assert math.isclose(evals[5]["perplexity"], math.exp(evals[5]["loss"]), rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_evaluate_uses_the_runs_precision(tmp_path, dtype):
+    """`python -m runtime.evaluate` on a float32 or bf16 run's model file gives the
+    pipeline's last evaluation: it computes as the pipeline did (bf16: autocast, each stage's
+    output cast at the boundary). Evaluated in float32 instead, the bf16 model gives
+    another number: the precision is what makes them equal."""
+    from runtime.evaluate import evaluate_model
+
+    plan = make_plan(tmp_path, "1f1b", 2)
+    out = tmp_path / "out"
+    r = torchrun(plan, 2, "--dtype", dtype, "--steps", "2", "--set", "eval.batches=2", "--log-dir", str(out),
+                 "--save-model", str(out / "model.safetensors"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    _, evals = metrics(out)
+    want = evals[2]["loss"]
+    ev = subprocess.run([sys.executable, "-m", "runtime.evaluate", str(out / "model.safetensors"), "--data", "pydoc",
+                         "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    got = json.loads(ev.stdout)["loss"]
+    assert got == want, (got, want)  # the same kernels on the same shapes, one thread each: the same bits
+    model, meta = load_trained(str(out / "model.safetensors"))
+    assert meta["eval"]["precision"] == dtype
+    batches = make_stream("bert", meta["eval"]["batch_size"], meta["eval"]["seq_len"], seed=0,
+                          split="val").fixed_batches(2)
+    plain = evaluate_model(model, batches, meta["eval"]["micro_batches"])  # float32, one stage
+    if dtype == "bfloat16":
+        assert not math.isclose(plain, want, rel_tol=1e-6), (plain, want)  # 1e-5 apart after 2 steps
+    print(f"\n{dtype}: pipeline {want!r}, runtime.evaluate {got!r}, in float32 without stages {plain!r}")
+
+
 def load_trained_initial(meta: dict) -> dict:
     from runtime.models import build_model
     return build_model(model_spec(meta["model"]), seed=meta["job"]["train"]["seed"], dtype=torch.float64).state_dict()

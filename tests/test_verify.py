@@ -365,6 +365,84 @@ def test_each_optimizer_mutation_is_refused_by_the_verifier_and_the_runtime(tmp_
     for e in (by_verifier, by_runtime):
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(str(path)) and rule in msg, msg
+# --- one definition of a valid plan: what the runtime refuses, inspect refuses ----------------
+
+def _rehash(o):
+    from pfcompile.formats.jsonio import canonical_hash
+
+    o["profile"]["model_hash"] = canonical_hash(o["model"])  # a plan made for the edited spec
+
+
+def part_not_in_model(o):
+    o["partition"][1][0] = "\u00e9"  # the fuzzer's 'é'
+
+
+def parts_out_of_order(o):
+    o["partition"][0], o["partition"][1] = o["partition"][1], o["partition"][0]
+
+
+def part_missing(o):
+    o["partition"][1].pop()  # the head
+
+
+def layer_on_a_stage_without_its_part(o):
+    o["layer_stage"][0] = 1  # block0's layer on the stage holding block1, head
+
+
+def layer_not_covered(o):
+    o["layers"][0] = "head.proj"
+
+
+def layer_twice(o):
+    o["layers"][1] = o["layers"][0]
+
+
+def unknown_built_in(o):
+    o["model"]["name"] = "bert-huge"
+    _rehash(o)
+
+
+def built_in_resized(o):
+    o["model"]["layers"] = 3
+    _rehash(o)
+
+
+def dtype_not_run(o):
+    o["model"]["dtype"] = "float16"
+    _rehash(o)
+
+
+def user_model_parts_differ(o):
+    o["model"]["name"] = "pkg.mod:model"
+    _rehash(o)
+    o["partition"][1][0] = "other"  # the profile recorded block1
+
+
+AGREE = [part_not_in_model, parts_out_of_order, part_missing, layer_on_a_stage_without_its_part, layer_not_covered,
+         layer_twice, unknown_built_in, built_in_resized, dtype_not_run, user_model_parts_differ]
+
+
+@pytest.mark.parametrize("mutate", AGREE, ids=[m.__name__ for m in AGREE])
+def test_inspect_refuses_what_the_runtime_refuses_with_the_same_line(tmp_path, plan_obj, capsys, mutate):
+    from pfcompile.cli import main as pfcompile_main
+
+    obj = copy.deepcopy(plan_obj)
+    mutate(obj)
+    path = tmp_path / "mutated.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(InputError) as e:
+        _prepare(path, *(["--model-code", obj["model"]["name"]] if ":" in obj["model"]["name"] else []))
+    msg = str(e.value)
+    assert "rule: model" in msg and "\n" not in msg, msg
+    assert pfcompile_main(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err == f"pfcompile inspect: error: {msg}\n"
+
+
+def test_a_plan_records_its_profiles_parts():
+    """What the verifier checks a user model's partition against."""
+    prof = uniform_profile(blocks=2)
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", 2, 2), PlanOptions("none"))
+    assert plan.profile["parts"] == [p.name for p in prof.parts]
 
 
 # --- the paper setting: Chimera D=8 passes the per-pair check ------------------------------------

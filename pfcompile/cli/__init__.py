@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
-
-STARTED = time.monotonic()  # the command's start: `plan --time-limit` counts from here
 
 from pfcompile import __version__
 from pfcompile.formats.errors import InputError
@@ -26,6 +25,22 @@ COMMANDS = {
     "inspect": "pfcompile.cli.inspect",
     "calibrate": "pfcompile.cli.calibrate",
 }
+
+
+def process_start() -> float:
+    """When this process started, on the time.monotonic() clock: from its start time in
+    /proc/self/stat (clock ticks since boot) against CLOCK_BOOTTIME, so the interpreter's
+    start-up and the imports count; now where that is not available (not Linux)."""
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read().decode()
+        # the command name (field 2) may hold spaces and parentheses: fields follow its last ")"
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return now
+    return now - since if 0.0 <= since < 3600.0 else now  # an hour-old "start" is a misread
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -45,13 +60,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command of `argv` (default: this process's command line, timed from the
+    process's start; a call with `argv` is timed from the call)."""
+    started = process_start() if argv is None else time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # what no encoder writes (a lone surrogate) prints escaped
+            stream.reconfigure(errors="backslashreplace")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(wanted if wanted in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    args.started = started  # `plan --time-limit` counts from here
     try:
         return int(args.func(args) or 0)
     except InputError as e:

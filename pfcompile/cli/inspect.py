@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, echo, printable_table
 from pfcompile.formats.jsonio import read_json
 
 
@@ -45,7 +45,7 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(prof.to_json()))
         else:
-            print(format_profile(prof))
+            print(printable_table(format_profile(prof)))
         return 0
     if schema == "pfcompile-plan":
         from pfcompile.formats.plan import plan_from_json
@@ -57,9 +57,9 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(plan.stats))
         else:
-            print(format_plan(plan, max_ops=args.ops))
+            print(printable_table(format_plan(plan, max_ops=args.ops)))
         return 0
-    raise InputError(args.file, "schema", f"expected 'pfcompile-profile' or 'pfcompile-plan', got {schema!r}")
+    raise InputError(args.file, "schema", f"expected 'pfcompile-profile' or 'pfcompile-plan', got {echo(schema)}")
 
 
 def _against(args) -> int:

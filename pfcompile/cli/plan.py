@@ -6,7 +6,7 @@ import json
 import re
 import sys
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, printable_table
 from pfcompile.formats.jsonio import check_output_path
 from pfcompile.formats.limits import (
     MAX_MICRO_BATCHES,
@@ -235,14 +235,17 @@ def _run(args) -> int:
     check_plan_bounds(args)  # before reading anything: a typo must not start a runaway
     if args.output:
         check_output_path(args.output, "--output")
-    from pfcompile.cli import STARTED
     from pfcompile.place.budget import Budget
 
     options = options_from_args(args)
-    budget = Budget(args.time_limit, started=STARTED)  # from the command's start: imports, loading, writing count
+    # from the command's start (pfcompile.cli.main): the interpreter, imports, loading, writing count
+    budget = Budget(args.time_limit, started=getattr(args, "started", None))
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
     check_task_bound(cfg, len(profile.kfac_layers))
+    from pfcompile.place.upfront import check_before_planning
+
+    check_before_planning(profile, cfg, args.method)  # no plan can: refused before the task graph
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -291,7 +294,7 @@ def _run(args) -> int:
 
         if args.output:
             print(f"wrote {args.output}")
-        print(format_stats(plan))
+        print(printable_table(format_stats(plan)))
         print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()) + f"; peak RSS {out['peak_rss_mib']:.0f} MiB")
     return 0
 

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, echo
 from pfcompile.formats.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_JSON_INT_DIGITS
 
 
@@ -196,7 +196,7 @@ class Fields:
         """The file's `schema` and `schema_version` must be ours: a foreign file fails here."""
         got = self.req("schema", str)
         if got != schema:
-            raise self.fail("schema", f"expected {schema!r}, got {got!r} (is this a {what}?)")
+            raise self.fail("schema", f"expected {schema!r}, got {echo(got)} (is this a {what}?)")
         v = self.req("schema_version", int)
         if v != version:
             raise self.fail("schema_version", f"unsupported version {v} (this pfcompile reads {version})")
@@ -213,7 +213,7 @@ class Fields:
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
         if not ok:
             names = "/".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
-            raise self.fail(key, f"expected {names}, got {type(value).__name__} {value!r:.40}")
+            raise self.fail(key, f"expected {names}, got {type(value).__name__} {echo(value)}")
         if check is not None and not check(value):
-            raise self.fail(key, why or f"invalid value {value!r:.40}")
+            raise self.fail(key, why or f"invalid value {echo(value)}")
         return value

@@ -56,6 +56,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pfcompile.formats.errors import echo
 from pfcompile.formats.optimizers import ALL_FACTORS, OPTIMIZER_KINDS
 from pfcompile.formats.optimizers import FLOATING_KINDS as FLOATING_KINDS  # re-exported: the op vocabulary's
 
@@ -183,18 +184,18 @@ class Op:
         object.__setattr__(self, "_hash", hash((kind,) + values))
         need = _NEED.get(kind)
         if need is None:
-            raise ValueError(f"unknown op {kind!r} (known: {', '.join(OP_KINDS)})")
+            raise ValueError(f"unknown op {echo(kind)} (known: {', '.join(OP_KINDS)})")
         for f, v, needed in zip(_FIELDS, values, need):
             if v is None:
                 if needed:
                     raise ValueError(f"op {kind} needs field {f!r}")
             elif not needed:
-                raise ValueError(f"op {kind} takes no field {f!r}")
+                raise ValueError(f"op {kind} takes no field {echo(f)}")
             elif f == "factor":
                 if v not in FACTORS:
-                    raise ValueError(f"factor must be one of {', '.join(FACTORS)}, got {v!r}")
+                    raise ValueError(f"factor must be one of {', '.join(FACTORS)}, got {echo(v)}")
             elif type(v) is not int or v < 0:  # not a bool either (type(True) is bool)
-                raise ValueError(f"field {f!r} must be a non-negative int, got {v!r}")
+                raise ValueError(f"field {f!r} must be a non-negative int, got {echo(v)}")
 
     # --- text form -------------------------------------------------------------------
     def __str__(self) -> str:
@@ -267,24 +268,24 @@ def parse_op(text: str) -> Op:
     """Inverse of str(op). Raises ValueError on anything else."""
     m = _TEXT.match(text.strip())
     if not m:
-        raise ValueError(f"not an op: {text!r}")
+        raise ValueError(f"not an op: {echo(text)}")
     prefix, a, b, arrow, peer = m.groups()
     kind = _BY_PREFIX[prefix]
     a = int(a)
     peer_i = int(peer) if peer is not None else None
     if kind in PIPELINE_KINDS:
         if b is None or not b.isdigit():
-            raise ValueError(f"not an op: {text!r}")
+            raise ValueError(f"not an op: {echo(text)}")
         if (kind.startswith("send") and arrow != ">") or (kind.startswith("recv") and arrow != "<"):
-            raise ValueError(f"not an op: {text!r}")
+            raise ValueError(f"not an op: {echo(text)}")
         return Op(kind, stage=a, mb=int(b), peer=peer_i)
     if kind in ("curv_a", "curv_b"):
         if b is None or not b.isdigit():
-            raise ValueError(f"not an op: {text!r}")
+            raise ValueError(f"not an op: {echo(text)}")
         return Op(kind, layer=a, mb=int(b))
     if kind in ("sync_curv", "inv", "bcast_inv"):
         if b not in FACTORS:
-            raise ValueError(f"not an op: {text!r}")
+            raise ValueError(f"not an op: {echo(text)}")
         return Op(kind, layer=a, factor=b, peer=peer_i)
     if kind in ("sync_grad", "rs_grad", "ag_grad", "step"):
         return Op(kind, stage=a)

@@ -95,6 +95,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pfcompile.formats.errors import echo
 from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
 
 SCHEMA = "pfcompile-profile"
@@ -362,7 +363,7 @@ def _schema_version(top: Fields) -> int:
     """The file's schema must be ours and its version one this pfcompile reads."""
     got = top.req("schema", str)
     if got != SCHEMA:
-        raise top.fail("schema", f"expected {SCHEMA!r}, got {got!r} (is this a profile?)")
+        raise top.fail("schema", f"expected {SCHEMA!r}, got {echo(got)} (is this a profile?)")
     v = top.req("schema_version", int)
     if v not in READS_VERSIONS:
         raise top.fail("schema_version", f"unsupported version {v} (this pfcompile reads {', '.join(map(str, READS_VERSIONS))})")
@@ -435,7 +436,7 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         f = Fields(l, where, f"kfac_layers[{i}]")
         part = f.req("part", str)
         if part not in names:
-            raise f.fail("part", f"names no part of this profile: {part!r}")
+            raise f.fail("part", f"names no part of this profile: {echo(part)}")
         invs = {}
         for key in ("inv_a_ms", "inv_b_ms"):
             sub = f.sub(key)

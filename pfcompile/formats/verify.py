@@ -2,13 +2,21 @@
 
 Run by the runtime on load (before any collective), by `pfcompile inspect` and `render`,
 and by `pfcompile plan` before it writes. Torch-free and solver-free (the contract
-package): it needs no profile and no costs, only the plan and the rules of
-pfcompile.formats.rules. It refuses, with one line naming the rank, step, op and rule:
+package): it needs no profile and no costs, only the plan, the rules of
+pfcompile.formats.rules and the built-in models of pfcompile.formats.models. Everything
+the runtime checks of a plan before it trains is here, so no file passes one and fails
+the other; what the runtime checks besides depends on the job, not the file (world size,
+--model-code, the data, the device present). It refuses, with one line naming the rank, step, op and rule:
 
 - config: the configuration, placement and micro-batch split agree with each other;
 - model: the model spec is the one the plan was made for (`profile.model_hash`, written
   by the planner: a changed micro-batch, width or depth would train something the plan's
-  times and memory were not computed for);
+  times and memory were not computed for), with the micro-batch, sequence length, dtype
+  and device the runtime needs;
+- parts: the partition cuts the model's parts in order and each K-FAC layer lies in a part
+  of its stage (pfcompile.formats.models: a built-in model's parts and layers follow from
+  its name; a user model's parts are those the plan recorded from its profile,
+  `profile.parts`, and the runtime checks them once more against the code);
 - times: every predicted start/end finite and within a day of the cycle's start (checked
   first), and in each rank's execution order (checked last: any reordering breaks it,
   and the rules before it name what the reordering broke);
@@ -28,14 +36,18 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from pfcompile.formats.errors import cut, echo
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
+from pfcompile.formats.models import BLOCK_LINEARS, BUILTIN_MODELS, DTYPES, is_user_model, kfac_layer_names, part_names
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops, op_field, op_name
 
 # The planner rounds times to 1e-6 ms; consecutive ops may touch within that.
 _TIME_TOLERANCE_MS = 1e-5
 MODEL_INTS = ("micro_batch", "seq_len", "hidden", "heads", "ffn", "layers", "vocab")
+MODEL_REQUIRED = ("micro_batch", "seq_len")  # the runtime's batches are made of them
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def verify_plan(plan: Plan, where: str = "<plan>", *, profile_model: dict | None = None,
@@ -43,6 +55,7 @@ def verify_plan(plan: Plan, where: str = "<plan>", *, profile_model: dict | None
     """Raise PlanError on the first rule the plan breaks; returns the plan's PlanLayout."""
     check_config(plan, where)
     check_model(plan, where, profile_model)
+    check_parts(plan, where)
     check_time_values(plan, where)
     L = PlanLayout(plan)
     check_ops(plan, L, where)
@@ -97,11 +110,18 @@ def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> No
         raise PlanError(where, "model.name", "must be a non-empty string (rule: model)")
     for key in MODEL_INTS:
         v = m.get(key)
-        if v is not None:  # the runtime requires micro_batch and seq_len; a planner's test model may not
+        if v is not None or key in MODEL_REQUIRED:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise PlanError(where, f"model.{key}", f"must be a positive integer, got {v!r:.40} (rule: model)")
+                raise PlanError(where, f"model.{key}", f"must be a positive integer, got {echo(v)} (rule: model)")
     if "kind" in m and not isinstance(m["kind"], str):
-        raise PlanError(where, "model.kind", f"must be a string, got {m['kind']!r:.40} (rule: model)")
+        raise PlanError(where, "model.kind", f"must be a string, got {echo(m['kind'])} (rule: model)")
+    if m.get("dtype") is not None and m["dtype"] not in DTYPES:
+        raise PlanError(where, "model.dtype", f"{echo(m['dtype'])} is not one the runtime runs "
+                        f"({', '.join(DTYPES)}) (rule: model)")
+    device = plan.profile.get("device_type") if isinstance(plan.profile, dict) else None
+    if device is not None and device not in DEVICE_TYPES:
+        raise PlanError(where, "profile.device_type", f"{echo(device)} is not one the runtime runs "
+                        f"({', '.join(DEVICE_TYPES)}) (rule: model)")
     want = plan.profile.get("model_hash") if isinstance(plan.profile, dict) else None
     if want is None:
         raise PlanError(where, "profile.model_hash", "missing: the plan does not say which model spec it was "
@@ -111,8 +131,69 @@ def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> No
                         "(profile.model_hash); remake the plan from a profile of this model (rule: model)")
     if profile_model is not None and m != profile_model:
         diff = sorted(k for k in set(m) | set(profile_model) if m.get(k) != profile_model.get(k))
-        raise PlanError(where, f"model.{diff[0]}", f"{m.get(diff[0])!r:.40} but the profile's is "
-                        f"{profile_model.get(diff[0])!r:.40} (rule: model)")
+        raise PlanError(where, f"model.{diff[0]}", f"{echo(m.get(diff[0]))} but the profile's is "
+                        f"{echo(profile_model.get(diff[0]))} (rule: model)")
+
+
+# --- parts ----------------------------------------------------------------------------------------
+
+def model_parts(plan: Plan, where: str) -> list[str] | None:
+    """The parts of the plan's model, in order: a built-in model's from its name (whose
+    sizes the plan's spec must then have), a user model's as its profile recorded them
+    (None for a plan made before plans recorded them: the runtime alone checks those)."""
+    m, name = plan.model, plan.model["name"]
+    if is_user_model(name):
+        recorded = plan.profile.get("parts") if isinstance(plan.profile, dict) else None
+        if recorded is None:
+            return None
+        if not isinstance(recorded, list) or not recorded or not all(isinstance(p, str) for p in recorded):
+            raise PlanError(where, "profile.parts", "must be a non-empty list of part names (rule: model)")
+        return recorded
+    sizes = BUILTIN_MODELS.get(name)
+    if sizes is None:
+        raise PlanError(where, "model.name", f"unknown model {echo(name)}: neither a built-in model "
+                        f"({', '.join(BUILTIN_MODELS)}) nor package.module:function (rule: model)")
+    for key in ("kind", "layers", "hidden", "heads", "ffn"):
+        if key in m and m[key] != sizes[key]:
+            raise PlanError(where, f"model.{key}", f"{echo(m[key])} but the built-in model {name!r} has "
+                            f"{sizes[key]!r} (rule: model)")
+    return part_names(sizes["layers"])
+
+
+def check_parts(plan: Plan, where: str) -> None:
+    """The partition cuts the model's parts in order; each K-FAC layer is a layer of a
+    part its stage holds (a built-in model's: one K-FAC covers), named once."""
+    parts = model_parts(plan, where)
+    if parts is not None:
+        names = [cut(p) for p in parts]  # a user model's, from the file: any length
+        shown = ", ".join(names) if len(names) <= 6 else f"{names[0]}, {names[1]}, ..., {names[-1]}"
+        i = 0
+        for s, stage in enumerate(plan.partition):
+            for j, part in enumerate(stage):
+                if i >= len(parts) or part != parts[i]:
+                    want = f"the model's next part {echo(parts[i])}" if i < len(parts) else "past the model's last part"
+                    raise PlanError(where, f"partition[{s}][{j}]", f"{echo(part)} is not {want} (the partition cuts the parts "
+                                    f"of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
+                i += 1
+        if i < len(parts):
+            raise PlanError(where, "partition", f"ends before the model's part {echo(parts[i])} (the partition cuts "
+                            f"the parts of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
+    built_in = not is_user_model(plan.model["name"])
+    sizes = BUILTIN_MODELS[plan.model["name"]] if built_in else None
+    covered = set(kfac_layer_names(sizes["layers"], sizes.get("arch", "gpt2"))) if built_in else None
+    seen: set[str] = set()
+    for i, (name, s) in enumerate(zip(plan.layers, plan.layer_stage)):
+        if name in seen:
+            raise PlanError(where, f"layers[{i}]", f"{echo(name)} is listed twice (rule: model)")
+        seen.add(name)
+        if covered is not None and name not in covered:
+            raise PlanError(where, f"layers[{i}]", f"{echo(name)} is not a layer the optimizers cover in "
+                            f"{plan.model['name']!r} (block<i>.{'|'.join(BLOCK_LINEARS[sizes.get('arch', 'gpt2')])}) "
+                            f"(rule: model)")
+        part = name.split(".", 1)[0]
+        if part not in plan.partition[s]:
+            raise PlanError(where, f"layers[{i}]", f"{echo(name)} is not in a part of its stage {s} "
+                            f"(layer_stage[{i}]; the stage holds {echo(plan.partition[s])}) (rule: model)")
 
 
 # --- times ----------------------------------------------------------------------------------------

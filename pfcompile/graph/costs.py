@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pfcompile.formats.errors import InputError
+from pfcompile.formats.errors import InputError, echo
 from pfcompile.formats.ops import Op
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import OPTIMIZER_COST_KEYS, Cluster, Profile
@@ -52,7 +52,7 @@ def check_partition(cut: list[list[str]], profile: Profile, stages: int, where: 
         raise InputError(where, None, "every stage needs at least one part")
     unknown = [p for p in flat if p not in names]
     if unknown:
-        raise InputError(where, None, f"names no part of the profile: {unknown[0]!r} (parts: {names[0]}..{names[-1]})")
+        raise InputError(where, None, f"names no part of the profile: {echo(unknown[0])} (parts: {echo(names[0])}..{echo(names[-1])})")
     if flat != names:
         raise InputError(where, None, f"must list every part of the profile once, in order ({names[0]}..{names[-1]})")
     if len(cut) != stages:

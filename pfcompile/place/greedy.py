@@ -44,6 +44,7 @@ from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import TaskGraph, TaskGraphs, build_task_graph
+from pfcompile.place.upfront import CycleTooLong
 
 EPS = 1e-9
 MARGIN_RATIO = 0.05  # pipe-fisher auto_schedule.py: a bubble takes a task only with 5% to spare
@@ -86,18 +87,6 @@ def time_fixed_order(tg: TaskGraph, orders: dict[int, list[Task]]) -> dict[Task,
     for u in topo:
         start[u] = max((start[p] + tg.duration(members[p][0]) + lag[(p, u)] for p in dag.predecessors(u)), default=0.0)
     return {t: (start[unit_of[t]], start[unit_of[t]] + tg.duration(t)) for t in in_order}
-
-
-class CycleTooLong(InputError):
-    """The bubbles would need a refresh cycle over the limit to hold the K-FAC work."""
-
-    def __init__(self, k: int, rank: int, work_ms: float, bubble_ms: float):
-        where = f"rank {rank}: {work_ms:.1f} ms of the refresh's work, {bubble_ms:.2f} ms of bubble per step"
-        self.short = f"{where}; bubbles alone need a refresh cycle of at least {k} steps"
-        super().__init__("--micro-batches", None, f"the optimizer's refresh work needs a refresh cycle of at least {k} steps to "
-                         f"fit the bubbles ({where}), over the limit of {MAX_REFRESH_STEPS}: fewer micro-batches or "
-                         "more stages give more bubble per unit of work; --method cpsat stretches the step to hold "
-                         "it, --method none appends it to every step")
 
 
 class _Gaps:
