@@ -61,10 +61,10 @@ def costs_of(profile: Profile, cfg: PipelineConfig) -> Costs:
     """The Costs the task graph of `cfg` would use (pfcompile.graph.taskgraph)."""
     partition = (check_partition(cfg.partition, profile, cfg.num_stages)
                  if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.kfac, cluster=cfg.cluster,
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
                   stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
-                  split_backward=cfg.split_backward)
-    if cfg.kfac and cfg.replicas > 1 and cfg.precond != "all":
+                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
+    if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
         costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
     return costs
 
@@ -122,8 +122,10 @@ def family_step(profile: Profile, cfg: PipelineConfig) -> FamilyStep:
 
 
 def curvature_ms(costs: Costs, cfg: PipelineConfig) -> dict[int, float]:
-    """Per rank, the curvature work of one refresh (curv_a and curv_b of every K-FAC layer
-    of its stages for every micro-batch of its replica): part of its refresh work."""
+    """Per rank, the micro-batch work of one refresh (K-FAC's curv_a and curv_b of every layer
+    of its stages for every micro-batch of its replica): part of its refresh work, the part
+    no division between replicas moves (none for Shampoo and Muon)."""
+    kinds = [d.kind for d in cfg.optimizer_spec.micro_batch_ops]
     replica_of = cfg.micro_batch_replica()
     count = {r: replica_of.count(r) for r in range(cfg.replicas)}
     work: dict[int, float] = {}
@@ -131,7 +133,7 @@ def curvature_ms(costs: Costs, cfg: PipelineConfig) -> dict[int, float]:
         for r in range(cfg.replicas):
             q = cfg.rank_of(s, r)
             for l in costs.stage_layers[s]:
-                per_mb = costs.duration(Op("curv_a", layer=l, mb=0)) + costs.duration(Op("curv_b", layer=l, mb=0))
+                per_mb = sum(costs.duration(Op(kind, layer=l, mb=0)) for kind in kinds)
                 work[q] = work.get(q, 0.0) + count[r] * per_mb
     return work
 
@@ -142,19 +144,19 @@ def check_memory(costs: Costs, cfg: PipelineConfig) -> None:
     if limit is None:
         return
     for q in range(cfg.world_size):
-        held = [s for s, _ in cfg.stages_of(q)]
-        need = costs.resident_bytes(held) + max(costs.act_bytes(s) for s in held)
+        held = cfg.stages_of(q)
+        need = costs.resident_bytes(held) + max(costs.act_bytes(s) for s, _ in held)
         if need > limit:
             raise InputError("--memory-limit", None, f"rank {q} needs at least {need} bytes whatever its order "
-                             f"({costs.resident_bytes(held)} always held: parameters, gradients, optimizer and K-FAC "
+                             f"({costs.resident_bytes(held)} always held: parameters, gradients, the optimizer's "
                              f"state of its stages; and one micro-batch's activations), over the limit of {limit}")
 
 
 def check_cycle(step: FamilyStep, cfg: PipelineConfig) -> int:
     """The greedy's refresh cycle k >= curvature work / bubble per step, on every rank;
     refused over MAX_REFRESH_STEPS (CycleTooLong, as the greedy would) or over MAX_TASKS
-    ops for the cycle. Returns the bound (1 without K-FAC)."""
-    if not cfg.kfac:
+    ops for the cycle. Returns the bound (1 without micro-batch work: K-FAC's alone has it)."""
+    if not cfg.optimizer_spec.micro_batch_ops:
         return 1
     work, bubble = curvature_ms(step.costs, cfg), step.bubble_ms
     need = {q: math.ceil(w / bubble[q] - 1e-9) for q, w in work.items() if w > 0 and bubble.get(q, 0.0) > 1e-9}
@@ -175,7 +177,7 @@ def check_cycle(step: FamilyStep, cfg: PipelineConfig) -> int:
 def check_before_planning(profile: Profile, cfg: PipelineConfig, method: str) -> None:
     """The bounds of the module docstring: memory for the greedy and `none`, the cycle for
     the greedy (CP-SAT stretches the step instead; `none` appends the work to every step)."""
-    cycle = method == "greedy" and cfg.kfac and cfg.cluster is None  # (on a cluster the ranks' places change the lags)
+    cycle = method == "greedy" and cfg.optimizer_spec.refreshes and cfg.cluster is None  # (on a cluster the ranks' places change the lags)
     if method == "cpsat" or (cfg.memory_limit_bytes is None and not cycle):
         return
     if cycle:
