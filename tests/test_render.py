@@ -417,7 +417,7 @@ def test_torch_csv_loads_and_validates_in_torch(tmp_path, schedule, D, M, v):
     out = tmp_path / "order.csv"
     r = cli(plan_path, "--torch-csv", out)
     assert r.returncode == 0, r.stderr
-    assert "left out: the optimizer's ops (kfac)" in r.stderr
+    assert "left out: K-FAC ops" in r.stderr
     text = out.read_text()
     assert not re.search(r"C[AB]|inv|precond", text)
 
