@@ -362,6 +362,19 @@ def test_profile_under_the_runs_conditions_records_its_ranks():
         profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, progress=False, ranks=0)
 
 
+def test_muon_is_timed_in_the_newton_schulz_dtype_asked_for():
+    """--muon-ns-dtype: Muon's orthogonalisation is timed in the run's dtype and the profile
+    says which (bfloat16, torch's default, is many times slower than float32 on most CPUs)."""
+    from pfcompile.profiler import profile_model
+
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
+                         progress=False, optimizers=("muon",), muon_ns_dtype="float32")
+    assert prof.provenance["muon_ns_dtype"] == "float32"
+    assert all(layer.optimizer_ms["muon"]["orth"] > 0 for layer in prof.kfac_layers)
+    plain = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05, progress=False)
+    assert "muon_ns_dtype" not in plain.provenance  # only a profile that times Muon records it
+
+
 def test_cold_cache_sweeps_before_every_repeat():
     """--cold-cache: an untimed sweep of a buffer larger than the caches before each repeat
     (the sweep writes the repeat's index: after the last repeat it holds the last index)."""
