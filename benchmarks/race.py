@@ -13,13 +13,18 @@ Parts (--only):
   race   per corpus and seed: AdamW runs --steps steps and its validation loss at the last step
          is the target; each other optimizer runs until an evaluation first reaches it (the
          run is stopped there) or --cap steps. Settings: TUNED below (frozen after tuning).
+  cost   the per-step cost, paired: --cost-rounds rounds of one --cost-steps run per optimizer,
+         the order rotated every round; per round each mean step_ms over AdamW's, and the
+         median over rounds (a race's runs lie minutes apart, under whatever load then was).
   report the tables of every run recorded in WORK/race.json.
 
 Measures per optimizer: steps to the target (evaluated every --eval-every steps on fixed
 held-out batches); seconds to it, the sum of rank 0's step_ms up to that step (training
 only: evaluation, start-up and shutdown excluded); the run's wall clock from launch until
 the evaluation that reached it was logged; the ratios of each to AdamW's; and the mean
-step_ms over AdamW's (the per-step cost ratio: seconds ratio = steps ratio x per-step ratio).
+step_ms over AdamW's (the per-step cost ratio: seconds ratio = steps ratio x per-step ratio);
+and the steps ratio times the paired per-step ratio of `cost`, the seconds ratio with the
+load's drift between the race's runs taken out.
 
 Corpora: "pydoc" (the runtime's built-in corpus, CPython's pydoc_data.topics, its own 10%
 held out) and "licenses": every regular file (symlinks skipped) of /usr/share/common-licenses
@@ -27,7 +32,7 @@ in name order (Debian's base-files package), joined with one newline, through
 `python -m runtime.prepare_data` (character level, the last 10% held out). The text's
 sha256 is recorded, so a run elsewhere can tell whether it trained on the same text.
 
-    python benchmarks/race.py [--only tune|race|report] [--corpus pydoc licenses] [--seeds 0 1 2]
+    python benchmarks/race.py [--only tune|race|cost|report] [--corpus pydoc licenses] [--seeds 0 1 2]
                               [--optimizers adamw kfac shampoo muon] [--work out/race]
 """
 
@@ -50,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"
 OPTIMIZERS = ("adamw", "kfac", "shampoo", "muon")
 LICENSES_DIR = Path("/usr/share/common-licenses")
+COST_WARMUP = 10  # steps of a step-cost run left untimed: start-up, the first refresh cycles
 
 # The key each optimizer's learning-rate grid varies: the rate of the weights it covers.
 LR_KEY = {"adamw": "optimizer.adam_lr", "kfac": "optimizer.lr", "shampoo": "optimizer.lr", "muon": "muon.lr"}
@@ -124,7 +130,7 @@ def run(plan: Path, settings: dict, seed: int, steps: int, data: list[str], log_
     metrics = log_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     sets = {"train.steps": steps, "train.seed": seed, "eval.every": eval_every, "eval.batches": eval_batches,
-            "log.every": eval_every, **settings}
+            "log.every": eval_every or steps, **settings}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
            str(plan), *data, "--log-dir", str(log_dir)]
     for key, value in sets.items():
@@ -236,6 +242,65 @@ def tune_table(state: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the per-step cost, paired --------------------------------------------------------------------
+def step_cost(args, state: dict, plans: dict[str, Path], work: Path) -> None:
+    """Each optimizer's mean step time in short runs one after another, the order rotated every
+    round: on a shared machine the load drifts over a race's minutes, and a ratio of two runs
+    seconds apart is the per-step cost the race's seconds ratio mixes with its steps ratio."""
+    data, _ = corpus_data(work, "pydoc")
+    rounds = state.setdefault("cost", {"steps": args.cost_steps, "warmup": COST_WARMUP, "rounds": []})
+    for r in range(args.cost_rounds):
+        order = args.optimizers[r % len(args.optimizers):] + args.optimizers[:r % len(args.optimizers)]
+        record = {}
+        for opt in order:
+            res = run(plans[opt], TUNED[opt], 0, args.cost_steps, data, work / "cost" / f"{len(rounds['rounds'])}-{opt}",
+                      0, 1)
+            timed = res["step_ms"][COST_WARMUP:]
+            if not timed:
+                raise SystemExit(f"step cost: {opt} logged no steps after the warm-up ({work / 'cost'})")
+            record[opt] = {"mean_ms": statistics.mean(timed), "median_ms": statistics.median(timed),
+                           "load_before": res["load_before"], "load_after": res["load_after"]}
+            print(f"cost round {len(rounds['rounds'])}: {opt:8} mean {record[opt]['mean_ms']:.1f} ms/step, load "
+                  f"{res['load_before'][0]} -> {res['load_after'][0]}", flush=True)
+        rounds["rounds"].append(record)
+        save_state(args.state, state)
+
+
+def cost_ratios(state: dict) -> dict[str, float]:
+    """Each optimizer's median over rounds of its mean step time / AdamW's in the same round."""
+    rounds = [r for r in (state.get("cost") or {}).get("rounds", []) if "adamw" in r]
+    ratios = {}
+    for opt in OPTIMIZERS:
+        per_round = [r[opt]["mean_ms"] / r["adamw"]["mean_ms"] for r in rounds if opt in r]
+        if per_round:
+            ratios[opt] = statistics.median(per_round)
+    return ratios
+
+
+def cost_table(state: dict) -> str:
+    cost = state.get("cost") or {}
+    rounds = [r for r in cost.get("rounds", []) if "adamw" in r]
+    if not rounds:
+        return "(no paired step cost recorded)\n"
+    plans = state.get("plans", {})
+    base = (plans.get("adamw") or {}).get("step_time_ms")
+    lines = [f"Per-step cost, paired: {len(rounds)} rounds, each optimizer {cost['steps']} steps a run (the first "
+             f"{cost['warmup']} not timed), the order rotated every round; mean step_ms.", "",
+             "| optimizer | mean ms per round | ratio to AdamW per round | median ratio | planned ratio | load (1 min) |",
+             "|---|---|---|---|---|---|"]
+    ratios = cost_ratios(state)
+    for opt in OPTIMIZERS:
+        if opt not in ratios:
+            continue
+        means = ", ".join(f"{r[opt]['mean_ms']:.1f}" for r in rounds if opt in r)
+        per = ", ".join(f"{r[opt]['mean_ms'] / r['adamw']['mean_ms']:.2f}" for r in rounds if opt in r)
+        planned = (plans.get(opt) or {}).get("step_time_ms")
+        loads = ", ".join(f"{r[opt]['load_before'][0]}" for r in rounds if opt in r)
+        lines.append(f"| {opt} | {means} | {per} | {ratios[opt]:.2f} | "
+                     f"{fmt(planned / base if planned and base else None, '.3f')} | {loads} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- the race -------------------------------------------------------------------------------------
 def race(args, state: dict, plans: dict[str, Path], work: Path) -> None:
     for corpus in args.corpus:
@@ -316,7 +381,8 @@ def race_table(state: dict, steps: int) -> str:
     lines += ["", "Medians over seeds (a run that missed counts as missed; its median is shown only when every "
               "seed reached):", "",
               "| corpus | optimizer | seeds reached | median steps ratio | median s ratio | median per-step ratio | "
-              "median wall ratio |", "|---|---|---|---|---|---|---|"]
+              "median wall ratio | steps ratio x paired per-step ratio |", "|---|---|---|---|---|---|---|---|"]
+    paired = cost_ratios(state)
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         for opt in OPTIMIZERS:
             sel = [r for r in rows if r["corpus"] == corpus and r["optimizer"] == opt]
@@ -328,14 +394,17 @@ def race_table(state: dict, steps: int) -> str:
                 return fmt(statistics.median(r[k] for r in ok), ".2f") if len(ok) == len(sel) else "-"
 
             per_step = fmt(statistics.median(r["step_cost_ratio"] for r in sel), ".2f")
+            estimate = (statistics.median(r["steps_ratio"] for r in ok) * paired[opt]
+                        if len(ok) == len(sel) and opt in paired else None)
             lines.append(f"| {corpus} | {opt} | {len(ok)}/{len(sel)} | {med('steps_ratio')} | {med('seconds_ratio')} | "
-                         f"{per_step} | {med('wall_ratio')} |")
+                         f"{per_step} | {med('wall_ratio')} | {fmt(estimate, '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("tune", "race", "report"), default=None, help="one part (default: all three)")
+    ap.add_argument("--only", choices=("tune", "race", "cost", "report"), default=None,
+                    help="one part (default: tune, race, cost, then the report)")
     ap.add_argument("--corpus", nargs="+", choices=("pydoc", "licenses"), default=["pydoc", "licenses"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS),
@@ -345,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-steps", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-batches", type=int, default=12)
+    ap.add_argument("--cost-rounds", type=int, default=3, help="rounds of the paired per-step cost")
+    ap.add_argument("--cost-steps", type=int, default=60, help="steps of each per-step cost run")
     ap.add_argument("--time-limit", type=float, default=30, help="CP-SAT seconds per plan")
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "race",
                     help="plans, data, run logs and race.json (every run recorded; the report reads it)")
@@ -363,6 +434,8 @@ def main(argv=None) -> int:
         tune(args, state, plans, args.work)
     if args.only in (None, "race"):
         race(args, state, plans, args.work)
+    if args.only in (None, "cost"):
+        step_cost(args, state, plans, args.work)
     print(f"commit {commit()}, load average now {load_avg()}\n")
     print("Plans (CP-SAT, 1F1B, D = 2, N = 4):\n")
     print("| optimizer | predicted step ms | overhead vs AdamW's plan | k | status |\n|---|---|---|---|---|")
@@ -371,6 +444,7 @@ def main(argv=None) -> int:
               f"{p['solver_status']} |")
     print()
     print(tune_table(state))
+    print(cost_table(state))
     for corpus, info in state["corpora"].items():
         print(f"corpus {corpus}: {info}")
     print()

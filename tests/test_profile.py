@@ -268,6 +268,16 @@ def test_committed_measured_profiles_load():
         assert len(prof.kfac_layers) == 6 * prof.model["layers"]
 
 
+
+def test_committed_optimizers_profile_has_every_optimizers_costs():
+    """benchmarks/race.py plans all four optimizers from it: each layer needs Shampoo's and Muon's ops."""
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    assert prof.source == "measured" and prof.model["name"] == "bert-tiny"
+    assert prof.provenance["optimizers"] == ["kfac", "shampoo", "muon"] and prof.provenance["muon_ns_dtype"] == "float32"
+    for layer in prof.kfac_layers:
+        assert set(layer.optimizer_ms) == {"shampoo", "muon"}
+        assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
+
 # --- bad input through the CLI ----------------------------------------------------------------------
 def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
