@@ -23,8 +23,9 @@ held-out batches); seconds to it, the sum of rank 0's step_ms up to that step (t
 only: evaluation, start-up and shutdown excluded); the run's wall clock from launch until
 the evaluation that reached it was logged; the ratios of each to AdamW's; and the mean
 step_ms over AdamW's (the per-step cost ratio: seconds ratio = steps ratio x per-step ratio);
-and the steps ratio times the paired per-step ratio of `cost`, the seconds ratio with the
-load's drift between the race's runs taken out.
+and the steps ratio times the paired per-step ratio of `cost` (the seconds ratio with the
+load's drift between the race's runs taken out) or times the plans' predicted step-time ratio
+(what a quiet machine should give).
 
 Corpora: "pydoc" (the runtime's built-in corpus, CPython's pydoc_data.topics, its own 10%
 held out) and "licenses": every regular file (symlinks skipped) of /usr/share/common-licenses
@@ -381,8 +382,12 @@ def race_table(state: dict, steps: int) -> str:
     lines += ["", "Medians over seeds (a run that missed counts as missed; its median is shown only when every "
               "seed reached):", "",
               "| corpus | optimizer | seeds reached | median steps ratio | median s ratio | median per-step ratio | "
-              "median wall ratio | steps ratio x paired per-step ratio |", "|---|---|---|---|---|---|---|---|"]
+              "median wall ratio | steps ratio x paired per-step ratio | steps ratio x planned per-step ratio |",
+              "|---|---|---|---|---|---|---|---|---|"]
     paired = cost_ratios(state)
+    plans = state.get("plans", {})
+    base = (plans.get("adamw") or {}).get("step_time_ms")
+    planned = {opt: p["step_time_ms"] / base for opt, p in plans.items() if base and p.get("step_time_ms")}
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         for opt in OPTIMIZERS:
             sel = [r for r in rows if r["corpus"] == corpus and r["optimizer"] == opt]
@@ -394,11 +399,31 @@ def race_table(state: dict, steps: int) -> str:
                 return fmt(statistics.median(r[k] for r in ok), ".2f") if len(ok) == len(sel) else "-"
 
             per_step = fmt(statistics.median(r["step_cost_ratio"] for r in sel), ".2f")
-            estimate = (statistics.median(r["steps_ratio"] for r in ok) * paired[opt]
-                        if len(ok) == len(sel) and opt in paired else None)
+            steps_ratio = statistics.median(r["steps_ratio"] for r in ok) if len(ok) == len(sel) else None
+            estimates = [fmt(steps_ratio * ratios[opt] if steps_ratio and opt in ratios else None, ".2f")
+                         for ratios in (paired, planned)]
             lines.append(f"| {corpus} | {opt} | {len(ok)}/{len(sel)} | {med('steps_ratio')} | {med('seconds_ratio')} | "
-                         f"{per_step} | {med('wall_ratio')} | {fmt(estimate, '.2f')} |")
+                         f"{per_step} | {med('wall_ratio')} | {' | '.join(estimates)} |")
     return "\n".join(lines) + "\n"
+
+
+def compact(state: dict, steps: int) -> dict:
+    """race.json without the per-step times (a race holds ~25 runs of up to 1500 steps): the
+    validation curves, each run's summed and mean step times, and the tables' rows."""
+    def run_summary(res: dict) -> dict:
+        ms = res["step_ms"]
+        keep = ("settings", "seed", "val", "reached_step", "eval_wall_s", "wall_s", "load_before", "load_after",
+                "final_val")
+        return {**{k: res[k] for k in keep if k in res}, "steps_run": len(ms), "step_ms_sum": sum(ms),
+                "step_ms_mean": statistics.mean(ms) if ms else None, "failed": bool(res.get("failed"))}
+
+    return {"plans": state.get("plans"), "corpora": state.get("corpora"), "cost": state.get("cost"),
+            "tune": {**{k: v for k, v in (state.get("tune") or {}).items() if k != "runs"},
+                     "runs": {n: run_summary(r) for n, r in (state.get("tune") or {}).get("runs", {}).items()}},
+            "race": {key: {**{k: v for k, v in e.items() if k != "runs"},
+                           "runs": {o: run_summary(r) for o, r in e["runs"].items()}}
+                     for key, e in state.get("race", {}).items()},
+            "rows": race_rows(state, steps)}
 
 
 def main(argv=None) -> int:
@@ -419,6 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=30, help="CP-SAT seconds per plan")
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "race",
                     help="plans, data, run logs and race.json (every run recorded; the report reads it)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the record without per-step times here")
     args = ap.parse_args(argv)
     if "adamw" not in args.optimizers and args.only != "report":
         print("note: without adamw, the race takes the target from an AdamW run recorded earlier", file=sys.stderr)
@@ -449,6 +475,8 @@ def main(argv=None) -> int:
         print(f"corpus {corpus}: {info}")
     print()
     print(race_table(state, args.steps))
+    if args.json:
+        args.json.write_text(json.dumps(compact(state, args.steps), indent=1) + "\n")
     return 0
 
 
