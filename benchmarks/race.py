@@ -65,7 +65,8 @@ GRID = {"adamw": (5e-4, 1e-3, 2e-3, 4e-3),
         "shampoo": (0.1, 0.3, 1.0),
         "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
 # Every run of an optimizer has these besides its rate. Muon's Newton-Schulz iteration runs in
-# float32: bfloat16 (torch's default, for GPUs) took 15-20x as long on this CPU.
+# float32: bfloat16 (torch's default, for GPUs) is many times slower on a CPU without bfloat16
+# matrix units (results/2026-12-01-race.md).
 FIXED = {"adamw": {}, "kfac": {}, "shampoo": {}, "muon": {"muon.ns_dtype": "float32"}}
 # The settings the race runs, chosen by `--only tune` (results/2026-12-01-race.md): each
 # optimizer's best rate; the others' AdamW part at AdamW's.
