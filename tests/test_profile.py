@@ -282,6 +282,16 @@ def test_committed_measured_profiles_load():
         assert len(prof.kfac_layers) == 6 * prof.model["layers"]
 
 
+
+def test_committed_optimizers_profile_has_every_optimizers_costs():
+    """benchmarks/race.py plans all four optimizers from it: each layer needs Shampoo's and Muon's ops."""
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    assert prof.source == "measured" and prof.model["name"] == "bert-tiny"
+    assert prof.provenance["optimizers"] == ["kfac", "shampoo", "muon"] and prof.provenance["muon_ns_dtype"] == "float32"
+    for layer in prof.kfac_layers:
+        assert set(layer.optimizer_ms) == {"shampoo", "muon"}
+        assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
+
 # --- bad input through the CLI ----------------------------------------------------------------------
 def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
@@ -374,6 +384,19 @@ def test_profile_under_the_runs_conditions_records_its_ranks():
     assert prof.provenance["ranks"] == 2 and all(p.fwd_ms > 0 for p in prof.parts)
     with pytest.raises(InputError, match="--ranks: must be >= 1"):
         profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, progress=False, ranks=0)
+
+
+def test_muon_is_timed_in_the_newton_schulz_dtype_asked_for():
+    """--muon-ns-dtype: Muon's orthogonalisation is timed in the run's dtype and the profile
+    says which (bfloat16, torch's default, is many times slower than float32 on most CPUs)."""
+    from pfcompile.profiler import profile_model
+
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
+                         progress=False, optimizers=("muon",), muon_ns_dtype="float32")
+    assert prof.provenance["muon_ns_dtype"] == "float32"
+    assert all(layer.optimizer_ms["muon"]["orth"] > 0 for layer in prof.kfac_layers)
+    plain = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05, progress=False)
+    assert "muon_ns_dtype" not in plain.provenance  # only a profile that times Muon records it
 
 
 def test_cold_cache_sweeps_before_every_repeat():

@@ -55,6 +55,9 @@ def register(sub) -> None:
     p.add_argument("--optimizer", action="append", choices=("kfac", "shampoo", "muon"), default=None,
                    help="whose per-layer ops to time (repeatable): K-FAC's always; shampoo and muon add theirs "
                         "(a reference profile estimates both from their FLOPs)")
+    p.add_argument("--muon-ns-dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16",
+                   help="dtype of Muon's Newton-Schulz iteration as timed (the runtime's muon.ns_dtype; default "
+                        "bfloat16, torch.optim.Muon's; a CPU without bfloat16 matmul units runs float32 far faster)")
     p.add_argument("--reference", metavar="MODEL", default=None,
                    help="convert the published CSV of MODEL (bert-base, bert-large) instead of measuring")
     p.add_argument("--gpu", default="p100", help="with --reference: p100, v100 or rtx3090 (default p100)")
@@ -93,7 +96,7 @@ def run(args) -> int:
                              warmup=args.warmup, threads=args.threads, comm=not args.no_comm,
                              entry_budget_s=args.entry_budget, clock=args.clock, progress=not args.quiet and not args.json,
                              ranks=args.ranks, probe=not args.no_runtime_probe, cold=args.cold_cache,
-                             optimizers=tuple(args.optimizer or ("kfac",)))
+                             optimizers=tuple(args.optimizer or ("kfac",)), muon_ns_dtype=args.muon_ns_dtype)
     if args.output:
         prof.save(args.output)
     else:

@@ -53,11 +53,12 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
                   entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True,
                   ranks: int = 1, probe: bool = True, cold: bool = False,
-                  optimizers: tuple[str, ...] = ("kfac",)) -> Profile:
+                  optimizers: tuple[str, ...] = ("kfac",), muon_ns_dtype: str = "bfloat16") -> Profile:
     """Measure every part and K-FAC layer of `model`, and the links between two ranks.
 
     `optimizers`: whose per-layer ops to time besides K-FAC's, which every profile holds
-    ("shampoo", "muon": runtime.shampoo, runtime.muon on each covered layer).
+    ("shampoo", "muon": runtime.shampoo, runtime.muon on each covered layer); `muon_ns_dtype`
+    the dtype Muon's Newton-Schulz iteration is timed in (the run's muon.ns_dtype).
 
     `ranks` > 1: measure under the run's conditions, with ranks - 1 other processes working
     at once (each the model's forward and backward in a loop, `threads` threads, the same
@@ -116,7 +117,8 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                             continue
                         bar.update(task, description=f"{layer.name}: {opt}")
                         entry.optimizer_ms[opt], t = guard_unsupported_op(
-                            dtype, dev, lambda opt=opt, layer=layer: measure_optimizer_layer(opt, layer.name, layer.module, timer))
+                            dtype, dev, lambda opt=opt, layer=layer: measure_optimizer_layer(
+                                opt, layer.name, layer.module, timer, muon_ns_dtype))
                         spread.update({f"kfac_layers.{layer.name}.optimizer_ms.{opt}.{k}": [v.p10, v.p90]
                                        for k, v in t.items()})
                     bar.advance(task)
@@ -166,6 +168,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         # other processes share the CPU: the 1-minute load average before and after says how much
         "load_avg": [load_before, load_average()], "cpus": os.cpu_count(),
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
+        **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
                  "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "

@@ -31,10 +31,11 @@ EIGH_FLOPS_PER_D3 = 9 + 2
 NS_STEPS = 5  # torch.optim.Muon's default
 
 
-def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear,
-                            clock: Clock) -> tuple[dict[str, float], dict[str, Timing]]:
+def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, clock: Clock,
+                            muon_ns_dtype: str = "bfloat16") -> tuple[dict[str, float], dict[str, Timing]]:
     """-> ({cost key: median ms}, {cost key: Timing}) of one covered layer's ops of `optimizer`
-    ("shampoo" or "muon"), on the gradient `linear.weight.grad` holds (left as it was)."""
+    ("shampoo" or "muon", its Newton-Schulz iteration in `muon_ns_dtype`), on the gradient
+    `linear.weight.grad` holds (left as it was)."""
     w = linear.weight
     grad = w.grad.detach().clone()
 
@@ -55,7 +56,7 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear,
     elif optimizer == "muon":
         from runtime.muon import MuonConfig, MuonLayer
 
-        layer = MuonLayer(name, linear, MuonConfig())
+        layer = MuonLayer(name, linear, MuonConfig(ns_dtype=muon_ns_dtype))
         t["orth"] = clock.time(layer.orthogonalize, setup=fresh_grad)
     else:
         raise ValueError(f"no per-layer ops to time for {optimizer!r}")
