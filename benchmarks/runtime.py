@@ -705,7 +705,11 @@ def optimizer_tables(a, out: Path, console) -> None:
                                         "--time-limit", str(a.time_limit), "--workers", "2")
         plans = {name: plan(a.profile, out, *spec) for name, spec in specs.items()}
     warmup, steps = run_length(a, plans)
-    launches = alternate({name: (lambda p=p: run_ours(p, steps, warmup)) for name, p in plans.items()},
+    # Muon's Newton-Schulz iteration in the profile's dtype (torch's bfloat16 is a GPU choice:
+    # on a CPU float32 is several times faster; `pfcompile profile --muon-ns-dtype`)
+    ns = json.loads(Path(a.profile).read_text())["provenance"].get("muon_ns_dtype", "bfloat16")
+    flags = {name: ("--set", f"muon.ns_dtype={ns}") if name.startswith("muon") else () for name in plans}
+    launches = alternate({name: (lambda p=p, f=flags[name]: run_ours(p, steps, warmup, *f)) for name, p in plans.items()},
                          a.rounds, steps, console)
     times = {name: [x.step_ms for x in v] for name, v in launches.items()}
     med = {name: statistics.median(v) for name, v in times.items()}
