@@ -31,10 +31,11 @@ def test_sizes_and_published_shapes():
     shapes = {name: (c.layers, c.hidden, c.heads, c.kv_heads, c.ffn, c.vocab)
               for name, c in MODEL_CONFIGS.items() if name.startswith("llama-")}
     assert shapes == {"llama-tiny": (2, 64, 4, 2, 176, 100), "llama-mini": (4, 256, 8, 2, 688, 100),
+                      "llama-small": (8, 512, 8, 2, 1376, 32000),
                       "llama-1b": (16, 2048, 32, 8, 8192, 128256), "llama-8b": (32, 4096, 32, 8, 14336, 128256)}
     assert all(c.kind == "gpt" and c.arch == "llama" for n, c in MODEL_CONFIGS.items() if n.startswith("llama-"))
     # the formula is the built model's count ...
-    for name in ("llama-tiny", "llama-mini"):
+    for name in ("llama-tiny", "llama-mini", "llama-small"):
         assert sum(p.numel() for p in build_model(name).parameters()) == param_count(MODEL_CONFIGS[name])
     # ... and gives Llama-3-8B's 8.03 B, and Llama-3.2-1B's 1.24 B plus an untied head of 0.26 B
     assert round(param_count(MODEL_CONFIGS["llama-8b"]) / 1e9, 2) == 8.03

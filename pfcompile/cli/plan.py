@@ -20,6 +20,7 @@ from pfcompile.formats.optimizers import NAMES as OPTIMIZER_NAMES
 from pfcompile.formats.plan import INVERSION_POLICIES, METHODS, SCHEDULES, plan_from_json
 from pfcompile.formats.profile import load_profile
 from pfcompile.formats.verify import verify_plan
+from pfcompile.graph.partition import RULES, even_partition, format_partition, parse_partition
 from pfcompile.graph.schedules import PipelineConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -69,8 +70,11 @@ def register(sub) -> None:
                         "blocks each, the rest on every replica), layers (the same, the layers divided one by one "
                         "by their work), all (every replica preconditions every layer), auto (default: whichever "
                         "plans faster)")
-    p.add_argument("--partition", default=None, metavar="PARTS",
-                   help='stages as part lists, e.g. "embed,block0|block1,head" (default: balanced)')
+    p.add_argument("--partition", default="compute", metavar="CUT",
+                   help='where the model is cut into stages: compute (default: the slowest stage\'s forward + '
+                        'backward as short as it can be), even (each stage the same number of blocks), auto (the '
+                        'cut whose plan is fastest, the optimizer\'s work and the memory limit counted; it plans '
+                        'several cuts within --time-limit), or the parts of each stage, e.g. "embed,block0|block1,head"')
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="cpsat: hard wall-clock limit in seconds for the whole command, Python included "
                         "(the solver's stages and the k tried share it; the best plan found by then is kept)")
@@ -115,13 +119,13 @@ def config_from_args(args, profile) -> PipelineConfig:
         inversion=args.inversion, precond="all" if args.precond == "auto" else args.precond)
     cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
     cfg.validate()
-    if args.partition is not None:
-        from pfcompile.graph.costs import parse_partition
-
-        cfg.partition = parse_partition(args.partition, profile, cfg.num_stages)
-    elif cfg.num_stages > len(profile.parts):
+    if cfg.num_stages > len(profile.parts):
         raise InputError("--stages", None, f"{cfg.num_stages} model stages but the profile has only {len(profile.parts)} parts")
-    return cfg
+    if args.partition == "even":
+        cfg.partition = even_partition(profile, cfg.num_stages)
+    elif args.partition not in RULES:  # the parts of each stage
+        cfg.partition = parse_partition(args.partition, profile, cfg.num_stages)
+    return cfg  # compute: the default cut; auto: chosen by the planner
 
 
 def options_from_args(args):
@@ -130,7 +134,7 @@ def options_from_args(args):
 
     return PlanOptions(method=args.method, time_limit=args.time_limit, workers=args.workers,
                        fixed_order=args.fixed_order, refresh_steps=args.refresh_steps, precond=args.precond,
-                       placement=args.placement)
+                       placement=args.placement, partition="auto" if args.partition == "auto" else None)
 
 
 def parse_link(text: str, flag: str):
@@ -284,8 +288,9 @@ def _run(args) -> int:
             "step_time_ms", "expected_step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
             "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
-            "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement")
+            "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement", "partition_search")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config.method, "optimizer": cfg.optimizer,
+           "partition": format_partition(plan.partition),
            **{k: plan.stats.get(k) for k in keys}, "stage_seconds": seconds, "peak_rss_mib": peak_rss_mib()}
     if args.json:
         print(json.dumps(out))
@@ -304,6 +309,9 @@ PARETO_KEYS = ("refresh_steps", "step_time_ms", "step_overhead", "step_overhead_
 
 
 def _run_pareto(args, profile, cfg, options, planning) -> int:
+    if options.partition == "auto":
+        raise InputError("--pareto", None, "plans one cut: choose it first (--partition auto without --pareto), "
+                         "then give it to --partition")
     if options.method != "cpsat" or not cfg.optimizer_spec.refreshes:
         raise InputError("--pareto", None, "needs --method cpsat and an optimizer with a refresh cycle (kfac, shampoo)")
     from dataclasses import replace

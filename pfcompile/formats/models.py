@@ -14,6 +14,7 @@ from __future__ import annotations
 DTYPES = ("float32", "float64", "bfloat16")  # the runtime's precisions (runtime.precision)
 CORPUS_VOCAB = 100  # the pydoc corpus' character vocabulary (runtime.data.VOCAB)
 BERT_VOCAB = 30522
+LLAMA2_VOCAB = 32000
 LLAMA3_VOCAB = 128256
 
 # size -> (layers, hidden, heads, vocab, max_seq_len); ffn is 4 x hidden
@@ -21,10 +22,13 @@ _SIZES = {"tiny": (2, 64, 2, CORPUS_VOCAB, 128), "mini": (4, 256, 4, CORPUS_VOCA
           "base": (12, 768, 12, BERT_VOCAB, 512), "large": (24, 1024, 16, BERT_VOCAB, 512)}
 
 # Llama-style sizes: CPU ones (the SwiGLU width ~8/3 of hidden, as Llama's) and the shapes of
-# Llama-3.2-1B and Llama-3-8B for profiling on a GPU (their rope scaling changes no cost):
+# Llama-3.2-1B and Llama-3-8B for profiling on a GPU (their rope scaling changes no cost).
+# llama-small has Llama 2's 32,000-token vocabulary: its head costs as much as several blocks,
+# as real vocabularies make it, so where the stages are cut matters (`--partition`).
 # size -> (layers, hidden, heads, kv_heads, ffn, vocab, max_seq_len, rope_theta)
 _LLAMA_SIZES = {"tiny": (2, 64, 4, 2, 176, CORPUS_VOCAB, 128, 1e4),
                 "mini": (4, 256, 8, 2, 688, CORPUS_VOCAB, 128, 1e4),
+                "small": (8, 512, 8, 2, 1376, LLAMA2_VOCAB, 128, 1e4),
                 "1b": (16, 2048, 32, 8, 8192, LLAMA3_VOCAB, 131072, 5e5),
                 "8b": (32, 4096, 32, 8, 14336, LLAMA3_VOCAB, 8192, 5e5)}
 

@@ -32,70 +32,16 @@ Buffers are named by keys: ("act", stage, mb), ("wgrad", stage, mb), ("kept_a", 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pfcompile.formats.errors import InputError, echo
+from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import OPTIMIZER_COST_KEYS, Cluster, Profile
+from pfcompile.graph.partition import stage_partition
 
-
-def parse_partition(text: str, profile: Profile, stages: int, where: str = "--partition") -> list[list[str]]:
-    """"embed,block0|block1,head" -> [["embed", "block0"], ["block1", "head"]], checked."""
-    cut = [[p.strip() for p in group.split(",") if p.strip()] for group in text.split("|")]
-    return check_partition(cut, profile, stages, where)
-
-
-def check_partition(cut: list[list[str]], profile: Profile, stages: int, where: str = "partition") -> list[list[str]]:
-    names = [p.name for p in profile.parts]
-    flat = [p for group in cut for p in group]
-    if any(not group for group in cut):
-        raise InputError(where, None, "every stage needs at least one part")
-    unknown = [p for p in flat if p not in names]
-    if unknown:
-        raise InputError(where, None, f"names no part of the profile: {echo(unknown[0])} (parts: {echo(names[0])}..{echo(names[-1])})")
-    if flat != names:
-        raise InputError(where, None, f"must list every part of the profile once, in order ({names[0]}..{names[-1]})")
-    if len(cut) != stages:
-        raise InputError(where, None, f"has {len(cut)} stages but the configuration needs {stages}")
-    return cut
-
-
-def balanced_partition(profile: Profile, stages: int) -> list[list[str]]:
-    """Cut the parts into `stages` contiguous groups minimising the slowest group's fwd+bwd.
-
-    Dynamic programme over (parts used, stages made); ties prefer the smaller sum of squared
-    stage costs so that equal blocks split evenly (3+3+3 rather than 2+3+4).
-    """
-    parts = profile.parts
-    n = len(parts)
-    if stages > n:
-        raise InputError("--stages", None, f"{stages} model stages but the profile has only {n} parts")
-    cost = [p.fwd_ms + p.bwd_ms for p in parts]
-    prefix = [0.0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-    inf = (float("inf"), float("inf"))
-    # best[j][i]: (max stage cost, sum of squares) for the first i parts in j stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut_at = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for j in range(1, stages + 1):
-        for i in range(j, n - (stages - j) + 1):
-            for h in range(j - 1, i):
-                prev = best[j - 1][h]
-                if prev == inf:
-                    continue
-                c = prefix[i] - prefix[h]
-                cand = (max(prev[0], c), prev[1] + c * c)
-                if cand < best[j][i]:
-                    best[j][i], cut_at[j][i] = cand, h
-    groups, i = [], n
-    for j in range(stages, 0, -1):
-        h = cut_at[j][i]
-        groups.append([p.name for p in parts[h:i]])
-        i = h
-    return groups[::-1]
-
+if TYPE_CHECKING:
+    from pfcompile.graph.schedules import PipelineConfig
 
 # the profiled optimizer-step entry a part's step falls back to where it has none of its own:
 # Shampoo steps like K-FAC (SGD-momentum on the covered weights, AdamW on the rest), Muon like
@@ -455,3 +401,15 @@ def precond_share(costs: Costs, replicas: int, mode: str) -> list[int | None]:
             owner[l] = r
             load[r] += work[l]
     return owner
+
+
+def costs_of(profile: Profile, cfg: PipelineConfig) -> Costs:
+    """The Costs of `cfg`: its partition (graph.partition.stage_partition), its ranks and,
+    with replicas, its division of the preconditioning."""
+    partition = stage_partition(profile, cfg)
+    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
+                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
+                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
+    if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
+        costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
+    return costs

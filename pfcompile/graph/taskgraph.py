@@ -54,7 +54,7 @@ from pfcompile.formats.ops import Op, input_grad_kind, stream_of, weight_grad_ki
 from pfcompile.formats.optimizers import PASS_FWD, PASS_WGRAD
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
-from pfcompile.graph.costs import Costs, balanced_partition, check_partition, precond_share, replica_share
+from pfcompile.graph.costs import Costs, costs_of, replica_share
 from pfcompile.graph.schedules import PipelineConfig, canonical_orders
 
 
@@ -194,14 +194,9 @@ def build_task_graph(profile: Profile, cfg: PipelineConfig,
 
 
 def _build(profile: Profile, cfg: PipelineConfig, inverters: dict[tuple[int, str], list[int]] | None) -> TaskGraph:
-    partition = (check_partition(cfg.partition, profile, cfg.num_stages)
-                 if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
-                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
-                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
-    tg = TaskGraph(cfg=cfg, costs=costs, partition=partition)
-    if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
-        tg.precond_owner = costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
+    costs = costs_of(profile, cfg)
+    tg = TaskGraph(cfg=cfg, costs=costs, partition=costs.partition)
+    tg.precond_owner = costs.precond_owner
     orders = canonical_orders(cfg, costs.stage_layers, tg.precond_owner)
     for k in range(cfg.refresh_steps):
         _add_step(tg, k, orders)

@@ -38,18 +38,32 @@ def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | Non
     limit when None). With `cfg.cluster`, the ranks are first put on the nodes
     (`options.placement`; the plan's stats["placement"] says what and why). The plan also
     has the step time with the profile's op-time spread (stats.expected_step_time_ms)
-    where the profile has one."""
+    where the profile has one. `options.partition` "auto" chooses the stages' cut with the
+    plan (pfcompile.place.partition); otherwise `cfg.partition` (None: the compute cut)."""
     options = options or PlanOptions()
     planning = planning or Planning()
     planning.graphs_of(profile)
-    if options.precond == "auto":
-        plan, result, baseline = _best_division(profile, cfg, options, where, planning)
+    if options.partition == "auto":
+        from pfcompile.place.partition import choose_partition
+
+        def plan_cut(c: PipelineConfig, p: Planning):
+            return _plan_cut(profile, c, options, where, p)
+
+        plan, result, baseline = choose_partition(profile, cfg, options, where, planning, plan_cut)
     else:
-        if options.precond is not None:
-            cfg = replace(cfg, precond=options.precond)
-        plan, result, baseline = _build_division(profile, cfg, options, where, planning)
+        plan, result, baseline = _plan_cut(profile, cfg, options, where, planning)
     _add_expected_step_time(plan, profile, planning)
     return plan, result, baseline
+
+
+def _plan_cut(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
+              planning: Planning) -> tuple[Plan, ReplayResult, ReplayResult]:
+    """The plan of `cfg`'s partition, in the division of the preconditioning `options` asks."""
+    if options.precond == "auto":
+        return _best_division(profile, cfg, options, where, planning)
+    if options.precond is not None:
+        cfg = replace(cfg, precond=options.precond)
+    return _build_division(profile, cfg, options, where, planning)
 
 
 def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,

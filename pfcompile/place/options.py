@@ -32,7 +32,8 @@ class PlanOptions:
     (PipeFisher's first fit into the bubbles) or "cpsat". `precond`: the division of
     preconditioning between replicas ("auto" plans each and keeps the fastest; None keeps
     the configuration's). `placement`: with a cluster, "auto" searches where the ranks go,
-    "family" keeps the family's numbering. The rest steer CP-SAT's k search
+    "family" keeps the family's numbering. `partition` "auto": the stages' cut is chosen
+    with the plan (pfcompile.place.partition). The rest steer CP-SAT's k search
     (pfcompile.place.solver): `time_limit` is the seconds of one k's solve and
     `total_time_limit`, when set, is shared by all the k tried."""
 
@@ -44,6 +45,7 @@ class PlanOptions:
     steady_state: bool = True  # minimise the cycle as it repeats (False: the makespan from idle)
     precond: str | None = None
     placement: str = "auto"
+    partition: str | None = None  # "auto": the stages' cut chosen with the plan; None: the configuration's
     # the k rule: accept the first k whose step time is within `tolerance` of the same k steps
     # without refresh work, trying at most `extra_steps` past the lower bound
     tolerance: float = 0.005
@@ -64,6 +66,8 @@ class PlanOptions:
             raise InputError("--refresh-steps", None, f"must be at least 1, got {self.refresh_steps}")
         if self.precond is not None and self.precond not in PRECOND_CHOICES:
             raise InputError("--precond", None, f"must be one of {', '.join(PRECOND_CHOICES)}")
+        if self.partition not in (None, "auto"):
+            raise InputError("--partition", None, f"a planning option is 'auto' or none, got {self.partition!r}")
         if self.placement not in PLACEMENTS:
             raise InputError("--placement", None, f"must be one of {', '.join(PLACEMENTS)}")
 

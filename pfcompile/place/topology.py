@@ -21,15 +21,15 @@ from collections import defaultdict
 from dataclasses import replace
 
 from pfcompile.formats.profile import Cluster, Profile
-from pfcompile.graph.costs import Costs, balanced_partition, check_partition
+from pfcompile.graph.costs import Costs
+from pfcompile.graph.partition import stage_partition
 from pfcompile.graph.schedules import PipelineConfig
 
 
 def traffic(profile: Profile, cfg: PipelineConfig) -> dict[tuple[int, int], float]:
     """Bytes per step between pairs of family ranks (a < b)."""
     fam = replace(cfg, rank_map=None, cluster=None)
-    partition = (check_partition(cfg.partition, profile, cfg.num_stages) if cfg.partition is not None
-                 else balanced_partition(profile, cfg.num_stages))
+    partition = stage_partition(profile, cfg)
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer)
     out: dict[tuple[int, int], float] = defaultdict(float)
 

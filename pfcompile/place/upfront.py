@@ -28,7 +28,7 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.limits import MAX_REFRESH_STEPS, MAX_TASKS
 from pfcompile.formats.ops import Op
 from pfcompile.formats.profile import Profile
-from pfcompile.graph.costs import Costs, balanced_partition, check_partition, precond_share
+from pfcompile.graph.costs import Costs, costs_of
 from pfcompile.graph.schedules import PipelineConfig, canonical_orders
 
 
@@ -55,18 +55,6 @@ class FamilyStep:
     @property
     def bubble_ms(self) -> dict[int, float]:
         return {q: self.step_ms - b for q, b in self.busy_ms.items()}
-
-
-def costs_of(profile: Profile, cfg: PipelineConfig) -> Costs:
-    """The Costs the task graph of `cfg` would use (pfcompile.graph.taskgraph)."""
-    partition = (check_partition(cfg.partition, profile, cfg.num_stages)
-                 if cfg.partition is not None else balanced_partition(profile, cfg.num_stages))
-    costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
-                  stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
-                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
-    if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
-        costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
-    return costs
 
 
 def family_step(profile: Profile, cfg: PipelineConfig) -> FamilyStep:
@@ -119,6 +107,26 @@ def family_step(profile: Profile, cfg: PipelineConfig) -> FamilyStep:
             raise AssertionError("family_step: the family's order deadlocks")
     step_ms = max(clock.values(), default=0.0) or 1.0  # all-zero costs: any unit will do (as the greedy)
     return FamilyStep(costs, orders, step_ms, {q: sum(d) for q, d in dur.items()})
+
+
+def order_peak_bytes(step: FamilyStep, cfg: PipelineConfig) -> dict[int, int]:
+    """Per rank, what it holds at most running its ops of a step without refresh work in the
+    family's order: its resident state and the activations (and zero-bubble weight-pass
+    buffers) alive at once. A step of the cycle that refreshes keeps more, so no plan that
+    keeps the family's order fits a limit below this."""
+    peak = {}
+    for q, ops in step.orders.items():
+        held = now = 0
+        alive: dict[tuple, int] = {}
+        for op in ops:
+            for key, n in step.costs.allocates(op, refresh=False):
+                alive[key] = n
+                now += n
+            held = max(held, now)
+            for key in step.costs.frees(op):
+                now -= alive.pop(key, 0)
+        peak[q] = step.costs.resident_bytes(cfg.stages_of(q)) + held
+    return peak
 
 
 def curvature_ms(costs: Costs, cfg: PipelineConfig) -> dict[int, float]:

@@ -21,8 +21,25 @@ def format_stats(plan: Plan) -> str:
             f"R={c.replicas} v={c.virtual_stages} W={c.world_size}  method={c.method} "
             f"optimizer={c.optimizer} k={c.refresh_steps}")
     width = max((len(k) for k in plan.stats), default=0)
-    lines = [head] + [f"  {k:<{width}}  {_fmt(v)}" for k, v in plan.stats.items()]
-    return "\n".join(lines)
+    lines = [head] + [f"  {k:<{width}}  {_fmt(v)}" for k, v in plan.stats.items() if k != "partition_search"]
+    return "\n".join(lines + format_partition_search(plan))
+
+
+def format_partition_search(plan: Plan) -> list[str]:
+    """`--partition auto`: the cuts planned in the final round, fastest first (each cut by
+    its parts per stage; the plan's `partition` names the chosen one's parts)."""
+    search = plan.stats.get("partition_search")
+    if not search:
+        return []
+    lines = [f"  partition_search  chose the {search['chosen']} cut; {search['screened']} cuts screened, "
+             f"{search['seconds']:.1f} s in all"]
+    for f in sorted(search["finalists"], key=lambda f: f["step_time_ms"]):
+        sizes = " ".join(str(len(stage.split(","))) for stage in f["partition"].split("|"))
+        lines.append(f"    {f['rule']:<8} {f['step_time_ms']:10.1f} ms  k={f['refresh_steps']:<3} "
+                     f"{f['solver_status'] or '':<9} parts per stage: {sizes}")
+    for f in search.get("refused", []):
+        lines.append(f"    {f['rule']:<8} no plan: {f['why']}")
+    return lines
 
 
 def format_cluster(plan: Plan) -> list[str]:
