@@ -18,7 +18,6 @@ same global batch at step t, and `split_micro_batches(batch, M)[m]` is global mi
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,6 @@ def decode(tokens) -> str:
     return "".join(VOCAB[int(t)] if int(t) >= len(SPECIALS) else ("_" if int(t) == MASK else "?") for t in tokens)
 
 
-@functools.lru_cache(maxsize=1)
 def corpus_tokens() -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation) token streams: the topics in sorted order, the last 10% held out."""
     from pydoc_data.topics import topics

@@ -5,7 +5,8 @@ and safetensors weights (model.safetensors, or shards with model.safetensors.ind
 PATH is data, not code: the runtime rebuilds the model from the plan's name without
 --model-code. A relative PATH is resolved against the current directory of the command that
 reads it (profile, runtime, evaluate), so run them from the same directory. Nothing is
-fetched from a model hub (HF_HUB_OFFLINE, local_files_only).
+fetched from a model hub: the config and the weights are read from local files only, and
+HF_HUB_OFFLINE is set before `transformers` loads.
 
 The cut (the Llama module layout: Llama, Mistral, Qwen2, Qwen3):
     embed  = model.embed_tokens                    tokens -> h
@@ -304,10 +305,6 @@ class HFModel:
         config.architectures = [type(self.meta).__name__]
         config.torch_dtype = dtype
         config.save_pretrained(str(directory))
-
-
-def is_hf(name) -> bool:
-    return isinstance(name, str) and name.startswith(PREFIX)
 
 
 def resolve(name: str, seq_len: int | None = None) -> HFModel:

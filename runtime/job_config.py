@@ -27,7 +27,6 @@ the single-process trainer takes it as an argument (runtime.train.train_referenc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import typing
@@ -220,7 +219,7 @@ class JobConfig:
             raise InputError(where, key, f"unknown key; known: {', '.join(known)}")
         section_name, _, name = key.partition(".")
         section = getattr(self, section_name)
-        setattr(section, name, _typed(_types(type(section))[name], value, where, key))
+        setattr(section, name, _typed(FIELD_TYPES[type(section)][name], value, where, key))
         self.source[key] = where
 
     def get(self, key: str):
@@ -294,13 +293,10 @@ class JobConfig:
 SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig))
 
 
-@functools.cache
-def _types(section: type) -> dict[str, object]:
-    """A section's field types, from its annotations."""
-    return typing.get_type_hints(section)
+# the field types of the job and of each section, from their annotations
+FIELD_TYPES = {cls: typing.get_type_hints(cls) for cls in (JobConfig, *typing.get_type_hints(JobConfig).values())}
 
-
-KEYS = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(_types(JobConfig)[s])]
+KEYS = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(FIELD_TYPES[JobConfig][s])]
 
 # The plan fixes these: key -> (where in the plan, how to read it).
 PLAN_FIXED = {

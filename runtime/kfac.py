@@ -370,11 +370,6 @@ def attach_all(layers: list[KfacLayer]) -> None:
         l.attach()
 
 
-def detach_all(layers: list[KfacLayer]) -> None:
-    for l in layers:
-        l.detach()
-
-
 @contextlib.contextmanager
 def capturing(layers: list[KfacLayer], mb: int, on: bool = True):
     """Forwards run inside save the layers' inputs under `mb` and arrange for their output

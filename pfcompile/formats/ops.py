@@ -290,7 +290,3 @@ def parse_op(text: str) -> Op:
     if kind in ("sync_grad", "rs_grad", "ag_grad", "step"):
         return Op(kind, stage=a)
     return Op(kind, layer=a)
-
-
-def format_ops(ops) -> str:
-    return " ".join(str(o) for o in ops)

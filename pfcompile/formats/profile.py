@@ -166,8 +166,6 @@ class KfacLayer:
     def inv_ms(self, factor: str, method: str = "cholesky") -> float:
         return (self.inv_a_ms if factor == "A" else self.inv_b_ms)[method]
 
-    def curv_ms(self, factor: str) -> float:
-        return self.curv_a_ms if factor == "A" else self.curv_b_ms
 
     def factor_bytes(self, factor: str) -> int:
         return self.factor_a_bytes if factor == "A" else self.factor_b_bytes

@@ -73,8 +73,3 @@ def write_trace(path: str | os.PathLike, events: Iterable[TraceEvent | tuple], *
     trace = chrome_trace(events, **kw)
     write_atomic(path, json.dumps(trace, separators=(",", ":")) + "\n")
     return trace
-
-
-def complete_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """The op events of a trace (its "X" events), e.g. for comparing predicted and measured."""
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]

@@ -21,8 +21,7 @@ Replica r runs the contiguous block of micro-batches r·N/R .. (r+1)·N/R - 1.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
@@ -63,6 +62,7 @@ class PipelineConfig:
     rank_map: tuple[int, ...] | None = None
     precond: str = "all"  # "split": PipeFisher's split preconditioning between a stage's replicas;
     # "layers": the same, each stage's layers divided one by one (costs.precond_share)
+    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (shape, Layout)
 
     def __post_init__(self):
         if self.schedule == "chimera" and self.replicas == 1:
@@ -162,9 +162,12 @@ class PipelineConfig:
     @property
     def layout(self) -> Layout:
         """The placement as queries (pfcompile.formats.plan.Layout, the plan's and the
-        replay's too); `rank_of` above is the rule it is made from."""
-        return _layout(self.schedule, self.stages, self.virtual_stages, self.replicas, self.micro_batches,
-                       self.rank_map)
+        replay's too); `rank_of` above is the rule it is made from. Made once per shape:
+        the planners ask for it in their inner loops."""
+        key = (self.schedule, self.stages, self.virtual_stages, self.replicas, self.micro_batches, self.rank_map)
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, Layout(self.placement(), self.micro_batch_replica()))
+        return self._layout[1]
 
     def replica_mbs(self, replica: int) -> list[int]:
         return self.layout.mbs_of(replica)
@@ -175,14 +178,6 @@ class PipelineConfig:
 
     def replica_ranks(self, stage: int) -> list[int]:
         return self.layout.replica_ranks(stage)
-
-
-@lru_cache(maxsize=64)
-def _layout(schedule: str, stages: int, virtual_stages: int, replicas: int, micro_batches: int,
-            rank_map: tuple[int, ...] | None = None) -> Layout:
-    cfg = PipelineConfig(schedule, stages, micro_batches, replicas=replicas, virtual_stages=virtual_stages,
-                         rank_map=rank_map)
-    return Layout(cfg.placement(), cfg.micro_batch_replica())
 
 
 # --- compute orders: per rank, the (kind, stage, mb) passes of one step ------------------------

@@ -89,9 +89,6 @@ class Problem:
     def n(self) -> int:
         return len(self.key)
 
-    @property
-    def n_options(self) -> int:
-        return 1 + max((o for c in self.choices for o in c), default=-1)
 
     def option_tasks(self) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {o: [] for c in self.choices for o in c}
