@@ -84,11 +84,14 @@ def test_one_stage_plan_on_cuda_matches_single_process(tmp_path):
 
 
 # --- memory measured against the plan ---------------------------------------------------------
-# Every family, and the work divided between replicas (each replica holds only its layers'
-# inverses, roots or momentum): zb-h1 and zb-v, a W keeps its activations and output
-# gradients until it runs (and curv_b shares them); Chimera and 1F1B with two replicas divide
-# the layers ("layers"); Shampoo and Muon keep their own state.
-MEMORY_CASES = [("gpipe", 2, ()), ("1f1b", 2, ("--replicas", "2")), ("chimera", 4, ("--precond", "layers")),
+# Every family, and the work divided between replicas or not (each replica holds only its
+# layers' inverses, roots or momentum): zb-h1 and zb-v, a W keeps its activations and output
+# gradients until it runs (and curv_b shares them); 1F1B with two replicas each doing all the
+# work ("all"); Chimera and 1F1B with two replicas dividing it layer by layer ("layers": on
+# bert-tiny's one block a stage, PipeFisher's block-wise "split" would divide nothing);
+# Shampoo and Muon keep their own state.
+MEMORY_CASES = [("gpipe", 2, ()), ("1f1b", 2, ("--replicas", "2", "--precond", "all")),
+                ("chimera", 4, ("--precond", "layers")),
                 ("interleaved", 2, ("--virtual-stages", "2")), ("zb-h1", 2, ()), ("zb-v", 2, ("--method", "none")),
                 ("1f1b", 2, ("--replicas", "2", "--precond", "layers", "--optimizer", "shampoo")),
                 ("chimera", 4, ("--precond", "layers", "--optimizer", "muon"))]

@@ -438,6 +438,23 @@ def test_inspect_refuses_what_the_runtime_refuses_with_the_same_line(tmp_path, p
     assert capsys.readouterr().err == f"pfcompile inspect: error: {msg}\n"
 
 
+def test_the_runtime_refuses_user_code_whose_parts_are_not_the_plans(plan_obj, monkeypatch):
+    """What only the runtime can check: the parts of the user model's code. A plan whose
+    recorded parts (and cut) the verifier accepts is refused in one line when the code
+    imported by --model-code has other parts."""
+    from runtime.config import _check_plan_fits_model
+    from runtime.models import resolve_model
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    spec = resolve_model("my_model:build")  # embed, block0..block2, head
+    plan = plan_from_json(copy.deepcopy(plan_obj), "<plan>")  # bert-tiny's: embed, block0, block1, head
+    with pytest.raises(InputError) as e:
+        _check_plan_fits_model(plan, spec, "plan.json")
+    msg = str(e.value)
+    assert msg.startswith("plan.json: partition: ") and "does not cut the model's parts" in msg and "\n" not in msg
+    assert "'block2'" in msg
+
+
 def test_a_plan_records_its_profiles_parts():
     """What the verifier checks a user model's partition against."""
     prof = uniform_profile(blocks=2)
