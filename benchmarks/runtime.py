@@ -138,10 +138,10 @@ def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
     return path
 
 
-def torchrun(args: list[str]) -> dict:
-    """Run a 2-rank job; its rank 0 prints one JSON line last."""
+def torchrun(args: list[str], nproc: int = 2) -> dict:
+    """Run an `nproc`-rank job; its rank 0 prints one JSON line last."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
     if r.returncode or not lines:
@@ -150,8 +150,9 @@ def torchrun(args: list[str]) -> dict:
 
 
 def run_ours(plan_path: Path, steps: int, warmup: int, *flags: str) -> Launch:
+    nproc = json.loads(plan_path.read_text())["config"]["world_size"]
     out = torchrun(["-m", "runtime", str(plan_path), "--steps", str(steps), "--warmup", str(warmup),
-                    "--data", "synthetic", "--json", *flags])
+                    "--data", "synthetic", "--json", *flags], nproc)
     return Launch(out["step_ms"], out.get("op_ratio"), out.get("period_ms"))
 
 
@@ -469,7 +470,9 @@ def calibration_tables(a, out: Path, console) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="profiles/bert-mini-cpu.json")
+    ap.add_argument("--profile", default=None,
+                    help="default profiles/bert-mini-cpu.json; (g): profiles/bert-mini-cpu-optimizers.json, which "
+                         "holds Shampoo's and Muon's costs too")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from timing (raised to one refresh cycle)")
@@ -494,6 +497,7 @@ def main() -> None:
     ap.add_argument("--same-math-worker", metavar="PLAN", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.profile = a.profile or f"profiles/bert-mini-cpu{'-optimizers' if a.only_optimizers else ''}.json"
     if a.same_math_worker:
         return same_math_worker(a.same_math_worker, a.steps)
     if a.pipelining_worker:
