@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: demo test lint setup bench clean
+.PHONY: demo llama test lint setup bench clean
 
 setup: $(STAMP) dot
 
@@ -32,6 +32,10 @@ dot:
 
 demo: setup
 	OUT=$(OUT) PY=$(PY) bash examples/demo.sh
+
+# the Llama-style family and a transformers config, profiled, planned and trained on 2 CPU ranks
+llama: setup
+	OUT=$(OUT)/llama PY=$(PY) bash examples/llama.sh
 
 # ruff first: a lint finding fails the suite before the slow tests start
 test: setup

@@ -2,8 +2,8 @@
 fuzzing of their string fields through every command that reads them.
 
 Every mutated input must end in one of two ways: a one-line refusal (an InputError naming
-the file and a field), or acceptance. An accepted plan must train exactly like the
-original: a sample of the accepted plans whose op order differs from the original is run
+the file and a field), or acceptance. Plans of K-FAC, Shampoo and Muon are mutated alike.
+An accepted K-FAC plan must train exactly like the original: a sample of the accepted plans whose op order differs from the original is run
 with torchrun (2 ranks, float64, one refresh cycle and one step more) next to the original,
 and their losses must agree to 1e-10 (reordered curvature sums differ in the last bits).
 An accepted profile must give a plan the verifier accepts (what a profile can change is
@@ -46,8 +46,10 @@ from pfcompile.place.options import PlanOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "bert-tiny-cpu.json"
+TINY_OPTIMIZERS = ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"  # with Shampoo's and Muon's costs
 SEED = 14
-PLAN_CASES, PROFILE_CASES = 300, 60
+# plan cases per optimizer (K-FAC's plan from TINY, the others' from TINY_OPTIMIZERS), profile cases
+PLAN_CASES, PROFILE_CASES = {"kfac": 160, "shampoo": 70, "muon": 70}, 60
 EDGES = [0, -1, 1, 2**31, 10**30, 1e308, -1e12, 0.5, True, None, "1", [], {}]
 
 
@@ -131,9 +133,10 @@ def m_move_step(rng, o):
 
 
 def m_move_floating(rng, o):
-    """A K-FAC op moved to another step of its rank: often legal (the point of the cycle)."""
+    """An optimizer op moved to another step of its rank: a refresh op often legally (the
+    point of the cycle); a per-step op (Shampoo's statistics, Muon's orthogonalisation) not."""
     q, t, ops = _pick(rng, o)
-    idx = [i for i, d in enumerate(ops) if d["op"] in ("curv_a", "curv_b", "inv")]
+    idx = [i for i, d in enumerate(ops) if d["op"] in ("curv_a", "curv_b", "inv", "stats", "precond", "orth")]
     if not idx:
         return
     steps = o["ranks"][q]["steps"]
@@ -164,8 +167,8 @@ def m_time(rng, o):
 
 def m_config(rng, o):
     key = rng.choice(["micro_batches", "refresh_steps", "world_size", "replicas", "stages", "virtual_stages",
-                      "kfac", "schedule", "inverse", "memory_limit_bytes"])
-    o["config"][key] = rng.choice(EDGES + ["chimera", "eigen", False])
+                      "optimizer", "schedule", "inverse", "memory_limit_bytes"])
+    o["config"][key] = rng.choice(EDGES + ["chimera", "eigen", False, "kfac", "shampoo", "muon", "adamw"])
 
 
 def m_model(rng, o):
@@ -255,24 +258,34 @@ def test_fuzz_profiles_and_plans(tmp_path):
     profile = load_profile(str(TINY))
     plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"))
     original = plan.to_json()
+    others = load_profile(str(TINY_OPTIMIZERS))
+    originals = {"kfac": original, **{o: build_plan(others, PipelineConfig("1f1b", 2, 4, optimizer=o),
+                                                    PlanOptions("greedy"))[0].to_json() for o in ("shampoo", "muon")}}
     report = {}
 
-    # plans: the path every plan reader takes (bounded JSON, the loader, the verifier)
+    # plans of every optimizer: the path every plan reader takes (bounded JSON, the loader, the verifier)
     counts = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
     accepted: list = []
-    for n in range(PLAN_CASES):
-        obj = copy.deepcopy(original)
-        for _ in range(1 + (rng.random() < 0.3)):  # one mutation, sometimes two
-            rng.choice(PLAN_MUTATIONS)(rng, obj)
-        if rng.random() < 0.5:
-            _retime(obj)
-        text = json.dumps(obj)  # NaN and Infinity come out as JSON's non-numbers; the reader refuses them
+    for name, cases in PLAN_CASES.items():
+        mine = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+        for n in range(cases):
+            obj = copy.deepcopy(originals[name])
+            for _ in range(1 + (rng.random() < 0.3)):  # one mutation, sometimes two
+                rng.choice(PLAN_MUTATIONS)(rng, obj)
+            if rng.random() < 0.5:
+                _retime(obj)
+            text = json.dumps(obj)  # NaN and Infinity come out as JSON's non-numbers; the reader refuses them
 
-        def run(text=text, n=n):
-            p = plan_from_json(parse_json(text, f"plan-{n}.json"), f"plan-{n}.json")
-            verify_plan(p, f"plan-{n}.json")
-            return p
-        _classify(run, counts, accepted, obj)
+            def run(text=text, n=n, name=name):
+                p = plan_from_json(parse_json(text, f"{name}-plan-{n}.json"), f"{name}-plan-{n}.json")
+                verify_plan(p, f"{name}-plan-{n}.json")
+                return p
+            _classify(run, mine, accepted if name == "kfac" else [], obj)
+        report[f"plans ({name})"] = mine
+        assert mine["traceback"] == 0 and mine["hang"] == 0, (name, mine)
+        assert mine["refused"] > 0 and mine["accepted"] > 0, (name, mine)
+        for key in ("tried", "refused", "accepted", "traceback", "hang"):
+            counts[key] += mine[key]
     report["plans"] = counts
     reordered = [obj for obj, _ in accepted if _order(obj) != _order(original)]
     counts["accepted_reordered"] = len(reordered)
