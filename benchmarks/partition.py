@@ -1,6 +1,6 @@
 """Partition benchmark (not a test): where the stages are cut, planned and measured.
 
-For each profile, family (1F1B, Chimera) and pipeline depth D (4 and 8), with K-FAC and N
+For each profile, family (1F1B, Chimera) and pipeline depth D (2, 4 and 8), with K-FAC and N
 micro-batches, three cuts are planned by CP-SAT:
 
   even     each stage the same number of blocks, the embedding with the first stage and
@@ -12,12 +12,14 @@ micro-batches, three cuts are planned by CP-SAT:
 auto plans several cuts, the compute cut first with half its time: it runs under twice the
 others' `--time-limit`, so its compute cut gets the time `--partition compute` gets alone.
 
-With `--measure`, the plans of the CPU profile at D = `--measure-stages` (default 4, as many
-CPU ranks) run with `torchrun -m runtime`, every cut once per round, the order reversed
-every other round, and their measured step times are compared side by side.
+With `--measure`, the first profile's plans at each D of `--measure-stages` (default 2 and 4)
+run with `torchrun -m runtime` on D CPU ranks, every cut once per round, the order reversed
+every other round, and their measured step times are compared side by side. On a 2-core
+machine 4 ranks share the cores: there the step is bound by the total work more than by the
+schedule, which no cut changes.
 
     .venv/bin/python benchmarks/partition.py [--profiles P.json ...] [--stages 4 8]
-        [--time-limit 30] [--measure] [--measure-stages 4] [--rounds 3] [--steps 8] [--json FILE]
+        [--time-limit 30] [--measure] [--measure-stages 2 4] [--rounds 3] [--steps 8] [--json FILE]
 
 The default profiles: profiles/llama-small-cpu.json (a Llama with a 32k vocabulary,
 profiled on this CPU) and profiles/bert-large-p100-ref.json (PipeFisher's BERT-Large).
@@ -83,13 +85,13 @@ def planned_table(rows: list[dict]) -> None:
 
 
 def measured_table(a, measured: dict) -> None:
-    print(f"\nMeasured: `torchrun -m runtime`, {a.measure_stages} CPU ranks x 1 thread (gloo) on "
-          f"{os.cpu_count()} cores, {a.steps} timed steps after {a.warmup} of warm-up, {a.rounds} rounds; "
-          f"load average at the end {os.getloadavg()[0]:.1f}\n")
+    print(f"\nMeasured: `torchrun -m runtime` on D CPU ranks x 1 thread (gloo), {os.cpu_count()} cores, "
+          f"{a.steps} steps ({a.warmup} of warm-up) per launch, {a.rounds} rounds; the load average after each "
+          "family in the last column\n")
     print("| family | cut | parts per stage | measured ms/step (median) | min–max | predicted ms/step "
           "| measured / predicted | vs even, measured (paired median) | vs compute, measured (paired median) "
-          "| vs even, planned | vs compute, planned |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| vs even, planned | vs compute, planned | load |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for schedule, m in measured.items():
         times, pred, parts = m["times"], m["predicted"], m["parts"]
         for c in CUTS:
@@ -98,18 +100,19 @@ def measured_table(a, measured: dict) -> None:
             vc = runtime_benchmark.Paired.of(times[c], times["compute"]).median
             print(f"| {schedule} | {c} | {parts[c]} | {med:.1f} | {min(times[c]):.1f}–{max(times[c]):.1f} | "
                   f"{pred[c]:.1f} | {med / pred[c]:.3f} | {ve:.3f} | {vc:.3f} | {pred[c] / pred['even']:.3f} | "
-                  f"{pred[c] / pred['compute']:.3f} |")
+                  f"{pred[c] / pred['compute']:.3f} | {m['load']:.1f} |")
     print("\nRaw ms/step per round:", json.dumps({s: m["times"] for s, m in measured.items()}))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES))
-    ap.add_argument("--stages", nargs="+", type=int, default=[4, 8], metavar="D")
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8], metavar="D")
     ap.add_argument("--micro-batches", type=int, default=8, metavar="N")
     ap.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT seconds per plan (auto: twice this)")
     ap.add_argument("--measure", action="store_true", help="run the first profile's plans at --measure-stages")
-    ap.add_argument("--measure-stages", type=int, default=4, metavar="D")
+    ap.add_argument("--measure-stages", type=int, nargs="+", default=[2, 4], metavar="D",
+                    help="the depths whose plans run, each on D CPU ranks (default 2 and 4)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per launch")
     ap.add_argument("--warmup", type=int, default=2)
@@ -139,19 +142,22 @@ def main() -> int:
     planned_table(rows)
     measured = {}
     if a.measure:
-        profile, D = a.profiles[0], a.measure_stages
-        for schedule in FAMILIES:
-            if (profile, schedule, D, "even") not in paths:
-                for cut in CUTS:
-                    paths[(profile, schedule, D, cut)], _, _ = plan(profile, out, schedule, D, a.micro_batches, cut,
-                                                                    a.time_limit)
-            plan_paths = {cut: paths[(profile, schedule, D, cut)] for cut in CUTS}
-            runs = {cut: (lambda p=p: runtime_benchmark.run_ours(p, a.steps, a.warmup)) for cut, p in plan_paths.items()}
-            launches = runtime_benchmark.alternate(runs, a.rounds, a.steps, console)
-            loaded = {cut: json.loads(p.read_text()) for cut, p in plan_paths.items()}
-            measured[schedule] = {"times": {c: [x.step_ms for x in launches[c]] for c in CUTS},
-                                  "predicted": {c: loaded[c]["stats"]["step_time_ms"] for c in CUTS},
-                                  "parts": {c: sizes(loaded[c]) for c in CUTS}}
+        profile = a.profiles[0]
+        for D in a.measure_stages:
+            for schedule in FAMILIES:
+                if (profile, schedule, D, "even") not in paths:
+                    for cut in CUTS:
+                        paths[(profile, schedule, D, cut)], _, _ = plan(profile, out, schedule, D, a.micro_batches,
+                                                                        cut, a.time_limit)
+                plan_paths = {cut: paths[(profile, schedule, D, cut)] for cut in CUTS}
+                runs = {cut: (lambda p=p: runtime_benchmark.run_ours(p, a.steps, a.warmup))
+                        for cut, p in plan_paths.items()}
+                launches = runtime_benchmark.alternate(runs, a.rounds, a.steps, console)
+                loaded = {cut: json.loads(p.read_text()) for cut, p in plan_paths.items()}
+                measured[f"{schedule} D={D}"] = {"times": {c: [x.step_ms for x in launches[c]] for c in CUTS},
+                                                 "predicted": {c: loaded[c]["stats"]["step_time_ms"] for c in CUTS},
+                                                 "parts": {c: sizes(loaded[c]) for c in CUTS},
+                                                 "load": os.getloadavg()[0]}
         measured_table(a, measured)
     if a.json:
         record = {"planned": [{**{k: v for k, v in r.items() if k != "plans"},
