@@ -689,9 +689,6 @@ def interleaved_table(times: dict[str, list[float]], a) -> None:
     print("Raw ms/step per block:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
 
-if __name__ == "__main__":
-    main()
-
 
 OPTIMIZERS = ("kfac", "shampoo", "muon")
 
@@ -740,3 +737,6 @@ def optimizer_tables(a, out: Path, console) -> None:
               f"{'yes' if measured >= planned - 0.02 else 'no'} |")
     print("\nRaw ms/step per round:", json.dumps({k: [round(x, 1) for x in v] for k, v in times.items()}))
 
+
+if __name__ == "__main__":
+    main()
