@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(rank: int, error: Exception, code: int) -> int:
-    print(f"runtime[rank {rank}]: error: {printable(str(error))}", file=sys.stderr, flush=True)
+    # one write of the whole line: ranks share the terminal, and print's separate write of
+    # the newline lets another rank's line in between
+    sys.stderr.write(f"runtime[rank {rank}]: error: {printable(str(error))}\n")
+    sys.stderr.flush()
     return code
 
 

@@ -16,6 +16,7 @@ time the stop from it.
 from __future__ import annotations
 
 import os
+import sys
 
 CRASH_EXIT_CODE = 17
 
@@ -62,6 +63,7 @@ def poison_hook(rank: int, stages: dict):
             with torch.no_grad():
                 for p in stages[target].module.parameters():
                     p.fill_(float("nan"))
-            print(f"runtime[rank {rank}]: fault: stage {target}'s parameters set to NaN at step {current} "
-                  f"(unix time {time.time():.3f})", flush=True)
+            sys.stdout.write(f"runtime[rank {rank}]: fault: stage {target}'s parameters set to NaN at step "
+                             f"{current} (unix time {time.time():.3f})\n")  # one write: ranks share the terminal
+            sys.stdout.flush()
     return hook

@@ -481,6 +481,8 @@ def test_a_diverging_run_stops_every_rank_in_the_same_step(tmp_path):
     assert codes == {"0": "4", "1": "4", "2": "4", "3": "4"}, text[-4000:]
     assert 'File "' + str(ROOT / "runtime") not in text  # no traceback from the runtime itself
     last_line = max(t for t, _ in errors.values()) - poisoned
+    for q, (t, msg) in sorted(errors.items()):
+        print(f"\nrank {q} (+{t - poisoned:.2f} s, exit {codes[str(q)]}): runtime[rank {q}]: error: {msg}", end="")
     print(f"\nNaN at step 3 -> every rank's line within {last_line:.2f} s, torchrun ended {ended - poisoned:.2f} s "
           "after the NaN")
     assert ended - poisoned < 20
