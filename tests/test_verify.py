@@ -55,7 +55,7 @@ def _check(kw: dict, method: str, **opts) -> None:
 def test_every_family_none_and_greedy_pass_on_2_to_16_ranks(D):
     for kw in _families(D):
         for method in ("none", "greedy"):
-            _check(kw, method)
+            _check(kw, method, time_limit=1)  # bounds only the stats' first-order CP-SAT plan
 
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed-order", "free-order"])
