@@ -3,9 +3,10 @@ fuzzing of their string fields through every command that reads them.
 
 Every mutated input must end in one of two ways: a one-line refusal (an InputError naming
 the file and a field), or acceptance. Plans of K-FAC, Shampoo and Muon are mutated alike.
-An accepted K-FAC plan must train exactly like the original: a sample of the accepted plans whose op order differs from the original is run
-with torchrun (2 ranks, float64, one refresh cycle and one step more) next to the original,
-and their losses must agree to 1e-10 (reordered curvature sums differ in the last bits).
+An accepted K-FAC plan must train exactly like the original: a sample of the accepted
+plans whose op order differs from the original is run with torchrun (2 ranks, float64, one
+refresh cycle and one step more) next to the original, and their losses must agree to
+1e-10 (reordered curvature sums differ in the last bits).
 An accepted profile must give a plan the verifier accepts (what a profile can change is
 the schedule, not the mathematics; the runtime's exactness for any valid plan is
 tests/test_runtime.py's). A traceback (any other exception) or a hang (a case over 20 s)
@@ -59,6 +60,14 @@ class Hang(Exception):
 
 def _alarm(_signum, _frame):
     raise Hang()
+
+
+OUTCOMES = ("tried", "refused", "accepted", "traceback", "hang")
+
+
+def _tally() -> dict[str, int]:
+    """A target's count of each outcome, all zero."""
+    return dict.fromkeys(OUTCOMES, 0)
 
 
 def _classify(run, counts: dict, accepted: list, case) -> None:
@@ -264,10 +273,10 @@ def test_fuzz_profiles_and_plans(tmp_path):
     report = {}
 
     # plans of every optimizer: the path every plan reader takes (bounded JSON, the loader, the verifier)
-    counts = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+    counts = _tally()
     accepted: list = []
     for name, cases in PLAN_CASES.items():
-        mine = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+        mine = _tally()
         for n in range(cases):
             obj = copy.deepcopy(originals[name])
             for _ in range(1 + (rng.random() < 0.3)):  # one mutation, sometimes two
@@ -284,7 +293,7 @@ def test_fuzz_profiles_and_plans(tmp_path):
         report[f"plans ({name})"] = mine
         assert mine["traceback"] == 0 and mine["hang"] == 0, (name, mine)
         assert mine["refused"] > 0 and mine["accepted"] > 0, (name, mine)
-        for key in ("tried", "refused", "accepted", "traceback", "hang"):
+        for key in OUTCOMES:
             counts[key] += mine[key]
     report["plans"] = counts
     reordered = [obj for obj, _ in accepted if _order(obj) != _order(original)]
@@ -292,7 +301,7 @@ def test_fuzz_profiles_and_plans(tmp_path):
 
     # profiles: the path of `pfcompile plan` (bounded JSON, the profile loader, the planner,
     # and the verifier before writing)
-    pcounts = {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+    pcounts = _tally()
     base = json.loads(TINY.read_text())
     for n in range(PROFILE_CASES):
         obj = copy.deepcopy(base)
@@ -409,7 +418,7 @@ def test_fuzz_string_fields(tmp_path, monkeypatch):
     profile = load_profile(str(TINY))
     plan, _, _ = build_plan(profile, PipelineConfig("1f1b", 2, 4), PlanOptions("greedy"))
     plan_json, profile_json = plan.to_json(), json.loads(TINY.read_text())
-    table = {t: {"tried": 0, "refused": 0, "accepted": 0, "traceback": 0, "hang": 0}
+    table = {t: _tally()
              for t in ("plan", "inspect", "render", "runtime")}
     tracebacks: list = []
 
