@@ -40,10 +40,10 @@ def run_one(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from runtime.data import make_stream
-    from runtime.kfac import KfacConfig, make_layers
+    from runtime.io.data import make_stream
     from runtime.models import build_model, kfac_linears, resolve_config
-    from runtime.optim import OptimConfig, build_optimizer
+    from runtime.optimizers.kfac import KfacConfig, make_layers
+    from runtime.optimizers.stage import OptimConfig, build_optimizer
     from runtime.train import evaluate, train_step
 
     cfg = resolve_config("bert-tiny", seq_len=64)

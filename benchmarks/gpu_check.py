@@ -39,8 +39,8 @@ def parse(argv=None):
 def kfac_pass(model, layers, batch, micro_batches: int, precision) -> None:
     """One refresh step's K-FAC work without the optimizer: capture, curvature, invert both
     factors, activate, precondition (the gradients are replaced by preconditioned ones)."""
-    from runtime.data import split_micro_batches
-    from runtime.kfac import capturing
+    from runtime.io.data import split_micro_batches
+    from runtime.optimizers.kfac import capturing
 
     device_type = next(model.parameters()).device.type
     model.zero_grad(set_to_none=True)
@@ -66,11 +66,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from runtime.data import make_stream
-    from runtime.kfac import KfacConfig, make_layers
+    from runtime.config.precision import precision
+    from runtime.io.data import make_stream
     from runtime.models import build_model, kfac_linears, resolve_config
-    from runtime.optim import build_optimizer
-    from runtime.precision import precision
+    from runtime.optimizers.kfac import KfacConfig, make_layers
+    from runtime.optimizers.stage import build_optimizer
     from runtime.train import train_step
 
     torch.set_num_threads(1)

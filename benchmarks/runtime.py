@@ -7,7 +7,7 @@
   (a-i) the same five variants in ONE torchrun job on one process group, alternating
       blocks of `--block` steps (default 3) in an order rotated every round: a pair of
       blocks lies seconds apart instead of a minute, and this VM's speed drifts on the scale
-      of a minute. Ours is stepped as runtime.loop steps it (train_step, the metrics
+      of a minute. Ours is stepped as runtime.pipeline.loop steps it (train_step, the metrics
       reduction every log.every steps); the runtime's GC policy (automatic collection off,
       collect between blocks) applies to every variant alike. Reported beside (a), not
       instead of it: (a) is each variant in its own job, the way a user launches it;
@@ -34,7 +34,7 @@
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
 disturbed by other processes on a shared CPU) and the median. Every separate launch, ours and
-torch's, is timed by the runtime's own measure (runtime.measure.summarize: every step back to
+torch's, is timed by the runtime's own measure (runtime.observe.measure.summarize: every step back to
 back after one barrier, from the ranks' first start to their last end over the timed steps),
 and (a) is given again by the steady step period (Summary.period_ms). Each run times 28 steps after
 2 of warm-up by default (a bert-mini step is ~0.3 s on 2 CPU cores: 8 timed steps, the old
@@ -110,7 +110,7 @@ def run_length(a, plans: dict[str, Path]) -> tuple[int, int]:
 class Launch(NamedTuple):
     """One separate launch: the runtime's measured ms/step (Summary.step_ms), the compute
     ops' measured / profiled duration (ours only) and the steady step period
-    (Summary.period_ms), both sides measured by runtime.measure."""
+    (Summary.period_ms), both sides measured by runtime.observe.measure."""
     step_ms: float
     op_ratio: float | None
     period_ms: float | None
@@ -178,9 +178,9 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None 
     )
 
     from pfcompile.formats.plan import load_plan
-    from runtime.data import make_stream
+    from runtime.io.data import make_stream
     from runtime.models import Stage, lm_loss, resolve_config
-    from runtime.optim import build_optimizer
+    from runtime.optimizers.stage import build_optimizer
 
     p = load_plan(plan_path)
     N = p.config.micro_batches
@@ -226,7 +226,7 @@ def torch_pipeline(schedule: str, plan_path: str, rank: int, parts: dict | None 
 
 def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) -> None:
     """One torchrun job of torch's schedule alone, timed as our runtime times itself
-    (runtime.loop and runtime.measure): a barrier, then every step back to back, each
+    (runtime.pipeline.loop and runtime.observe.measure): a barrier, then every step back to back, each
     rank marking its steps' starts and ends, summarised by the runtime's own `summarize`
     over the steps after warm-up. Timed barrier to barrier instead (as this worker did
     before 2026-12-01), torch's steps start together after the warm-up, while our
@@ -237,7 +237,8 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     import torch
     import torch.distributed as dist
 
-    from runtime import comm, measure
+    from runtime.observe import measure
+    from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -265,15 +266,16 @@ INTERLEAVED = ("gpipe, no K-FAC", "torch ScheduleGPipe", "1f1b, no K-FAC", "torc
 
 
 def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps: int, parts_out: dict | None = None):
-    """Our runtime on a plan, stepped as runtime.loop.run steps it (train_step, then the
+    """Our runtime on a plan, stepped as runtime.pipeline.loop.run steps it (train_step, then the
     metrics reduction every log.every steps); returns one_step(step), which returns this
     rank's share of the step's loss. `parts_out`, if given, receives this rank's stage
     modules and optimizers by stage."""
     import torch
 
-    from runtime import job_config, loop
-    from runtime.config import make_job
-    from runtime.metrics import Metrics
+    from runtime.config import job as job_config
+    from runtime.config.cli import make_job
+    from runtime.observe.metrics import Metrics
+    from runtime.pipeline import loop
 
     job = make_job(job_config.load(overrides=["data.path=synthetic"]), plan_path, rank, world_size)
     parts = loop.build_rank(job, world)
@@ -305,7 +307,7 @@ def same_math_worker(plan_path: str, steps: int) -> None:
     import torch.distributed as dist
 
     from pfcompile.formats.plan import load_plan
-    from runtime import comm
+    from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")
@@ -357,7 +359,7 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
     import torch
     import torch.distributed as dist
 
-    from runtime import comm
+    from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")
@@ -369,7 +371,7 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
                 "1f1b, no K-FAC": ours_1f1b, "torch Schedule1F1B": torch_pipeline("1f1b", f1b, rank),
                 AGAIN: ours_1f1b}  # the same runtime object again: how far two blocks of one thing lie
     next_step = {name: 0 for name in step_fns}
-    gc.disable()  # the runtime's policy (runtime.loop), for every variant alike: collect between blocks
+    gc.disable()  # the runtime's policy (runtime.pipeline.loop), for every variant alike: collect between blocks
 
     def run_block(name: str, n: int) -> float:
         fn, s0 = step_fns[name], next_step[name]
@@ -630,7 +632,7 @@ def period_table(periods: dict[str, list[float | None]]) -> None:
     if any(None in periods.get(n, [None]) for pair in A_PAIRS for n in pair):
         return
     print("\n(a) the same launches by their steady step period (each rank's start of its first timed step "
-          "to the start of its last; runtime.measure.Summary.period_ms):")
+          "to the start of its last; runtime.observe.measure.Summary.period_ms):")
     print("| run | best period ms | median period ms | ratio (best) | ratio (median) | per-round ratio: "
           "mean ± standard error |")
     print("|---|---:|---:|---:|---:|---:|")

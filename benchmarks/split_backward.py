@@ -1,7 +1,7 @@
 """Split backward cost (not a test): one stage of bert-mini on this CPU, one thread.
 
 Times, per micro-batch, the whole backward (autograd), and the split B + W two ways:
-ours (runtime.split_backward: B asks autograd for the input, non-Linear parameter and
+ours (runtime.pipeline.split_backward: B asks autograd for the input, non-Linear parameter and
 Linear-output gradients; W forms the Linear weight gradients from the kept input and
 output gradient) and torch.distributed.pipelining's stage_backward_input /
 stage_backward_weight (B keeps the autograd graph's weight branches, W walks them). Also
@@ -36,7 +36,7 @@ def main() -> None:
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from runtime.models import Stage, resolve_config
-    from runtime.split_backward import WeightPasses
+    from runtime.pipeline.split_backward import WeightPasses
 
     torch.set_num_threads(1)
     cfg = resolve_config(a.model, seq_len=a.seq_len)

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from runtime.kfac import KfacConfig
-from runtime.optim import OptimConfig
+from runtime.optimizers.kfac import KfacConfig
+from runtime.optimizers.stage import OptimConfig
 from runtime.train import RunConfig, run_training
 
 # Tuned by benchmarks/convergence.py (bert-tiny, batch 32 x 64 characters; see its grid and

@@ -1,13 +1,18 @@
-"""The executor: models and stages (models), data (data), K-FAC math (kfac), the optimizer
-(optim), the single-process reference trainer (train) and the plan interpreter.
+"""The executor, in subpackages along the data flow:
 
-`torchrun -m runtime PLAN`: __main__ (exit codes) -> config (the flags, shorthands for
-job_config's keys; validation of the config, plan, model and data against the job;
-job_config: the run's settings as typed sections) -> build (this rank's stages, the update
-with clipping) -> loop (the training loop, given the job:
-interpreter, comm, checkpoint, metrics, export, measure; faults holds the test fault
-injection). Commands: `python -m runtime.prepare_data`, `python -m runtime.evaluate`.
+- config: the run's settings as typed sections (job), the command line (cli), precision;
+- models: the built-in transformers, `transformers` models, specs resolved to stages;
+- optimizers: each optimizer's math (kfac, shampoo, muon) and the stage optimizer (stage);
+- pipeline: this rank's stages (build), the op interpreter, comm, the split backward, the
+  training loop (loop);
+- observe: the measured timeline, memory, metrics, fault injection;
+- io: training data, checkpoints, the exported model.
+
+`torchrun -m runtime PLAN`: __main__ (exit codes) -> config.cli (flags and validation) ->
+pipeline.loop (build, then run the plan's ops step after step). `runtime.train` is the
+single-process reference trainer. Commands: `python -m runtime.prepare_data`,
+`python -m runtime.evaluate`.
 
 Imports no ortools, networkx or graphviz; reads plans only through pfcompile.formats.plan.load_plan.
-Kept import-free so `python -m runtime` and `import runtime.models` stay cheap.
+Kept import-free so `python -m runtime` stays cheap.
 """

@@ -1,11 +1,11 @@
 """`torchrun --nproc-per-node N -m runtime PLAN`: execute a compiled plan.
 
-Where things live: runtime.job_config (the run's settings: typed sections, the TOML file,
---set), runtime.config (the flags, each a shorthand for one key; validation of the config,
-plan, model and data against the job), runtime.build (this rank's stages, K-FAC layers,
-optimizers, the update), runtime.loop (the training loop, given the job),
-runtime.checkpoint (save / resume), runtime.metrics (metrics log, progress), runtime.export
-(the trained model file), runtime.measure (timeline, summary), runtime.faults (fault
+Where things live: runtime.config.job (the run's settings: typed sections, the TOML file,
+--set), runtime.config.cli (the flags, each a shorthand for one key; validation of the config,
+plan, model and data against the job), runtime.pipeline.build (this rank's stages, K-FAC layers,
+optimizers, the update), runtime.pipeline.loop (the training loop, given the job),
+runtime.io.checkpoint (save / resume), runtime.observe.metrics (metrics log, progress), runtime.io.export
+(the trained model file), runtime.observe.measure (timeline, summary), runtime.observe.faults (fault
 injection for tests).
 
 Exit codes: 0 done, 2 bad input (plan, flags, model), 3 a peer was lost / timed out,
@@ -19,7 +19,7 @@ import os
 import sys
 
 from pfcompile.formats.errors import InputError, printable
-from runtime.config import build_parser, prepare
+from runtime.config.cli import build_parser, prepare
 
 EXIT_INPUT, EXIT_COMM, EXIT_DIVERGED = 2, 3, 4
 
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         job = prepare(args, rank, world_size)
     except InputError as e:
         return _fail(rank, e, EXIT_INPUT)
-    from runtime.comm import CommTimeout
-    from runtime.interpreter import NonFiniteError
-    from runtime.loop import run
+    from runtime.pipeline.comm import CommTimeout
+    from runtime.pipeline.interpreter import NonFiniteError
+    from runtime.pipeline.loop import run
     try:
         summary = run(job)
     except CommTimeout as e:
@@ -73,7 +73,7 @@ def _fail(rank: int, error: Exception, code: int) -> int:
 
 def _exit_without_teardown(code: int) -> None:
     """All ranks have met at the final barrier and nothing is left to do: exit without
-    running gloo's destructors (see runtime.comm.shutdown)."""
+    running gloo's destructors (see runtime.pipeline.comm.shutdown)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -81,6 +81,6 @@ def _exit_without_teardown(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if code in (0, EXIT_DIVERGED):  # every rank ends together (runtime.loop): no teardown race
+    if code in (0, EXIT_DIVERGED):  # every rank ends together (runtime.pipeline.loop): no teardown race
         _exit_without_teardown(code)
     sys.exit(code)

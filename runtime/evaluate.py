@@ -25,14 +25,14 @@ from pfcompile.formats.errors import InputError
 def evaluate_model(model, batches, micro_batches: int, precision: str = "float32", partition=None,
                    micro_batch_replica=None) -> float:
     """Mean over batches of the mean over micro-batches of each one's mean loss: the
-    pipeline's evaluation (runtime.loop._evaluate), computed by the unpipelined model the
+    pipeline's evaluation (runtime.pipeline.loop._evaluate), computed by the unpipelined model the
     way the pipeline computes it: stage by stage (`partition`, default one stage) under the
     run's precision, each stage's output cast as it crosses to the next, each replica
     summing loss_m / N over its micro-batches (`micro_batch_replica`) as a tensor in the
     compute's float, each replica's sums added over the batches in float64, then the
     replicas' totals."""
-    from runtime.data import split_micro_batches
-    from runtime.precision import precision as make_precision
+    from runtime.config.precision import precision as make_precision
+    from runtime.io.data import split_micro_batches
 
     prec = make_precision(precision)
     stages = partition or [list(model.names)]
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION", help="allow importing a user model")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    from runtime.data import VOCAB, make_stream, open_token_file
+    from runtime.io.data import VOCAB, make_stream, open_token_file
     from runtime.models import ModelSpecError, load_trained
 
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.jsonio import atomic_file, write_json
-from runtime.data import SPECIALS, TOKEN_DTYPES, VOCAB, encode, sidecar_path
+from runtime.io.data import SPECIALS, TOKEN_DTYPES, VOCAB, encode, sidecar_path
 
 
 def tokenize(text_bytes: bytes, level: str) -> tuple[np.ndarray, int]:

@@ -1,13 +1,13 @@
 """The single-process trainer: the reference semantics the pipeline runtime must reproduce.
 
-One step (see runtime.kfac for the refresh cycle):
+One step (see runtime.optimizers.kfac for the refresh cycle):
     refresh step (t % k == 0): activate() every layer (last cycle's inverses come into force)
     for each micro-batch m: forward; backward of loss_m / M; on refresh steps capture and
         run curv_a(m), curv_b(m)
     refresh step: invert A and B of every layer (pending until step t + k)
     precondition every layer; KL-clip per group; optimizer step
 
-Shampoo (runtime.shampoo) and Muon (runtime.muon) steps, by the cfg passed:
+Shampoo (runtime.optimizers.shampoo) and Muon (runtime.optimizers.muon) steps, by the cfg passed:
     Shampoo: refresh step: activate() every layer; forward/backward of every micro-batch;
         update_stats (snapshot on refresh steps); refresh step: compute_root L and R
         (pending until step t + k); precondition; clip; optimizer step
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from runtime.data import Batch, split_micro_batches
-from runtime.kfac import KfacConfig, KfacLayer, apply_kl_clip, capturing
+from runtime.io.data import Batch, split_micro_batches
 from runtime.models import IGNORE_INDEX, lm_loss
-from runtime.muon import MuonConfig
-from runtime.optim import clip_coefficient, raw_grad_norm_sq, scale_all_grads
-from runtime.shampoo import ShampooConfig
+from runtime.optimizers.kfac import KfacConfig, KfacLayer, apply_kl_clip, capturing, kfac_config
+from runtime.optimizers.muon import MuonConfig, muon_config
+from runtime.optimizers.shampoo import ShampooConfig, shampoo_config
+from runtime.optimizers.stage import clip_coefficient, optim_config, raw_grad_norm_sq, scale_all_grads
 
 
 def sample_targets(logits: torch.Tensor, targets: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -50,14 +50,14 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
     """One training step; returns the step's loss (mean over micro-batches of their mean loss).
 
     `kl_groups` partitions kfac_layers for the KL clip (the pipeline runtime clips per stage);
-    default: one group of all layers. `precision` (runtime.precision.Precision): bfloat16 runs
+    default: one group of all layers. `precision` (runtime.config.precision.Precision): bfloat16 runs
     the forwards under autocast, as the runtime does (the backward follows their dtypes).
     `max_grad_norm` > 0 clips the back-propagated gradient to that global norm (before
     preconditioning; applied after it, which is the same by linearity). `stats`, if given,
     receives "grad_norm" (before clipping).
 
     With a ShampooConfig or MuonConfig as `cfg`, `kfac_layers` are that optimizer's layers
-    (runtime.shampoo.ShampooLayer, runtime.muon.MuonLayer); `kl_groups` and `seed` are unused.
+    (runtime.optimizers.shampoo.ShampooLayer, runtime.optimizers.muon.MuonLayer); `kl_groups` and `seed` are unused.
     """
     import contextlib
     device_type = next(model.parameters()).device.type
@@ -185,9 +185,9 @@ class Curve:
 def make_optimizer_layers(model: nn.Module, optimizer: str, cfg, micro_batches: int) -> list:
     """The covered layers (runtime.models.kfac_linears) of `optimizer` with its config: K-FAC's
     with hooks attached, Shampoo's, Muon's; none for AdamW."""
-    from runtime import muon, shampoo
-    from runtime.kfac import make_layers
     from runtime.models import kfac_linears
+    from runtime.optimizers import muon, shampoo
+    from runtime.optimizers.kfac import make_layers
 
     if optimizer == "adamw":
         return []
@@ -202,9 +202,9 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
                  second_order: ShampooConfig | MuonConfig | None = None) -> Curve:
     """Train a built-in model on the pydoc corpus; K-FAC if `kfac` is set, Shampoo or Muon if
     `second_order` is (then `kfac` must be None), else AdamW only."""
-    from runtime.data import make_stream
+    from runtime.io.data import make_stream
     from runtime.models import build_model, resolve_config
-    from runtime.optim import build_optimizer
+    from runtime.optimizers.stage import build_optimizer
 
     if kfac is not None and second_order is not None:
         raise ValueError("run_training: give kfac or second_order, not both")
@@ -232,23 +232,23 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
 def train_reference(spec, cfg, stream, micro_batches: int, *, kfac: bool = True, kl_groups_of=None,
                     dtype: torch.dtype | None = None, steps: int | None = None, precision=None,
                     optimizer: str | None = None):
-    """The single-process run of a config (runtime.job_config.JobConfig with the plan-fixed
+    """The single-process run of a config (runtime.config.job.JobConfig with the plan-fixed
     keys filled): the same model seed, optimizer, schedule, K-FAC settings and clipping as
     `torchrun -m runtime` with that config. `optimizer` is the plan's choice (kfac | shampoo |
     muon | adamw; default: kfac if `kfac`, else adamw), its settings [kfac], [shampoo] or [muon].
     `kl_groups_of(layers)` groups the layers for the KL clip (the pipeline clips per stage).
     Returns (model, step losses)."""
     from runtime.models import build_model
-    from runtime.optim import build_optimizer
+    from runtime.optimizers.stage import build_optimizer
 
     name = optimizer or ("kfac" if kfac else "adamw")
     seed = cfg.train.seed
     model = build_model(spec, seed=seed, dtype=dtype)
-    step_cfg = {"kfac": cfg.kfac_config, "shampoo": cfg.shampoo_config, "muon": cfg.muon_config,
-                "adamw": lambda: None}[name]()
+    step_cfg = {"kfac": kfac_config, "shampoo": shampoo_config, "muon": muon_config,
+                "adamw": lambda job: None}[name](cfg)
     layers = make_optimizer_layers(model, name, step_cfg, micro_batches)
     groups = kl_groups_of(layers) if kl_groups_of and layers and name == "kfac" else None
-    opt = build_optimizer(model, layers, cfg.optim_config(), optimizer=name)
+    opt = build_optimizer(model, layers, optim_config(cfg), optimizer=name)
     losses = []
     for step in range(cfg.train.steps if steps is None else steps):
         losses.append(train_step(model, layers, opt, stream.batch(step), step, micro_batches,

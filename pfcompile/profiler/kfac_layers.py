@@ -9,7 +9,7 @@ import torch
 from pfcompile.formats.profile import KfacLayer
 from pfcompile.profiler.clocks import Clock, Timing
 from pfcompile.profiler.parts import PartBench
-from runtime.memory import nbytes
+from runtime.observe.memory import nbytes
 
 
 def capture_layer_tensors(bench: PartBench) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -31,7 +31,7 @@ def capture_layer_tensors(bench: PartBench) -> dict[str, tuple[torch.Tensor, tor
 
 def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
                        clock: Clock) -> tuple[KfacLayer, dict[str, Timing]]:
-    from runtime.kfac import KfacConfig
+    from runtime.optimizers.kfac import KfacConfig
 
     t: dict[str, Timing] = {}
     t["curv_a_ms"] = clock.time(lambda: layer.curv_a(0), setup=lambda: layer.save_input(0, x))

@@ -13,8 +13,8 @@ import torch
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import Comm, RuntimeOverheads, fit_link
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from runtime.comm import free_port
-from runtime.memory import nbytes
+from runtime.observe.memory import nbytes
+from runtime.pipeline.comm import free_port
 
 
 def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, queue,
@@ -27,7 +27,7 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from runtime import comm
+    from runtime.pipeline import comm
 
     # the backend follows the profiled device (gloo for CPU tensors even on a GPU host);
     # tag-free as the runtime runs on NCCL: ping and pong are the pair's only messages

@@ -44,7 +44,7 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
 
     t: dict[str, Timing] = {}
     if optimizer == "shampoo":
-        from runtime.shampoo import ShampooConfig, ShampooLayer
+        from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer
 
         layer = ShampooLayer(name, linear, ShampooConfig(refresh_steps=2))  # k > 1: the snapshot is a copy
         fresh_grad()
@@ -54,7 +54,7 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
         layer.activate()
         t["precond"] = clock.time(layer.precondition, setup=fresh_grad)
     elif optimizer == "muon":
-        from runtime.muon import MuonConfig, MuonLayer
+        from runtime.optimizers.muon import MuonConfig, MuonLayer
 
         layer = MuonLayer(name, linear, MuonConfig(ns_dtype=muon_ns_dtype))
         t["orth"] = clock.time(layer.orthogonalize, setup=fresh_grad)

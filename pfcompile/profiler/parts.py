@@ -13,16 +13,16 @@ from pfcompile.profiler.settings import SEED
 
 # one definition with the runtime's memory count, so the planner's model and the run count
 # the same bytes
-from runtime.memory import nbytes, saved_activation_bytes
+from runtime.observe.memory import nbytes, saved_activation_bytes
 
 
 class PartBench:
     """One part built as the runtime builds a stage, with its K-FAC layers attached."""
 
     def __init__(self, spec, name: str, micro_batch: int, seq_len: int, device, dtype):
-        from runtime import kfac
+        from runtime.config.precision import precision
         from runtime.models import Stage, kfac_linears
-        from runtime.precision import precision
+        from runtime.optimizers import kfac
 
         self.name, self.cfg = name, spec.cfg
         # bfloat16 is mixed precision as the runtime runs it: float32 parameters and K-FAC
@@ -86,7 +86,7 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
 def weight_pass_kept_bytes(bench: PartBench) -> int:
     """What the part's W keeps besides its activations after B: every nn.Linear's output
     gradient (runtime.split_backward.WeightPasses.kept), counted as runtime.memory counts it."""
-    from runtime.split_backward import WeightPasses
+    from runtime.pipeline.split_backward import WeightPasses
 
     split = WeightPasses(bench.stage)
     try:
@@ -108,7 +108,7 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
     (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
     and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
     K-FAC capture on as for bwd_ms. Each timed run starts from its own forward (and B)."""
-    from runtime.split_backward import WeightPasses
+    from runtime.pipeline.split_backward import WeightPasses
 
     split = WeightPasses(bench.stage)
     x = None
@@ -148,8 +148,8 @@ def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
     baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
     clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
     warm-up on, as in every step after the first. The parameters are restored afterwards."""
-    from runtime.kfac import KfacConfig, apply_kl_clip
-    from runtime.optim import build_optimizer
+    from runtime.optimizers.kfac import KfacConfig, apply_kl_clip
+    from runtime.optimizers.stage import build_optimizer
 
     params = list(bench.stage.parameters())
     saved = [p.detach().clone() for p in params]

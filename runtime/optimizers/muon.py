@@ -1,6 +1,6 @@
 """Muon for the weights of nn.Linear layers: torch.optim.Muon's per-parameter math, split into
 the unit of work a plan schedules (`orthogonalize`, per layer) and the update the optimizer
-step applies (runtime.optim.MuonOptimizer: decoupled weight decay, then the orthogonalised
+step applies (runtime.optimizers.stage.MuonOptimizer: decoupled weight decay, then the orthogonalised
 update at the shape-adjusted learning rate).
 
 Per step, for a weight with gradient g (as torch.optim.Muon):
@@ -60,6 +60,14 @@ class MuonConfig:
             raise ValueError(f"adjust_lr_fn must be None or one of {', '.join(ADJUST_LR_FNS)}, got {self.adjust_lr_fn!r}")
         if self.ns_dtype is not None and self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be None or one of {', '.join(NS_DTYPES)}, got {self.ns_dtype!r}")
+
+
+def muon_config(job) -> MuonConfig:
+    """MuonConfig of a JobConfig's [muon]."""
+    m = job.muon
+    return MuonConfig(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
+                      ns_coefficients=m.ns_coefficients, eps=m.eps, ns_steps=m.ns_steps,
+                      adjust_lr_fn=m.adjust_lr_fn, ns_dtype=m.ns_dtype)
 
 
 def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,

@@ -6,10 +6,13 @@ global-norm gradient clipping)."""
 from __future__ import annotations
 
 from pfcompile.formats.errors import InputError
-from runtime import kfac
-from runtime.interpreter import StageReplica
 from runtime.models import Stage, kfac_linears
-from runtime.optim import build_optimizer, clip_coefficient, raw_grad_norm_sq, scale_all_grads
+from runtime.optimizers import kfac
+from runtime.optimizers.kfac import kfac_config
+from runtime.optimizers.muon import muon_config
+from runtime.optimizers.shampoo import shampoo_config
+from runtime.optimizers.stage import build_optimizer, clip_coefficient, optim_config, raw_grad_norm_sq, scale_all_grads
+from runtime.pipeline.interpreter import StageReplica
 
 
 def build_stages(job, world) -> dict[int, StageReplica]:
@@ -22,14 +25,14 @@ def build_stages(job, world) -> dict[int, StageReplica]:
         layers = _optimizer_layers(job, s, module) if plan.config.optimizer_work else {}
         stages[s] = StageReplica(
             stage=s, replica=r, module=module, layers=layers,
-            optimizer=build_optimizer(module, list(layers.values()), cfg.optim_config(), optimizer),
+            optimizer=build_optimizer(module, list(layers.values()), optim_config(cfg), optimizer),
             group=world.stage_groups.get(s), is_first=(s == 0), is_last=(s == plan.num_stages - 1))
     return stages
 
 
 def _optimizer_layers(job, s: int, module) -> dict:
-    """The plan's covered layers of stage s as its optimizer's layer state (runtime.kfac,
-    runtime.shampoo, runtime.muon; K-FAC's capture hooks attached); a name the stage lacks
+    """The plan's covered layers of stage s as its optimizer's layer state (runtime.optimizers.kfac,
+    runtime.optimizers.shampoo, runtime.optimizers.muon; K-FAC's capture hooks attached); a name the stage lacks
     is an InputError."""
     plan = job.plan
     linears = dict(kfac_linears(module))
@@ -49,7 +52,7 @@ def _layer_maker(job):
     """name, nn.Linear -> the plan's optimizer's state of that layer, configured by the job."""
     optimizer, cfg, N = job.plan.config.optimizer, job.config, job.plan.config.micro_batches
     if optimizer == "kfac":
-        kfac_cfg = cfg.kfac_config()
+        kfac_cfg = kfac_config(cfg)
 
         def make(name, linear):
             layer = kfac.KfacLayer(name, linear, kfac_cfg, loss_divisor=N)
@@ -57,13 +60,13 @@ def _layer_maker(job):
             return layer
         return make
     if optimizer == "shampoo":
-        from runtime.shampoo import ShampooLayer
+        from runtime.optimizers.shampoo import ShampooLayer
 
-        shampoo_cfg = cfg.shampoo_config()
+        shampoo_cfg = shampoo_config(cfg)
         return lambda name, linear: ShampooLayer(name, linear, shampoo_cfg)
-    from runtime.muon import MuonLayer
+    from runtime.optimizers.muon import MuonLayer
 
-    muon_cfg = cfg.muon_config()
+    muon_cfg = muon_config(cfg)
     return lambda name, linear: MuonLayer(name, linear, muon_cfg)
 
 
@@ -107,7 +110,7 @@ class Update:
             return share
         import torch
 
-        from runtime.comm import all_reduce
+        from runtime.pipeline.comm import all_reduce
 
         total = torch.tensor([share], dtype=torch.float64, device=self.world.device)
         all_reduce(total, "the all-reduce of the gradient norm", self.world.timeout)

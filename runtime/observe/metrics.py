@@ -10,7 +10,7 @@ metrics.jsonl has one object per line:
 A resumed run appends: for a step logged twice, the last line is the one that counts.
 
 The log folder (log.dir, else a new run folder, `make_run_folder`) also gets train.toml,
-the effective config (runtime.loop), and summary.json, the run's summary: the object
+the effective config (runtime.pipeline.loop), and summary.json, the run's summary: the object
 `--json` prints.
 """
 

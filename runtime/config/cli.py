@@ -1,5 +1,5 @@
 """The command line of `torchrun -m runtime PLAN` and the job it describes: the flags (each
-a shorthand for one key of runtime.job_config), and the validation of the config, the plan
+a shorthand for one key of runtime.config.job), and the validation of the config, the plan
 and the model against this job.
 
 Each rank validates BEFORE any collective (and before torch is even imported where it can
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pfcompile.formats.errors import InputError, echo
 from pfcompile.formats.jsonio import check_output_dir, check_output_path
 from pfcompile.formats.ops import stage_served
-from runtime import job_config
-from runtime.job_config import JobConfig
-from runtime.metrics import RUNS_DIR
+from runtime.config import job as job_config
+from runtime.config.job import JobConfig
+from runtime.observe.metrics import RUNS_DIR
 
 # The flags: each sets one key, after the file and the --set overrides (`--steps 20` is
-# `--set train.steps=20`); what a key means is its help in runtime.job_config.
+# `--set train.steps=20`); what a key means is its help in runtime.config.job.
 # (flag, key, argparse keywords; a flag's default is always None: "not given")
 SHORTHANDS = [
     ("--steps", "train.steps", dict(type=int, metavar="S")),
@@ -112,11 +112,11 @@ class Job:
     spec: object                 # model spec: cfg, part_names, build_part
     rank: int
     world_size: int
-    precision: object            # runtime.precision.Precision
-    device_type: str = "cpu"     # "cpu" | "cuda": the backend follows it (runtime.comm)
+    precision: object            # runtime.config.precision.Precision
+    device_type: str = "cpu"     # "cpu" | "cuda": the backend follows it (runtime.pipeline.comm)
     p2p_tags: bool = True        # False: messages matched per pair in issue order (NCCL's rule)
-    data: object = None          # runtime.data.TokenFile, or None (pydoc / synthetic)
-    val_data: object = None      # runtime.data.TokenFile, or None
+    data: object = None          # runtime.io.data.TokenFile, or None (pydoc / synthetic)
+    val_data: object = None      # runtime.io.data.TokenFile, or None
 
     @property
     def dtype(self):
@@ -160,7 +160,7 @@ def _check_outputs(cfg: JobConfig, rank: int) -> None:
     after training started would waste the run (or, for the trace, all of it)."""
     r = cfg.runtime
     if r.pin_cpus:  # enough cores for every local rank's threads
-        from runtime import affinity
+        from runtime.pipeline import affinity
         affinity.share(r.threads)
     for key, check in (("checkpoint.dir", check_output_dir), ("log.dir", check_output_dir),
                        ("runtime.trace", check_output_path), ("checkpoint.save_model", check_output_path)):
@@ -172,7 +172,7 @@ def _check_outputs(cfg: JobConfig, rank: int) -> None:
 
 def _check_data(cfg: JobConfig, plan, spec, where: str):
     """The token files (None for the built-in pydoc / synthetic data), checked before training."""
-    from runtime.data import VOCAB, open_token_file
+    from runtime.io.data import VOCAB, open_token_file
 
     d = cfg.data
     batch = int(plan.model["micro_batch"]) * plan.config.micro_batches
@@ -194,7 +194,7 @@ def _device_and_precision(cfg: JobConfig, plan, where: str):
     """(precision, device type, p2p tags) of the job, from the config or the plan's profile."""
     import torch
 
-    from runtime.precision import NAMES, precision
+    from runtime.config.precision import NAMES, precision
 
     r = cfg.runtime
     dtype_name = r.dtype or plan.model.get("dtype") or "float32"

@@ -38,7 +38,7 @@ class Timeline:
     memory: list[tuple[int, int]] = field(default_factory=list)
     device_type: str = "cpu"
     host: str = field(default_factory=socket.gethostname)
-    cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.affinity)
+    cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.pipeline.affinity)
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0

@@ -24,12 +24,13 @@ import torch.nn as nn
 
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
-from runtime import comm, kfac
-from runtime.measure import Timeline
-from runtime.memory import MemoryMeter
-from runtime.optim import covered_parameters
-from runtime.precision import Precision, precision
-from runtime.split_backward import WeightPasses
+from runtime.config.precision import Precision, precision
+from runtime.observe.measure import Timeline
+from runtime.observe.memory import MemoryMeter
+from runtime.optimizers import kfac
+from runtime.optimizers.stage import covered_parameters
+from runtime.pipeline import comm
+from runtime.pipeline.split_backward import WeightPasses
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ class StageReplica:
     replica: int
     module: nn.Module
     layers: dict[int, object]        # plan layer index -> the optimizer's layer (KfacLayer, ShampooLayer, MuonLayer)
-    optimizer: object                # runtime.optim optimizer of this stage
+    optimizer: object                # runtime.optimizers.stage optimizer of this stage
     group: object | None             # process group of the stage's replicas (None: one replica)
     is_first: bool
     is_last: bool
@@ -98,7 +99,7 @@ class Interpreter:
                  act_shape: tuple[int, ...], dtype: torch.dtype | Precision, update, timeline: Timeline,
                  tags: bool | None = None, recv_ahead: int | None = None):
         self.plan, self.world, self.stages = plan, world, stages
-        # float32/float64 throughout, or bf16 autocast with float32 state (runtime.precision)
+        # float32/float64 throughout, or bf16 autocast with float32 state (runtime.config.precision)
         self.precision = dtype if isinstance(dtype, Precision) else precision(str(dtype).removeprefix("torch."))
         self.act_shape, self.dtype = act_shape, self.precision.compute_dtype  # messages' shape and dtype
         self.update = update            # update(stage_replica): KL-clip + optimizer step of a stage
@@ -109,7 +110,7 @@ class Interpreter:
         self.N = plan.config.micro_batches
         self.k = plan.refresh_steps
         self.mailbox = comm.Mailbox(world, tags)  # tags None: on for gloo, off for NCCL
-        # receives posted ahead of the op that completes them (runtime.comm): gloo only
+        # receives posted ahead of the op that completes them (runtime.pipeline.comm): gloo only
         self.recv_ahead = (0 if world.backend == "nccl" else 1) if recv_ahead is None else recv_ahead
         self.upcoming: list[Op] = []  # this step's receive ops not yet posted, in order
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, stage, mb) -> tensor
@@ -123,7 +124,7 @@ class Interpreter:
         self.optimizer = plan.config.optimizer
         # the layers whose hooks capture inputs and output gradients (K-FAC's), per stage
         self.capture = {s: list(sr.layers.values()) if self.optimizer == "kfac" else [] for s, sr in stages.items()}
-        # zero-bubble families: each stage's backward split into B and W (runtime.split_backward)
+        # zero-bubble families: each stage's backward split into B and W (runtime.pipeline.split_backward)
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
             if plan.config.schedule in SPLIT_BACKWARD_SCHEDULES else {}
         self.memory.split = self.split  # W's kept output gradients count too
@@ -156,7 +157,7 @@ class Interpreter:
         tl, mem = self.timeline, self.memory
         mem.begin_step()
         # Marks are host instants on CPU, CUDA events on the current stream on CUDA (read by
-        # end_step, never a synchronise per op: see runtime.measure).
+        # end_step, never a synchronise per op: see runtime.observe.measure).
         step_start = tl.mark()
         ops = self.plan.ops(self.world.rank, step)
         self.upcoming = [op for op in ops if op.kind in ("recv_act", "recv_grad")] if self.recv_ahead else []

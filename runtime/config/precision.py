@@ -4,7 +4,7 @@ the way GPUs train.
 bfloat16: parameters, gradients, K-FAC accumulators, factors, inverses and optimizer state
 stay float32; forward (and so backward) runs under `torch.autocast(dtype=bfloat16)`; the
 K-FAC hooks capture the bf16 activations / output gradients and curvature accumulates them
-in float32 (runtime.kfac casts rows to the accumulator's dtype). Activations cross a stage
+in float32 (runtime.optimizers.kfac casts rows to the accumulator's dtype). Activations cross a stage
 boundary in bfloat16 (the stage's output is cast, inside the autograd graph, so the
 gradient that comes back is bfloat16 too): half the bytes of a float32 message. The
 profiler applies the same rules, so the plan's memory model sees the same sizes.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.job_config import DTYPES as NAMES  # runtime.dtype's choices, named once
+from runtime.config.job import DTYPES as NAMES  # runtime.dtype's choices, named once
 
 
 @dataclass(frozen=True)

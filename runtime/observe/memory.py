@@ -51,7 +51,7 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: set[int]):
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Tensors in the state of each torch optimizer inside a runtime.optim optimizer."""
+    """Tensors in the state of each torch optimizer inside a runtime.optimizers.stage optimizer."""
     total = 0
     for opt in getattr(optimizer, "optimizers", [optimizer]):
         for state in opt.state.values():
@@ -104,7 +104,7 @@ class MemoryMeter:
         self.held_acts = 0   # sum of self.acts
         self.kept = 0        # K-FAC captures (+ W's output gradients) held now
         self.peak = 0
-        self.split: dict = {}  # stage -> runtime.split_backward.WeightPasses (zero-bubble families)
+        self.split: dict = {}  # stage -> runtime.pipeline.split_backward.WeightPasses (zero-bubble families)
 
     # --- the step -------------------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -6,7 +6,7 @@ unpipelined model in a single process; `python -m runtime.evaluate` evaluates it
 Parameter names are the unpipelined model's (`parts.block0.attn.q.weight`): a stage's
 names are already those of the whole model, so the stages' dicts simply merge. A
 `transformers` model ("hf:PATH") is written with its `transformers` names and config.json
-(runtime.hf), so it loads back into `transformers`.
+(runtime.models.hf), so it loads back into `transformers`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def spec_path(path: str | Path) -> Path:
 def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
     """Every stage's parameters on rank 0 (None elsewhere), by point-to-point messages
     after the training steps (nothing else is in flight then)."""
-    from runtime.comm import gather_json, talking
+    from runtime.pipeline.comm import gather_json, talking
 
     owner = {p["stage"]: p["rank"] for p in plan.placement if p["replica"] == 0}
     mine = {s: sr.module.state_dict() for s, sr in stages.items() if sr.replica == 0}
@@ -62,13 +62,13 @@ def gather_model(world, plan, stages: dict) -> dict[str, torch.Tensor] | None:
 def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict, model=None) -> None:
     """model.safetensors (the tensors, the spec also in its metadata) and model.json (the spec).
 
-    A `transformers` model (`model`: a runtime.hf.HFModel) is saved in its own layout: the
+    A `transformers` model (`model`: a runtime.models.hf.HFModel) is saved in its own layout: the
     tensors by their `transformers` names and config.json beside, so the folder loads with
     AutoModelForCausalLM.from_pretrained (which wants the file named model.safetensors and
     the metadata format "pt")."""
     from safetensors.torch import save
 
-    from runtime.hf import HFModel
+    from runtime.models.hf import HFModel
 
     spec = {"format": FORMAT, **spec}
     metadata = {FORMAT: json.dumps(spec)}
@@ -83,7 +83,7 @@ def save_model(path: str, tensors: dict[str, torch.Tensor], spec: dict, model=No
 def model_spec(job, val_batches: int) -> dict:
     """What load_trained and runtime.evaluate need: the model, its dtype, and the evaluation
     of the run (its batches, precision and stages, so a single process evaluates exactly as
-    the pipeline did); and the run's config (`job`: runtime.job_config's sections), which
+    the pipeline did); and the run's config (`job`: runtime.config.job's sections), which
     made it."""
     plan, cfg = job.plan, job.spec.cfg
     N = plan.config.micro_batches

@@ -13,7 +13,7 @@ damps. A relative ε makes the root's conditioning (at most ε^(-1/4)) independe
 gradient's scale and of β₂, and keeps ε above float32's eigenvalue noise (~1e-7 λ_max). An
 all-zero statistic (no gradient yet) has the identity as its root.
 
-Cycle semantics (refresh every k steps), the same as runtime.kfac's:
+Cycle semantics (refresh every k steps), the same as runtime.optimizers.kfac's:
   * a refresh step t0 (t0 % k == 0) starts with `activate()`: the roots computed during the
     previous cycle come into force;
   * every step `update_stats(snapshot)` folds the step's gradient into L and R; at t0 it also
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from runtime.kfac import NonFiniteFactorError
+from runtime.optimizers.kfac import NonFiniteFactorError
 
 FACTORS = ("L", "R")
 GRAFTS = ("sgd", "none")
@@ -56,6 +56,13 @@ class ShampooConfig:
             raise ValueError(f"graft must be one of {', '.join(GRAFTS)}, got {self.graft!r}")
         if not (0 < self.beta2 <= 1 and self.epsilon > 0 and self.refresh_steps >= 1):
             raise ValueError("need 0 < beta2 <= 1, epsilon > 0, refresh_steps >= 1")
+
+
+def shampoo_config(job) -> ShampooConfig:
+    """ShampooConfig of a JobConfig's [shampoo]; its refresh period is the plan's
+    (kfac.refresh_steps once apply_plan has filled it in; 1 before)."""
+    s = job.shampoo
+    return ShampooConfig(beta2=s.beta2, epsilon=s.epsilon, graft=s.graft, refresh_steps=job.kfac.refresh_steps or 1)
 
 
 class ShampooLayer:

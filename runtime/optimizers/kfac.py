@@ -69,6 +69,15 @@ class KfacConfig:
             raise ValueError("need damping > 0, 0 <= ema < 1, refresh_steps >= 1")
 
 
+def kfac_config(job) -> KfacConfig:
+    """KfacConfig of a runtime.config.job.JobConfig's [kfac] (kl_clip 0: off; before apply_plan,
+    the plan-fixed keys' defaults: cholesky, refresh every step)."""
+    k = job.kfac
+    return KfacConfig(damping=k.damping, ema=k.ema, damping_mode=k.damping_mode, inverse=k.inverse or "cholesky",
+                      fisher=k.fisher, kl_clip=k.kl_clip if k.kl_clip > 0 else None,
+                      refresh_steps=k.refresh_steps or 1)
+
+
 class KfacLayer:
     """K-FAC state of one nn.Linear: saved tensors, accumulators, factors, inverses."""
 
@@ -101,8 +110,8 @@ class KfacLayer:
     # --- capture ----------------------------------------------------------------------------
     # Captures are kept as the tensors autograd hands over, not reshaped: a reshape of a
     # non-contiguous one (the attention's k projection's output gradient) would copy it,
-    # and the split backward's W keeps these very tensors (runtime.split_backward): one
-    # storage, counted once by the planner and runtime.memory. curv_* flattens them.
+    # and the split backward's W keeps these very tensors (runtime.pipeline.split_backward): one
+    # storage, counted once by the planner and runtime.observe.memory. curv_* flattens them.
     def save_input(self, mb: int, x: torch.Tensor) -> None:
         self._saved["A"][mb] = x.detach()
 

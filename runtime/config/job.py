@@ -5,7 +5,7 @@ field's annotation, its default the field's default, its valid range the field's
 
 Where a run's values come from, later wins: the defaults here, then the TOML file
 (`--config`), then each `--set SECTION.KEY=VALUE` in order, then the flag shorthands of
-runtime.config (`--steps 20` is `--set train.steps=20`). `--set` values are TOML values
+runtime.config.cli (`--steps 20` is `--set train.steps=20`). `--set` values are TOML values
 (`--set kfac.damping=1e-4`, `--set optimizer.adam_betas=[0.9,0.98]`); a bare word is a
 string (`--set schedule.decay=cosine`). Every problem is a one-line InputError naming the
 file (or --set, or the flag) and the key.
@@ -33,7 +33,7 @@ import typing
 from dataclasses import dataclass, field
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.models import DTYPES  # runtime.precision's, named where no torch is imported
+from pfcompile.formats.models import DTYPES  # runtime.config.precision's, named where no torch is imported
 
 try:
     import tomllib
@@ -44,7 +44,7 @@ MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
-OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optim.build_optimizer's
+OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optimizers.stage.build_optimizer's
 
 
 # --- valid ranges: (predicate, what the message says a value must be) ------------------------------
@@ -67,7 +67,7 @@ NOT_EMPTY = (lambda v: v != "", "a non-empty string")
 
 
 def setting(default, help: str, check=None):
-    """A key of a section: its default, one line of help (runtime.config's --help lists
+    """A key of a section: its default, one line of help (runtime.config.cli's --help lists
     them) and its valid range (a None value, "not set", is never checked)."""
     return field(default=default, metadata={"help": help, "check": check})
 
@@ -237,46 +237,6 @@ class JobConfig:
 
     def error(self, key: str, message: str) -> InputError:
         return InputError(*self.origin(key), message)
-
-    # --- what the rest of the runtime builds from it ---------------------------------------------
-    def kfac_config(self):
-        """runtime.kfac.KfacConfig of [kfac] (kl_clip 0: off; before apply_plan, the plan-fixed
-        keys' defaults: cholesky, refresh every step)."""
-        from runtime.kfac import KfacConfig
-
-        k = self.kfac
-        return KfacConfig(damping=k.damping, ema=k.ema, damping_mode=k.damping_mode, inverse=k.inverse or "cholesky",
-                          fisher=k.fisher, kl_clip=k.kl_clip if k.kl_clip > 0 else None,
-                          refresh_steps=k.refresh_steps or 1)
-
-    def shampoo_config(self):
-        """runtime.shampoo.ShampooConfig of [shampoo]; its refresh period is the plan's
-        (kfac.refresh_steps once apply_plan has filled it in; 1 before)."""
-        from runtime.shampoo import ShampooConfig
-
-        s = self.shampoo
-        return ShampooConfig(beta2=s.beta2, epsilon=s.epsilon, graft=s.graft, refresh_steps=self.kfac.refresh_steps or 1)
-
-    def muon_config(self):
-        """runtime.muon.MuonConfig of [muon]."""
-        from runtime.muon import MuonConfig
-
-        m = self.muon
-        return MuonConfig(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov,
-                          ns_coefficients=m.ns_coefficients, eps=m.eps, ns_steps=m.ns_steps,
-                          adjust_lr_fn=m.adjust_lr_fn, ns_dtype=m.ns_dtype)
-
-    def optim_config(self):
-        """runtime.optim.OptimConfig of [optimizer] and [schedule] (max_grad_norm is the
-        update's: runtime.build.Update); decay_steps 0 is until the last step of [train]."""
-        from runtime.optim import OptimConfig
-
-        o, s = self.optimizer, self.schedule
-        decay_steps = s.decay_steps or max(1, self.train.steps - s.warmup_steps)
-        return OptimConfig(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, adam_lr=o.adam_lr,
-                           adam_betas=o.adam_betas, adam_weight_decay=o.adam_weight_decay,
-                           warmup_steps=s.warmup_steps, decay=s.decay, decay_steps=decay_steps,
-                           final_lr_ratio=s.final_lr_ratio, power=s.power)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

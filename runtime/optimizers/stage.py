@@ -1,8 +1,8 @@
 """The optimizer of one stage (or the whole model): SGD with momentum on the K-FAC layers'
 preconditioned gradients, AdamW on everything K-FAC does not cover (embeddings, LayerNorms,
 the head). Without K-FAC layers it is plain AdamW, the first-order baseline. Shampoo's
-layers (runtime.shampoo) take the same SGD-momentum on their weights' grafted
-preconditioned gradients; Muon's (runtime.muon) their own update (MuonOptimizer). Both
+layers (runtime.optimizers.shampoo) take the same SGD-momentum on their weights' grafted
+preconditioned gradients; Muon's (runtime.optimizers.muon) their own update (MuonOptimizer). Both
 cover only the weights: the layers' biases go to AdamW with the rest.
 
 Both learning rates follow one schedule (`lr_factor`): linear warm-up over warmup_steps,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from runtime.job_config import DECAYS, OPTIMIZERS  # names live with their config sections
+from runtime.config.job import DECAYS, OPTIMIZERS  # names live with their config sections
 
 
 @dataclass
@@ -58,6 +58,17 @@ class OptimConfig:
         if self.decay == "cosine":
             return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
         return r + (1.0 - r) * (1.0 - p) ** self.power
+
+
+def optim_config(job) -> OptimConfig:
+    """OptimConfig of a JobConfig's [optimizer] and [schedule] (max_grad_norm is the update's:
+    runtime.pipeline.build.Update); decay_steps 0 is until the last step of [train]."""
+    o, s = job.optimizer, job.schedule
+    decay_steps = s.decay_steps or max(1, job.train.steps - s.warmup_steps)
+    return OptimConfig(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, adam_lr=o.adam_lr,
+                       adam_betas=o.adam_betas, adam_weight_decay=o.adam_weight_decay,
+                       warmup_steps=s.warmup_steps, decay=s.decay, decay_steps=decay_steps,
+                       final_lr_ratio=s.final_lr_ratio, power=s.power)
 
 
 def covered_parameters(layer) -> tuple[torch.Tensor, ...]:
@@ -220,9 +231,9 @@ def build_optimizer(stage_module: nn.Module, layers, cfg: OptimConfig | None = N
                     optimizer: str = "kfac") -> KfacOptimizer | MuonOptimizer:
     """The optimizer of one stage: pass the stage's own layers of `optimizer` (KfacLayer,
     ShampooLayer, MuonLayer; [] for AdamW only, which "kfac" without layers also is)."""
-    from runtime.kfac import KfacLayer
-    from runtime.muon import MuonLayer
-    from runtime.shampoo import ShampooLayer
+    from runtime.optimizers.kfac import KfacLayer
+    from runtime.optimizers.muon import MuonLayer
+    from runtime.optimizers.shampoo import ShampooLayer
 
     layers, cfg = list(layers), cfg or OptimConfig()
     kind = {"kfac": KfacLayer, "shampoo": ShampooLayer, "muon": MuonLayer, "adamw": ()}.get(optimizer)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from runtime.models import ModelConfig, ModelSpecError, lm_loss, part_seed
+from runtime.models.transformer import ModelConfig, ModelSpecError, lm_loss, part_seed
 
 PREFIX = "hf:"
 # model_types whose causal LM is embed -> decoder layers -> norm -> lm_head with nothing else

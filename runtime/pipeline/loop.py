@@ -1,5 +1,5 @@
 """The training loop of one rank, top to bottom: join the job, build this rank's stages,
-resume if asked, run the plan's ops step after step (runtime.interpreter), report metrics,
+resume if asked, run the plan's ops step after step (runtime.pipeline.interpreter), report metrics,
 evaluate, checkpoint, and at the end gather the trained model and the measured timelines
 (rank 0)."""
 
@@ -16,11 +16,15 @@ from pathlib import Path
 import torch
 
 from pfcompile.formats.jsonio import write_atomic
-from runtime import affinity, checkpoint, comm, export, faults, measure
-from runtime.build import Update, build_stages
-from runtime.data import make_stream, split_micro_batches
-from runtime.interpreter import Interpreter, NonFiniteError
-from runtime.metrics import RUNS_DIR, Metrics, make_run_folder
+from runtime.io import checkpoint, export
+from runtime.io.data import make_stream, split_micro_batches
+from runtime.observe import faults, measure
+from runtime.observe.metrics import RUNS_DIR, Metrics, make_run_folder
+from runtime.optimizers.kfac import kfac_config
+from runtime.optimizers.stage import optim_config
+from runtime.pipeline import affinity, comm
+from runtime.pipeline.build import Update, build_stages
+from runtime.pipeline.interpreter import Interpreter, NonFiniteError
 
 # Python's cyclic garbage collector runs when a rank has allocated enough container
 # objects: at a different moment on each rank, and a full collection walks every object
@@ -49,12 +53,12 @@ def build_rank(job, world) -> RankParts:
     plan, cfg = job.plan, job.config
     N = plan.config.micro_batches
     comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-    optim_cfg = cfg.optim_config()
+    optim_cfg = optim_config(cfg)
     stages = build_stages(job, world)
     mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
     stream, val_batches = _data(job, mb_size * N, seq_len)
     timeline = measure.Timeline(world.rank, device_type=world.device.type)
-    update = Update(cfg.kfac_config(), cfg.optimizer.max_grad_norm, world, plan.config.optimizer)
+    update = Update(kfac_config(cfg), cfg.optimizer.max_grad_norm, world, plan.config.optimizer)
     interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
                          timeline, tags=job.p2p_tags, recv_ahead=cfg.runtime.recv_ahead)
     return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg, cfg.muon.lr)

@@ -144,7 +144,7 @@ def resume(root: str, world, stages: dict) -> int:
     import torch.distributed as dist
 
     from pfcompile.formats.errors import InputError
-    from runtime.comm import all_reduce
+    from runtime.pipeline.comm import all_reduce
 
     done = complete_steps(root, world.world_size)
     latest = torch.tensor([done[-1] if done else 0], dtype=torch.int64, device=world.device)

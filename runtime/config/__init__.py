@@ -1,0 +1,2 @@
+"""The run's settings: typed sections (job), the command line that fills them (cli), numeric
+precision (precision)."""
