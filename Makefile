@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: demo llama test lint setup bench clean
+.PHONY: demo llama test test-fast lint setup bench clean
 
 setup: $(STAMP) dot
 
@@ -41,6 +41,12 @@ llama: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+# everyday work: the in-process tests only (no torchrun, no CLI subprocess: those are
+# marked e2e, and tests/conftest.py refuses a process started by an unmarked test)
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not e2e" tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

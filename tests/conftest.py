@@ -7,7 +7,36 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+import subprocess  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+# The fast tier's promise, enforced: a test that starts a process, in its body or in a
+# fixture it sets up, must be marked e2e (`make test-fast` runs `-m "not e2e"`), so the
+# tiers cannot drift apart unnoticed.
+_running: list = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_in_e2e_only(self, *args, **kwargs):
+    item = _running[-1] if _running else None
+    if item is not None and item.get_closest_marker("e2e") is None:
+        cmd = args[0] if args else kwargs.get("args")
+        raise AssertionError(f"{item.nodeid} starts a process ({cmd!r}): mark it @pytest.mark.e2e")
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _popen_in_e2e_only
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
 
 
 @pytest.fixture(scope="session")

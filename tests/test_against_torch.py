@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 

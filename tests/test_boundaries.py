@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "ortools", "networkx", "graphviz")
 
@@ -79,8 +81,8 @@ def test_a_forbidden_import_is_found(tmp_path):
     for rel, line, expect in (
             ("pfcompile/formats/ops.py", "import torch\n", "pfcompile/formats/ops.py"),
             ("pfcompile/graph/costs.py", "def f():\n    import torch\n", "pfcompile/graph/costs.py"),
-            ("runtime/comm.py", "from pfcompile.place.build import build_plan\n", "runtime/comm.py"),
-            ("runtime/kfac.py", "import networkx as nx\n", "runtime/kfac.py"),
+            ("runtime/pipeline/comm.py", "from pfcompile.place.build import build_plan\n", "runtime/pipeline/comm.py"),
+            ("runtime/optimizers/kfac.py", "import networkx as nx\n", "runtime/optimizers/kfac.py"),
             ("pfcompile/formats/plan.py", "from pfcompile.graph import schedules\n", "pfcompile/formats/plan.py")):
         f = tmp_path / rel
         original = f.read_text()
@@ -91,13 +93,14 @@ def test_a_forbidden_import_is_found(tmp_path):
     assert violations(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_contract_and_runtime_load_without_heavy_stacks():
     code = ("import sys, pfcompile.formats.plan, pfcompile.formats.profile, pfcompile.formats.trace, "
             "pfcompile.formats.jsonio, pfcompile.formats.ops;"
             "print(sorted(m for m in ('torch','ortools','networkx','graphviz') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    code = ("import sys, runtime.interpreter, runtime.checkpoint, runtime.measure;"
+    code = ("import sys, runtime.pipeline.interpreter, runtime.io.checkpoint, runtime.observe.measure;"
             "print(sorted(m for m in ('ortools','networkx','graphviz') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -8,9 +8,9 @@ import itertools
 from pathlib import Path
 
 import pytest
+from helpers import uniform_profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_graph import uniform_profile
 
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.bounds import jackson_preemptive, lower_bounds, rank_span_bounds

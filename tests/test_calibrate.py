@@ -1,7 +1,7 @@
 """The optimizer step as a profiled cost, and closing the loop from measured runs:
 `pfcompile calibrate` and `pfcompile inspect MEASURED --against PLAN`.
 
-The measured trace here is written by the runtime's own writer (runtime.measure: Timeline,
+The measured trace here is written by the runtime's own writer (runtime.observe.measure: Timeline,
 plan_identity, write_measured_trace) from op durations we choose, so calibration must give
 back exactly those durations; no part of the runtime is mocked, none is run.
 """
@@ -30,7 +30,7 @@ from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
 from pfcompile.place.options import PlanOptions
-from runtime import measure
+from runtime.observe import measure
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
@@ -186,6 +186,7 @@ def test_calibration_recovers_known_costs(tmp_path):
     assert json.loads(replanned.read_text())["profile"]["hash"] == again.hash
 
 
+@pytest.mark.e2e
 def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     """`pfcompile inspect TRACE --against PLAN --profile P` replays the plan with the run's
     own op times, messages as P models them. On runs written from the cost model with known
@@ -230,6 +231,7 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     assert r.returncode == 2 and "plan_profile.hash" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.e2e
 def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_path):
     """A run whose every compute op and send takes 0.5x its time in even refresh cycles and
     1.5x in odd ones (after the warm-up step; known durations, written from the cost model's definition, not with the
@@ -328,6 +330,7 @@ def test_calibration_recovers_a_split_backward(tmp_path):
     assert replay(plan, fitted).step_time_ms == pytest.approx(replay(plan, truth).step_time_ms, rel=0.01)
 
 
+@pytest.mark.e2e
 def test_cli_calibrate_inspect_and_refusals(tmp_path, ops_only_tiny):
     # the ops' costs alone: the per-kind ratios are then exactly the known factors
     PROFILE = ops_only_tiny  # noqa: N806
@@ -362,6 +365,7 @@ def test_cli_calibrate_inspect_and_refusals(tmp_path, ops_only_tiny):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "otherData.source" in r.stderr
 
 
+@pytest.mark.e2e
 def test_inspect_with_the_profile_compares_each_op_with_its_own_time(tmp_path):
     """A run written with the plan's own profile's costs (runtime overheads included: the
     committed profile's dispatch and work between steps): with `--profile`, every op kind
@@ -388,6 +392,7 @@ def test_inspect_with_the_profile_compares_each_op_with_its_own_time(tmp_path):
     assert "predicted: each op's own time in the plan" in text
 
 
+@pytest.mark.e2e
 def test_calibrate_checks_the_profile_against_the_run_it_was_fitted_on(tmp_path):
     """`pfcompile calibrate` prints, per trace, the calibrated profile's prediction of the run
     it was fitted on (the model's own error, apart from the machine's). A run written from

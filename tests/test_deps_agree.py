@@ -8,13 +8,13 @@ producers, the replay makes each member wait for its own and then for the rendez
 mean "the collective starts when all members' producers are done"."""
 
 import pytest
+from helpers import uniform_profile
 
 from pfcompile.check.deps import PlanLayout, op_dependencies
 from pfcompile.formats.plan import task_at
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place import assemble
-from tests.test_graph import uniform_profile
 
 CASES = [
     ("gpipe", dict(stages=2, micro_batches=3)),

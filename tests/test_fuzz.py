@@ -45,6 +45,8 @@ from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
 from pfcompile.place.options import PlanOptions
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "profiles" / "bert-tiny-cpu.json"
 TINY_OPTIMIZERS = ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"  # with Shampoo's and Muon's costs
@@ -399,7 +401,7 @@ def _run_cli(run) -> int:
 def _runtime_validation(path: Path) -> int:
     """What every rank runs before joining the job; a refusal printed as the runtime does."""
     from runtime.__main__ import EXIT_INPUT, _fail
-    from runtime.config import build_parser, prepare
+    from runtime.config.cli import build_parser, prepare
 
     def run():
         try:

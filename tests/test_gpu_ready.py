@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from test_runtime import ROOT, assert_same_params, distributed_params, make_plan, reference_params, run_single, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, make_plan, reference_params, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
-from runtime import comm
+from runtime.pipeline import comm
 
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
 HAS_CUDA = torch.cuda.is_available()
@@ -30,6 +30,7 @@ def plan_from_profile(tmp_path, schedule: str, stages: int, *extra: str, profile
 
 
 # --- tag-free messages ----------------------------------------------------------------------
+@pytest.mark.e2e
 def test_interleaved_plan_runs_tag_free(tmp_path):
     """A planner's interleaved plan (2 devices x 2 chunks), messages matched per pair in issue
     order as on NCCL, ends one cycle plus a step equal to the float64 single process."""
@@ -54,6 +55,7 @@ def test_backend_follows_the_device():
         comm.rank_device("cuda", have)  # one GPU per local rank: one too many is refused
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(HAS_CUDA, reason="needs a host without CUDA")
 def test_cuda_run_without_a_gpu_fails_with_one_line(tmp_path):
     plan = make_plan(tmp_path, "gpipe", 2)
@@ -62,6 +64,7 @@ def test_cuda_run_without_a_gpu_fails_with_one_line(tmp_path):
     assert "--device: cuda, but torch sees no CUDA device here" in r.stderr
 
 
+@pytest.mark.e2e
 def test_tags_on_need_gloo(tmp_path):
     plan = make_plan(tmp_path, "gpipe", 2)
     r = run_single(str(plan), "--device", "cuda", "--p2p-tags", "on", world_size=2)
@@ -99,6 +102,7 @@ MEMORY_CASES = [("gpipe", 2, ()), ("1f1b", 2, ("--replicas", "2", "--precond", "
                 ("chimera", 4, ("--precond", "layers", "--optimizer", "muon"))]
 
 
+@pytest.mark.e2e
 def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
     """On CPU the runtime counts what the planner models; after a full refresh cycle (every
     buffer allocated: optimizer state, factors, spare inverse slots) each rank's measured peak
@@ -151,6 +155,7 @@ def update_error(got: dict, want: dict, initial: dict) -> float:
 BF16_TOL = 0.05
 
 
+@pytest.mark.e2e
 def test_bfloat16_pipeline_matches_single_process(tmp_path):
     plan = make_plan(tmp_path, "1f1b", 2)
     r = torchrun(plan, 2, "--steps", "3", "--dtype", "bfloat16", "--p2p-tags", "off",
@@ -167,6 +172,7 @@ def test_bfloat16_pipeline_matches_single_process(tmp_path):
 
 
 # --- the prepared GPU check, its CPU half ---------------------------------------------------------
+@pytest.mark.e2e
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh --device cpu: the same steps as on a GPU, with bert-tiny, so the
     script cannot rot while no GPU is at hand."""

@@ -2,35 +2,11 @@
 
 import networkx as nx
 import pytest
+from helpers import uniform_profile
 
 from pfcompile.formats.ops import Op
-from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile
 from pfcompile.graph.schedules import PipelineConfig, compute_orders
 from pfcompile.graph.taskgraph import Task, build_task_graph
-
-
-def uniform_profile(blocks: int = 4, fwd: float = 1.0, bwd: float = 2.0, layers_per_block: int = 2,
-                    act_bytes: int = 1000, out_bytes: int = 0, latency_ms: float = 0.0,
-                    curv: float = 0.1, inv: float = 0.3, precond: float = 0.05) -> Profile:
-    """A synthetic profile: equal blocks, zero-cost embed/head, zero comm unless asked."""
-    parts = [Part("embed", 0.0, 0.0, 0, 0, 0, out_bytes)]
-    layers = []
-    for b in range(blocks):
-        parts.append(Part(f"block{b}", fwd, bwd, act_bytes, 100, 100, out_bytes))
-        for j in range(layers_per_block):
-            layers.append(KfacLayer(
-                name=f"block{b}.fc{j}", part=f"block{b}", in_features=8, out_features=8, bias=False,
-                curv_a_ms=curv, curv_b_ms=curv, inv_a_ms={"cholesky": inv, "eigen": 2 * inv},
-                inv_b_ms={"cholesky": inv, "eigen": 2 * inv}, precond_ms=precond,
-                kept_a_bytes=10, kept_b_bytes=20, factor_a_bytes=4, factor_b_bytes=4,
-                inverse_a_bytes=4, inverse_b_bytes=4))
-    parts.append(Part("head", 0.0, 0.0, 0, 0, 0, 0))
-    link = LinkModel(latency_ms=latency_ms, bytes_per_ms=1e6)
-    prof = Profile(source="reference", provenance={"note": "synthetic, tests"},
-                   model={"name": "tests:synthetic", "micro_batch": 1, "seq_len": 1},  # user code: its own parts
-                   parts=parts, kfac_layers=layers, comm=Comm("model", out_bytes, link, link))
-    prof.to_json()  # sets the hash
-    return prof
 
 
 def test_graph_is_a_dag_with_every_pass_once_per_step():

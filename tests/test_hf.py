@@ -1,4 +1,4 @@
-"""A Hugging Face `transformers` model as pipeline parts (`--model hf:PATH`, runtime.hf):
+"""A Hugging Face `transformers` model as pipeline parts (`--model hf:PATH`, runtime.models.hf):
 the cut against the uncut `transformers` model (loss and gradients, float64), the pipeline
 (real torchrun, gloo, 1F1B, K-FAC) against the single process and against `transformers`'
 first-step gradients, the saved model loaded back into `transformers`, weights read from a
@@ -12,16 +12,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    MICRO,
+    SEQ,
+    N,
+    assert_same_params,
+    chained,
+    cli,
+    distributed_params,
+    make_plan,
+    one_line_error,
+    run_single,
+    torchrun,
+)
 
 transformers = pytest.importorskip("transformers")
 
-from test_models import chained  # noqa: E402
-from test_profile import cli, one_line_error  # noqa: E402
-from test_runtime import MICRO, SEQ, N, assert_same_params, distributed_params, make_plan, torchrun  # noqa: E402
 
 from pfcompile.formats.plan import load_plan  # noqa: E402
-from runtime import job_config  # noqa: E402
-from runtime.data import make_stream  # noqa: E402
+from runtime.config import job as job_config  # noqa: E402
+from runtime.io.data import make_stream  # noqa: E402
 from runtime.models import ModelSpecError, build_model, kfac_linears, load_trained, resolve_model  # noqa: E402
 from runtime.train import train_reference  # noqa: E402
 
@@ -80,6 +90,7 @@ def test_cut_equals_transformers(tmp_path, model_type, attn):
     assert len(layers) == 14 and layers[0] == "block0.layer.self_attn.q_proj" and layers[-1] == "block1.layer.mlp.down_proj"
 
 
+@pytest.mark.e2e
 def test_pipeline_equals_single_process_and_transformers(tmp_path, monkeypatch):
     """2 ranks, 1F1B, K-FAC, float64, a relative hf: path (resolved from the current folder,
     where the runtime runs too). After step 1 the K-FAC layers moved by -lr x gradient (SGD,
@@ -174,6 +185,7 @@ def test_profile_an_hf_config(tmp_path):
     assert len(prof.layers_of("block1")) == 7 and prof.model["vocab"] == 128
 
 
+@pytest.mark.e2e
 def test_bad_hf_models_are_one_line_errors(tmp_path):
     cases = {"missing": (f"hf:{tmp_path / 'nope.json'}", "no such file")}
     (tmp_path / "bad.json").write_text("{not json")
@@ -200,10 +212,10 @@ def test_bad_hf_models_are_one_line_errors(tmp_path):
                    "--model", "no such file")
 
 
+@pytest.mark.e2e
 def test_runtime_rejects_model_code_and_a_missing_config(tmp_path):
     """The runtime rebuilds an hf: model from the plan's name: --model-code has nothing to
     allow, and a config gone since planning is named in one line, before any collective."""
-    from test_runtime import run_single
 
     config = write_config(tmp_path / "tiny")
     plan = make_plan(tmp_path, "1f1b", 2, name=f"hf:{config}")

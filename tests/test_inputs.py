@@ -116,6 +116,7 @@ def test_a_memory_limit_no_order_fits_is_refused_up_front(capsys, monkeypatch):
         assert "--memory-limit: rank 0 needs at least" in err and "over the limit of 102400" in err, err
 
 
+@pytest.mark.e2e
 def test_the_time_limit_counts_from_the_process_start():
     """The command's clock starts when its process does: a second and a half spent before
     pfcompile is even imported counts against --time-limit (and in its stage_seconds)."""
@@ -207,6 +208,7 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
     return plans[0], plans[1]
 
 
+@pytest.mark.e2e
 def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     plan, _ = one_rank
     r = _run(str(plan), "--steps", "6", env={"PFC_RUNTIME_NAN": "0:2"})  # parameters NaN from step 2
@@ -220,7 +222,7 @@ def test_the_finite_check_agrees_with_isfinite_all():
     NaN, both infinities, opposite infinities (whose sum is NaN) and the largest finite values."""
     import torch
 
-    from runtime.interpreter import all_finite
+    from runtime.pipeline.interpreter import all_finite
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         base = torch.randn(4, 8, 16).to(dtype)
@@ -234,6 +236,7 @@ def test_the_finite_check_agrees_with_isfinite_all():
             assert bool(all_finite(t)) == bool(torch.isfinite(t).all()), (dtype, t.flatten()[:4])
 
 
+@pytest.mark.e2e
 def test_checkpoints_pruned_to_keep_tmp_cleaned_and_load_errors_one_line(tmp_path, one_rank):
     import torch
 

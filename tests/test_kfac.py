@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.data import Batch, make_stream, split_micro_batches
-from runtime.kfac import (
+from runtime.io.data import Batch, make_stream, split_micro_batches
+from runtime.models import build_model, kfac_linears, lm_loss, resolve_config
+from runtime.optimizers.kfac import (
     KfacConfig,
     KfacLayer,
     NonFiniteFactorError,
@@ -20,8 +21,7 @@ from runtime.kfac import (
     kl_clip_scale,
     make_layers,
 )
-from runtime.models import build_model, kfac_linears, lm_loss, resolve_config
-from runtime.optim import OptimConfig, build_optimizer
+from runtime.optimizers.stage import OptimConfig, build_optimizer
 from runtime.train import train_step
 
 D64 = torch.float64
@@ -291,10 +291,10 @@ def test_each_inversion_updates_only_its_factor_in_either_order(order):
 
 
 def test_raw_gradient_norm_equals_float64_sum_of_squares():
-    """The metric and clipping norm (runtime.optim.raw_grad_norm_sq): every gradient's norm in
+    """The metric and clipping norm (runtime.optimizers.stage.raw_grad_norm_sq): every gradient's norm in
     one multi-tensor kernel, against the float64 sum of squares of the same gradients (K-FAC
     layers' own raw terms: the pipeline-against-single-process tests)."""
-    from runtime.optim import raw_grad_norm_sq
+    from runtime.optimizers.stage import raw_grad_norm_sq
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))

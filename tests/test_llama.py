@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models import chained
-from test_runtime import assert_same_params, distributed_params, make_plan, reference_params, torchrun
+from helpers import assert_same_params, chained, distributed_params, make_plan, reference_params, torchrun
 
-from runtime.data import make_stream
-from runtime.kfac import KfacConfig, make_layers
+from runtime.io.data import make_stream
 from runtime.models import MODEL_CONFIGS, build_model, build_part, kfac_linears, resolve_config, resolve_model
-from runtime.optim import OptimConfig, build_optimizer
+from runtime.optimizers.kfac import KfacConfig, make_layers
+from runtime.optimizers.stage import OptimConfig, build_optimizer
 from runtime.train import train_step
 
 D64 = torch.float64
@@ -121,6 +120,7 @@ def test_kfac_covers_every_block_linear_and_trains():
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
 
 
+@pytest.mark.e2e
 def test_pipeline_matches_single_process(tmp_path):
     """2 ranks, 1F1B, K-FAC (refresh every 2 steps), float64: the pipeline's parameters after
     3 steps equal the single-process trainer's."""

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import D64, chained
 
-from runtime.data import IGNORE_INDEX, MASK, VOCAB, Batch, corpus_tokens, decode, make_stream, split_micro_batches
-from runtime.kfac import KfacConfig, make_layers
+from runtime.io.data import IGNORE_INDEX, MASK, VOCAB, Batch, corpus_tokens, decode, make_stream, split_micro_batches
 from runtime.models import (
     MODEL_CONFIGS,
     ModelSpecError,
@@ -19,30 +19,14 @@ from runtime.models import (
     part_names,
     resolve_config,
     resolve_model,
-    split_parts,
 )
-from runtime.optim import OptimConfig, build_optimizer
+from runtime.optimizers.kfac import KfacConfig, make_layers
+from runtime.optimizers.stage import OptimConfig, build_optimizer
 from runtime.train import train_step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-D64 = torch.float64
 
 
-def chained(spec, stages, batch, seed=0, dtype=D64):
-    cuts = split_parts(list(spec.part_names), stages)
-    mods = [build_stage(spec, names, seed, dtype) for names in cuts]
-    inputs, outputs, x = [], [], batch.tokens
-    for s, mod in enumerate(mods):
-        if s > 0:
-            x = x.detach().requires_grad_(True)
-        inputs.append(x)
-        x = mod(x, batch.targets) if s == len(mods) - 1 else mod(x)
-        outputs.append(x)
-    outputs[-1].backward()
-    for s in range(len(mods) - 2, -1, -1):  # send each input-gradient back one stage
-        outputs[s].backward(inputs[s + 1].grad)
-    grads = {f"{n}": p.grad for mod in mods for n, p in mod.named_parameters()}
-    return float(outputs[-1].detach()), grads
 
 
 @pytest.mark.parametrize("name", ["bert-tiny", "gpt-tiny"])

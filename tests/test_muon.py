@@ -1,4 +1,4 @@
-"""Muon (runtime.muon) against torch.optim.Muon and against an independent float64 evaluation
+"""Muon (runtime.optimizers.muon) against torch.optim.Muon and against an independent float64 evaluation
 of its quintic Newton–Schulz iteration; its checkpoints; its [muon] config section."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pfcompile.formats.errors import InputError
-from runtime import job_config
-from runtime.data import make_stream, split_micro_batches
+from runtime.config import job as job_config
+from runtime.io.data import make_stream, split_micro_batches
 from runtime.models import ModelConfig, build_model, kfac_linears
-from runtime.muon import MuonConfig, MuonLayer, make_layers
-from runtime.optim import MuonOptimizer, OptimConfig, build_optimizer
+from runtime.optimizers.muon import MuonConfig, MuonLayer, make_layers, muon_config
+from runtime.optimizers.stage import MuonOptimizer, OptimConfig, build_optimizer, optim_config
 from runtime.train import train_reference, train_step
 
 # fc1 is tall (64 x 32) and fc2 wide (32 x 64): both of the iteration's orientations run.
@@ -194,7 +194,7 @@ def test_config_section_and_reference_trainer(tmp_path):
     path.write_text("[train]\nsteps = 2\n\n[muon]\nlr = 0.03\nnesterov = false\nns_dtype = \"float32\"\n"
                     "adjust_lr_fn = \"original\"\nns_coefficients = [3.0, -4.0, 2.0]\n")
     cfg = job_config.load(str(path))
-    mc = cfg.muon_config()
+    mc = muon_config(cfg)
     assert (mc.lr, mc.nesterov, mc.ns_dtype, mc.adjust_lr_fn) == (0.03, False, "float32", "original")
     assert mc.ns_coefficients == (3.0, -4.0, 2.0) and mc.weight_decay == 0.1
     assert job_config.load(None).muon.adjust_lr_fn == "match_rms_adamw"
@@ -204,7 +204,7 @@ def test_config_section_and_reference_trainer(tmp_path):
     assert len(losses) == 2 and all(np.isfinite(losses))
     ref = build_model(SPEC, seed=0)
     layers = make_layers(kfac_linears(ref), mc)
-    opt = build_optimizer(ref, layers, cfg.optim_config(), optimizer="muon")
+    opt = build_optimizer(ref, layers, optim_config(cfg), optimizer="muon")
     data = stream()
     for step in range(2):
         train_step(ref, layers, opt, data.batch(step), step, M, mc)

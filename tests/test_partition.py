@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_runtime import ROOT, assert_same_params, distributed_params, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import load_profile
@@ -153,6 +153,7 @@ def run_plan_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProces
                           text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_cli_partition_rules(tmp_path):
     out = tmp_path / "even.json"
     r = run_plan_cli(REF, "--schedule", "1f1b", "--stages", "8", "--micro-batches", "8", "--partition", "even",
@@ -168,11 +169,12 @@ def test_cli_partition_rules(tmp_path):
     assert "partition_search  chose the compute cut" in r.stdout and "parts per stage: 4 3 3 3 3 3 3 4" in r.stdout
 
 
+@pytest.mark.e2e
 def test_the_runtime_runs_the_cut_auto_chose(tmp_path, ops_only_tiny):
     """bert-tiny whose head's update is as slow as a large vocabulary's AdamW makes it: the
     last stage's update follows its last backward, so auto gives that stage the head alone.
     The plan runs on 2 ranks and ends equal to the single-process Muon trainer (float64)."""
-    from test_runtime_optimizers import reference_params
+    from helpers import optimizer_reference_params as reference_params
 
     prof = load_profile(str(ops_only_tiny))
     prof.parts[-1].step_ms = dict.fromkeys(prof.parts[-1].step_ms, 40.0)

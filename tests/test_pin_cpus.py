@@ -37,6 +37,7 @@ def run(plan: Path, *flags: str, env: dict | None = None) -> subprocess.Complete
                                                      **(env or {})}, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(len(CORES) < 2, reason="two ranks pinned need two cores")
 def test_pinned_ranks_get_disjoint_shares_of_the_cores_and_unpinned_ones_all(plan, tmp_path):
     r = run(plan, "--pin-cpus", "--trace", str(tmp_path / "pinned.trace.json"))
@@ -52,6 +53,7 @@ def test_pinned_ranks_get_disjoint_shares_of_the_cores_and_unpinned_ones_all(pla
     assert json.loads(r.stdout.strip().splitlines()[-1])["cpus"] == [CORES, CORES]
 
 
+@pytest.mark.e2e
 def test_too_few_cores_for_the_ranks_or_their_threads_is_one_line_before_any_work(plan):
     """Checked from the environment torchrun sets, before the process group (rank 0 alone
     would otherwise wait for its absent peer)."""

@@ -60,6 +60,7 @@ def test_plan_json_reports_the_replayed_statistics(chimera_plan):
     assert starts == sorted(starts)
 
 
+@pytest.mark.e2e
 def test_inspect_prints_stats_and_compact_ops(chimera_plan):
     out, stats = chimera_plan
     r = pfc("inspect", str(out), "--ops", "6")
@@ -69,6 +70,7 @@ def test_inspect_prints_stats_and_compact_ops(chimera_plan):
     assert "F0.0 SA0.0>1" in r.stdout and "more)" in r.stdout
 
 
+@pytest.mark.e2e
 def test_baseline_without_kfac_and_explicit_partition(tmp_path):
     parts = "embed,block0,block1,block2|block3,block4,block5|block6,block7,block8|block9,block10,block11,head"
     r = pfc("plan", PROFILE, "--schedule", "1f1b", "--stages", "4", "--micro-batches", "8", "--no-kfac",
@@ -81,6 +83,7 @@ def test_baseline_without_kfac_and_explicit_partition(tmp_path):
     assert load_plan(str(tmp_path / "b.json")).partition[0] == ["embed", "block0", "block1", "block2"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args,needle", [
     (["--memory-limit", "lots"], "--memory-limit: not a size: 'lots'"),
     (["--memory-limit", "1MiB"], "over the limit of 1048576"),
@@ -100,11 +103,13 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, needle):
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+@pytest.mark.e2e
 def test_missing_profile_is_named(tmp_path):
     r = pfc("plan", str(tmp_path / "nope.json"), "--schedule", "gpipe", "--stages", "2", "--micro-batches", "2")
     assert r.returncode == 2 and "nope.json: no such file" in r.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("edit,needle", [
     (lambda d: d["ranks"][1]["steps"][0][0].update(op="fwdd"), "ranks[1].steps[0][0]: unknown op 'fwdd'"),
     (lambda d: d["config"].update(refresh_steps=0), "config.refresh_steps"),
@@ -122,6 +127,7 @@ def test_malformed_plan_is_refused_by_inspect(chimera_plan, tmp_path, edit, need
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.e2e
 def test_refresh_steps_below_the_bound_is_a_valid_slower_plan(tmp_path):
     out = tmp_path / "k2.json"
     r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--time-limit", "2",
@@ -137,6 +143,7 @@ def test_refresh_steps_below_the_bound_is_a_valid_slower_plan(tmp_path):
     assert replay(plan, load_profile(PROFILE)).step_time_ms == pytest.approx(st["step_time_ms"], rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_fixed_k_over_the_memory_limit_names_the_smallest_limit():
     r = pfc("plan", PROFILE, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--time-limit", "2",
             "--refresh-steps", "3", "--memory-limit", "1GiB")
@@ -150,6 +157,7 @@ def test_fixed_k_over_the_memory_limit_names_the_smallest_limit():
     assert max(json.loads(r.stdout)["peak_memory_bytes"]) <= smallest
 
 
+@pytest.mark.e2e
 def test_cpsat_stretches_the_step_when_the_bubbles_cannot_hold_kfac(tmp_path):
     """A 4-stage Chimera of bert-tiny with the runtime's measured overheads leaves little
     bubble per step next to its K-FAC work, here x10 so that no refresh cycle up to the limit

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli, one_line_error
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import fit_link, format_profile, load_profile, profile_from_json
@@ -27,9 +28,6 @@ H, HEADS, FFN, VOCAB, BLOCKS = 64, 2, 256, 100, 2
 F32, I64 = 4, 8
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pfcompile", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +164,7 @@ def test_measured_memory_equals_closed_forms(measured):
 def test_saved_activation_bytes_of_an_mlp():
     import torch
 
-    from runtime.memory import saved_activation_bytes
+    from runtime.observe.memory import saved_activation_bytes
 
     mlp = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
     x = torch.randn(7, 12)
@@ -258,6 +256,7 @@ def _body_without_date(prof) -> dict:
     return body
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("model", ["bert-base", "bert-large"])
 def test_committed_reference_profiles_match_a_fresh_conversion(model, tmp_path):
     committed = load_profile(str(ROOT / "profiles" / f"{model}-p100-ref.json"))
@@ -293,20 +292,15 @@ def test_committed_optimizers_profile_has_every_optimizers_costs():
         assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
 
 # --- bad input through the CLI ----------------------------------------------------------------------
-def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
+@pytest.mark.e2e
 def test_inspect_missing_file(tmp_path):
     path = tmp_path / "nope.json"
     one_line_error(cli("inspect", str(path)), str(path), "no such file")
 
 
+@pytest.mark.e2e
 def test_inspect_corrupt_json(tmp_path):
     path = tmp_path / "bad.json"
     text = (ROOT / "profiles" / "bert-base-p100-ref.json").read_text()
@@ -314,6 +308,7 @@ def test_inspect_corrupt_json(tmp_path):
     one_line_error(cli("inspect", str(path)), str(path), "not valid JSON")
 
 
+@pytest.mark.e2e
 def test_inspect_foreign_schema(tmp_path):
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps({"schema": "something-else", "data": []}))
@@ -324,6 +319,7 @@ def test_inspect_foreign_schema(tmp_path):
     one_line_error(cli("inspect", str(path)), str(path), "schema_version", "99")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("field,value,needle", [
     (("parts", 1, "fwd_ms"), "fast", "parts[1].fwd_ms"),
     (("kfac_layers", 2, "inv_a_ms", "eigen"), None, "kfac_layers[2].inv_a_ms.eigen"),
@@ -344,6 +340,7 @@ def test_inspect_field_with_wrong_type(tmp_path, field, value, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.e2e
 def test_op_spread_must_average_one(tmp_path):
     """The multipliers scale an op around its entry (they average 1): one of 1e308 (found by
     tests/test_fuzz.py) overflowed the replay's draws to inf; it is refused in one line."""
@@ -356,6 +353,7 @@ def test_op_spread_must_average_one(tmp_path):
     one_line_error(cli("inspect", str(path)), str(path), "runtime.op_spread.fwd", "must average 1")
 
 
+@pytest.mark.e2e
 def test_inspect_edited_profile_fails_the_hash(tmp_path):
     obj = json.loads((ROOT / "profiles" / "bert-base-p100-ref.json").read_text())
     obj["parts"][1]["fwd_ms"] = 1.0
@@ -364,6 +362,7 @@ def test_inspect_edited_profile_fails_the_hash(tmp_path):
     one_line_error(cli("inspect", str(path)), str(path), "hash")
 
 
+@pytest.mark.e2e
 def test_profile_unavailable_device_and_unknown_model(tmp_path):
     out = tmp_path / "p.json"
     # a device no host has (cuda:0 exists on a GPU host): refused with one line, GPU or not
@@ -416,6 +415,7 @@ def test_cold_cache_sweeps_before_every_repeat():
     assert prof.provenance["cold_cache"] is True and all(p.fwd_ms > 0 for p in prof.parts)
 
 
+@pytest.mark.e2e
 def test_a_user_models_profile_runs_the_runtime_probe_with_its_code(tmp_path):
     """The probe is a torchrun job of the runtime, which imports a user's model only when told
     to (--model-code): without it the probe fails and the overheads fall back to zero."""

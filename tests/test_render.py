@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import torch_runtime
 
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.plan import load_plan, plan_from_json
@@ -135,6 +136,7 @@ def svg_groups(path: Path, cls: str) -> list[ET.Element]:
 
 # --- graph ---------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_graph_has_one_node_per_task_and_the_closed_form_edges(tmp_path):
     D, M = 2, 4
     plan = plan_from_json(build_plan("1f1b", D, M, kfac=False))
@@ -151,6 +153,7 @@ def test_graph_has_one_node_per_task_and_the_closed_form_edges(tmp_path):
     assert len(svg_groups(out, "cluster")) == 2 * D  # a device cluster holding a step cluster each
 
 
+@pytest.mark.e2e
 def test_collapsed_graph_has_one_node_per_stage_microbatch_and_layer(tmp_path):
     D, M, L = 2, 3, 2
     plan = plan_from_json(build_plan("1f1b", D, M, kfac=True, layers_per_stage=L))
@@ -163,6 +166,7 @@ def test_collapsed_graph_has_one_node_per_stage_microbatch_and_layer(tmp_path):
     assert len(svg_groups(out, "node")) == 2 * D * M + D + D == done["graph"]["nodes"]
 
 
+@pytest.mark.e2e
 def test_filters_keep_only_the_chosen_device_and_layers(tmp_path):
     plan = plan_from_json(build_plan("1f1b", 2, 4, kfac=True))
     out = tmp_path / "g.svg"
@@ -174,6 +178,7 @@ def test_filters_keep_only_the_chosen_device_and_layers(tmp_path):
     assert len(svg_groups(out, "node")) == len(expected)
 
 
+@pytest.mark.e2e
 def test_large_plan_is_collapsed_automatically_and_says_so(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 4, 8, kfac=True, layers_per_stage=4))
     assert sum(len(s[0]) for s in load_plan(str(plan_path)).ranks) > 300
@@ -282,6 +287,7 @@ def test_inputs_from_another_step_or_device_are_labelled_stubs(kfac_plan, collap
         assert any(labels[a] == send and b == node.id for a, b, _ in edges if a in stubs)
 
 
+@pytest.mark.e2e
 def test_dot_lays_a_device_step_out_left_to_right_in_program_order(kfac_plan, tmp_path):
     from pfcompile.render.graph import graph_source, render_graph
 
@@ -309,6 +315,7 @@ def test_dot_lays_a_device_step_out_left_to_right_in_program_order(kfac_plan, tm
 
 # --- trace ---------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_trace_has_one_complete_event_per_op_with_the_plans_durations(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 4, kfac=True))
     plan = load_plan(str(plan_path))
@@ -334,6 +341,7 @@ def test_trace_has_one_complete_event_per_op_with_the_plans_durations(tmp_path):
 
 # --- timeline ------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_timeline_png_shows_forward_backward_and_kfac_colours(tmp_path):
     import numpy as np
     from matplotlib import image
@@ -356,6 +364,7 @@ def test_timeline_png_shows_forward_backward_and_kfac_colours(tmp_path):
 
 # --- errors --------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_malformed_plan_is_a_one_line_error_and_writes_nothing(tmp_path):
     bad = build_plan("1f1b", 2, 2)
     bad["ranks"][1]["steps"][0][0]["op"] = "fwdd"
@@ -368,6 +377,7 @@ def test_malformed_plan_is_a_one_line_error_and_writes_nothing(tmp_path):
     assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.png").exists()
 
 
+@pytest.mark.e2e
 def test_bad_output_name_is_rejected_before_anything_is_written(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
     r = cli(plan_path, "--trace", tmp_path / "t.json", "--timeline", tmp_path / "t.gif")
@@ -376,6 +386,7 @@ def test_bad_output_name_is_rejected_before_anything_is_written(tmp_path):
     assert cli(plan_path).returncode == 2  # nothing asked for
 
 
+@pytest.mark.e2e
 def test_missing_dot_says_how_to_install_graphviz(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
     no_dot = tmp_path / "bin"
@@ -390,25 +401,9 @@ def test_missing_dot_says_how_to_install_graphviz(tmp_path):
 
 # --- torch.distributed.pipelining CSV --------------------------------------------------------
 
-def torch_runtime(num_stages: int, group_size: int, n_microbatches: int):
-    """A schedule object as torch's own tests build it for CSV loading: stages without a model."""
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
-    class StageShape(_PipelineStageBase):  # only what the schedule reads: sizes and rank
-        def __init__(self):
-            self.num_stages, self.group_size, self.group_rank, self.group = num_stages, group_size, 0, None
-            self.submod = None
-
-        # stage set-up for real tensors; never called while loading and checking a schedule
-        def _create_grad_recv_info(self, *a, **k):
-            raise NotImplementedError
-
-        _prepare_forward_infra = _prepare_backward_infra = _create_grad_recv_info
-
-    return _PipelineScheduleRuntime([StageShape()], n_microbatches)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("schedule,D,M,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2)])
 def test_torch_csv_loads_and_validates_in_torch(tmp_path, schedule, D, M, v):
     from torch.distributed.pipelining.schedules import _simulate_comms_compute
@@ -497,6 +492,7 @@ PLANNER_CASES = {  # small configurations of each schedule family on the bert-ba
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("family", list(PLANNER_CASES))
 def test_planner_plans_render_and_load_in_torch(tmp_path, family):
     from torch.distributed.pipelining.schedules import _simulate_comms_compute
@@ -544,6 +540,7 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
         _simulate_comms_compute(sched.pipeline_order_with_comms, sched.stage_index_to_group_rank.__getitem__, S)
 
 
+@pytest.mark.e2e
 def test_a_filter_that_selects_nothing_fails_before_any_output(tmp_path):
     plan_path = write_plan(tmp_path, build_plan("1f1b", 2, 2))
     r = cli(plan_path, "--trace", tmp_path / "t.json", "--graph", tmp_path / "g.svg", "--ranks", "5")
@@ -559,6 +556,7 @@ OPTIMIZER_TEXT = {"shampoo": (r"ST\d+", r"I\d+\.L", r"I\d+\.R", r"P\d+"), "muon"
 OPTIMIZER_GROUPS = {"shampoo": ("stats", "inv", "precond"), "muon": ("orth",)}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("optimizer", list(OPTIMIZER_TEXT))
 def test_shampoo_and_muon_plans_show_their_ops_in_inspect_timeline_and_graph(tmp_path, optimizer):
     import numpy as np

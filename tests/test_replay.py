@@ -5,7 +5,7 @@ import copy
 from dataclasses import replace
 
 import pytest
-from test_graph import uniform_profile
+from helpers import uniform_profile
 
 from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op

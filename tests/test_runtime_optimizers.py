@@ -8,17 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
-import torch
-from test_runtime import ROOT, assert_same_params, distributed_params, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, optimizer_reference_params, torchrun
 
-from runtime.data import make_stream
-from runtime.job_config import JobConfig
-from runtime.models import build_model, resolve_model
-from runtime.optim import build_optimizer
-from runtime.train import make_optimizer_layers, train_step
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"
 
@@ -45,22 +39,6 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
     return plan, json.loads(plan.read_text())
 
 
-def reference_params(plan_path, steps: int):
-    """The single-process trainer (runtime.train.train_step) with the plan's model, data,
-    optimizer and refresh cycle, and the runtime's default settings."""
-    plan = json.loads(plan_path.read_text())
-    optimizer, n, k = plan["config"]["optimizer"], plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
-    spec = resolve_model(plan["model"]["name"])
-    model = build_model(spec, seed=0, dtype=torch.float64)
-    initial = {name: v.clone() for name, v in model.state_dict().items()}
-    defaults = JobConfig()
-    cfg = replace(defaults.shampoo_config(), refresh_steps=k) if optimizer == "shampoo" else defaults.muon_config()
-    layers = make_optimizer_layers(model, optimizer, cfg, n)
-    opt = build_optimizer(model, layers, defaults.optim_config(), optimizer)
-    stream = make_stream(spec.cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
-    for step in range(steps):
-        train_step(model, layers, opt, stream.batch(step), step, n, cfg)
-    return initial, model.state_dict()
 
 
 # Shampoo's k is fixed at 3: the planner's own choice on 1F1B (k = 12) would make the run
@@ -86,7 +64,7 @@ def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule
     r = torchrun(plan, loaded["config"]["world_size"], "--steps", str(steps),
                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(steps))
     assert r.returncode == 0, r.stdout[-3000:]
-    initial, want_params = reference_params(plan, steps)
+    initial, want_params = optimizer_reference_params(plan, steps)
     # The attention's key bias has an exactly zero gradient (softmax ignores a shift shared by
     # every key): what it gets is rounding noise, ~1e-17, which the replicas' all-reduce sums in
     # another order and AdamW (it covers the biases here) turns into ~1e-14 moves. Norms below

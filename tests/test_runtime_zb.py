@@ -1,4 +1,4 @@
-"""The split backward (B then W, runtime.split_backward) against the single-process
+"""The split backward (B then W, runtime.pipeline.split_backward) against the single-process
 trainer: real `pfcompile plan` outputs of the zero-bubble families, real torchrun/gloo,
 float64, K-FAC on; parameters after a refresh cycle and one step with its inverses in
 force must equal the single process's to 1e-5."""
@@ -11,9 +11,10 @@ import sys
 
 import pytest
 import torch
-from test_runtime import ROOT, assert_same_params, distributed_params, reference_params, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, reference_params, torchrun
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("schedule,D,method", [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat")])
 def test_split_backward_matches_single_process(tmp_path, schedule, D, method):
     plan = tmp_path / "plan.json"
@@ -34,7 +35,7 @@ def test_split_backward_matches_single_process(tmp_path, schedule, D, method):
 
 def test_weight_pass_from_kept_tensors_equals_autograd():
     """B then W gives autograd's gradients exactly, and B alone leaves the Linear weights untouched."""
-    from runtime.split_backward import WeightPasses
+    from runtime.pipeline.split_backward import WeightPasses
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.GELU(), torch.nn.Linear(7, 3))
@@ -63,10 +64,10 @@ def test_kfac_kept_input_is_the_weight_pass_input_and_counts_once():
     W's end to its curv_a (the planner's model: pfcompile.graph.costs)."""
     from types import SimpleNamespace
 
-    from runtime import kfac
-    from runtime.memory import MemoryMeter, nbytes
     from runtime.models import build_stage, kfac_linears, resolve_config, resolve_model
-    from runtime.split_backward import WeightPasses
+    from runtime.observe.memory import MemoryMeter, nbytes
+    from runtime.optimizers import kfac
+    from runtime.pipeline.split_backward import WeightPasses
 
     torch.manual_seed(0)
     cfg = resolve_config("bert-tiny", seq_len=8)

@@ -5,7 +5,7 @@ synthetic profile with equal blocks and zero communication.
 """
 
 import pytest
-from test_graph import uniform_profile
+from helpers import uniform_profile
 
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.assemble import baseline_plan

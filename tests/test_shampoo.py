@@ -1,4 +1,4 @@
-"""Shampoo (runtime.shampoo) against a dense float64 computation of its update written here
+"""Shampoo (runtime.optimizers.shampoo) against a dense float64 computation of its update written here
 with numpy (statistics, eigendecomposition roots, grafting, SGD momentum), with roots
 refreshed every step and every other step; its checkpoints; its [shampoo] config section."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pfcompile.formats.errors import InputError
-from runtime import job_config
-from runtime.data import make_stream, split_micro_batches
-from runtime.kfac import NonFiniteFactorError
+from runtime.config import job as job_config
+from runtime.io.data import make_stream, split_micro_batches
 from runtime.models import ModelConfig, build_model, kfac_linears
-from runtime.optim import KfacOptimizer, OptimConfig, build_optimizer
-from runtime.shampoo import ShampooConfig, ShampooLayer, make_layers
+from runtime.optimizers.kfac import NonFiniteFactorError
+from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer, make_layers, shampoo_config
+from runtime.optimizers.stage import KfacOptimizer, OptimConfig, build_optimizer, optim_config
 from runtime.train import train_reference, train_step
 
 D64 = torch.float64
@@ -49,7 +49,7 @@ def inverse_fourth_root(S: np.ndarray, eps: float) -> np.ndarray:
 
 class DenseShampoo:
     """Shampoo + SGD momentum (torch.optim.SGD's rule: d = g + wd w, buf = d then μ buf + d,
-    w -= lr buf) on one weight, float64 numpy, with the cycle semantics of runtime.shampoo."""
+    w -= lr buf) on one weight, float64 numpy, with the cycle semantics of runtime.optimizers.shampoo."""
 
     def __init__(self, shape, cfg: ShampooConfig):
         self.cfg = cfg
@@ -202,12 +202,12 @@ def test_config_section_and_reference_trainer(tmp_path):
     path = tmp_path / "shampoo.toml"
     path.write_text("[train]\nsteps = 3\n\n[shampoo]\nbeta2 = 0.95\nepsilon = 1e-5\n\n[kfac]\nrefresh_steps = 2\n")
     cfg = job_config.load(str(path))
-    sc = cfg.shampoo_config()
+    sc = shampoo_config(cfg)
     assert (sc.beta2, sc.epsilon, sc.graft, sc.refresh_steps) == (0.95, 1e-5, "sgd", 2)
     model, losses = train_reference(SPEC, cfg, stream(), M, optimizer="shampoo", dtype=D64)
     ref = build_model(SPEC, seed=0, dtype=D64)
     layers = make_layers(kfac_linears(ref), sc)
-    opt = build_optimizer(ref, layers, cfg.optim_config(), optimizer="shampoo")
+    opt = build_optimizer(ref, layers, optim_config(cfg), optimizer="shampoo")
     data = stream()
     for step in range(3):
         train_step(ref, layers, opt, data.batch(step), step, M, sc)

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
+from helpers import uniform_profile
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -142,8 +143,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from test_graph import uniform_profile  # noqa: E402
-
 from pfcompile.check.replay import replay  # noqa: E402
 from pfcompile.formats.errors import InputError  # noqa: E402
 from pfcompile.formats.ops import Op  # noqa: E402
@@ -273,6 +272,7 @@ def test_memory_limit_below_the_greedy_peak_is_met():
     assert max(replay(plan, prof).peak_memory_bytes) <= limit < peak
 
 
+@pytest.mark.e2e
 def test_cli_cpsat_is_the_default_and_reports_solver_stats(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "p.json"

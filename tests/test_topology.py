@@ -4,6 +4,7 @@ and a placement of the family's ranks that keeps the heaviest traffic inside nod
 import json
 
 import pytest
+from helpers import assert_same_params, distributed_params, reference_params, torchrun
 
 from pfcompile.check.replay import replay
 from pfcompile.formats.errors import InputError
@@ -81,6 +82,7 @@ def test_bad_cluster_in_a_plan_file_is_one_line(paper):
         PipelineConfig("1f1b", stages=2, micro_batches=2, cluster=_cluster(paper, 3, 1))
 
 
+@pytest.mark.e2e
 def test_a_two_node_plan_runs_as_two_torchrun_nodes(tmp_path):
     """`pfcompile plan --nodes 2 --gpus-per-node 2` (Chimera D = 4, its ranks placed for a slow
     inter-node link) runs as two torchrun "nodes" of 2 ranks each (c10d rendezvous on
@@ -90,9 +92,7 @@ def test_a_two_node_plan_runs_as_two_torchrun_nodes(tmp_path):
     import sys
     from pathlib import Path
 
-    from test_runtime import assert_same_params, distributed_params, reference_params, torchrun
-
-    from runtime.comm import free_port
+    from runtime.pipeline.comm import free_port
 
     root = Path(__file__).resolve().parents[1]
     plan = tmp_path / "two-nodes.json"

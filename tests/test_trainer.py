@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_runtime import ROOT, make_plan, model_spec, run_single, torchrun
+from helpers import ROOT, make_plan, model_spec, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import load_plan
-from runtime import job_config
-from runtime.config import SHORTHANDS, build_parser, load_config, prepare
-from runtime.data import make_stream, open_token_file
+from runtime.config import job as job_config
+from runtime.config.cli import SHORTHANDS, build_parser, load_config, prepare
+from runtime.io.data import make_stream, open_token_file
 from runtime.models import load_trained
-from runtime.optim import OptimConfig
+from runtime.optimizers.stage import OptimConfig
 from runtime.train import train_reference
 
 CONFIG = """\
@@ -104,6 +104,7 @@ def reference(plan_path: Path, data: dict, steps: int | None = None):
     return train_reference(spec, cfg, stream, n, kl_groups_of=per_stage, dtype=torch.float64, steps=steps)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("schedule,D", [("1f1b", 2), ("chimera", 4)])
 def test_config_run_equals_single_process(tmp_path, data, schedule, D):
     plan = make_plan(tmp_path, schedule, D)
@@ -151,6 +152,7 @@ def test_config_run_equals_single_process(tmp_path, data, schedule, D):
     assert math.isclose(evals[5]["perplexity"], math.exp(evals[5]["loss"]), rel_tol=1e-12)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_evaluate_uses_the_runs_precision(tmp_path, dtype):
     """`python -m runtime.evaluate` on a float32 or bf16 run's model file gives the
@@ -186,6 +188,7 @@ def load_trained_initial(meta: dict) -> dict:
     return build_model(model_spec(meta["model"]), seed=meta["job"]["train"]["seed"], dtype=torch.float64).state_dict()
 
 
+@pytest.mark.e2e
 def test_resumed_run_logs_the_same_losses(tmp_path, data):
     """Two steps, checkpoint, stop; a second launch resumes to the end. Its log (appended to
     the first's in the same --log-dir) equals the uninterrupted run's."""
@@ -213,7 +216,7 @@ def test_resumed_run_logs_the_same_losses(tmp_path, data):
 
 # --- bad input: one line each, before training ---------------------------------------------------
 def _prepare(plan: Path, *args: str):
-    """runtime.config.prepare as rank 0 of the plan's world: returns the InputError's text."""
+    """runtime.config.cli.prepare as rank 0 of the plan's world: returns the InputError's text."""
     a = build_parser().parse_args([str(plan), *args])
     with pytest.raises(InputError) as e:
         prepare(a, 0, load_plan(str(plan)).world_size)
@@ -229,6 +232,7 @@ def _token_file(d: Path, name: str, ids, dtype="uint16", vocab=100, raw: bytes |
     return p
 
 
+@pytest.mark.e2e
 def test_bad_data_and_contradicting_keys_are_one_line_errors(tmp_path, data):
     plan = make_plan(tmp_path, "1f1b", 2)  # micro-batch 2 x 4 micro-batches, 16 tokens: one batch = 129 tokens
     ok = list(range(4, 100)) * 2
@@ -276,6 +280,7 @@ def test_bad_data_and_contradicting_keys_are_one_line_errors(tmp_path, data):
 
 
 # --- the config: run folder, round trip, flags as keys --------------------------------------------
+@pytest.mark.e2e
 def test_a_run_without_log_dir_leaves_its_run_folder(tmp_path):
     """No --log-dir: rank 0 makes runs/PLAN-UTCTIME/ in the current folder (the torchrun
     helper runs in tmp_path), says so, and leaves there one metrics line per step, the
@@ -303,7 +308,7 @@ def test_a_run_without_log_dir_leaves_its_run_folder(tmp_path):
 def test_run_folders_started_in_the_same_second_do_not_clash(tmp_path, monkeypatch):
     import time
 
-    from runtime.metrics import make_run_folder
+    from runtime.observe.metrics import make_run_folder
 
     frozen = time.gmtime(0)
     monkeypatch.setattr(time, "gmtime", lambda *a: frozen)

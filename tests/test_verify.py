@@ -2,7 +2,7 @@
 class of hand edit that used to train silently wrong, crash or hang is refused by the
 runtime before training with the rule named, and the NCCL per-pair message order holds.
 
-Runtime refusals are checked through runtime.config.prepare, the function every rank runs
+Runtime refusals are checked through runtime.config.cli.prepare, the function every rank runs
 before joining the process group (one subprocess run shows the exit status and the line).
 """
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_graph import uniform_profile
+from helpers import uniform_profile
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import plan_from_json
@@ -209,7 +209,7 @@ MUTATIONS = [
 
 
 def _prepare(path: Path, *flags: str, world_size: int = 2):
-    from runtime.config import build_parser, prepare
+    from runtime.config.cli import build_parser, prepare
 
     return prepare(build_parser().parse_args([str(path), *flags]), 0, world_size)
 
@@ -240,6 +240,7 @@ def test_the_unmutated_plan_and_a_pulled_forward_receive_are_accepted(tmp_path, 
     _prepare(path)
 
 
+@pytest.mark.e2e
 def test_swapped_receives_are_refused_naming_the_pair(tmp_path, plan_obj):
     obj = copy.deepcopy(plan_obj)
     receives_swapped(obj)
@@ -442,7 +443,7 @@ def test_the_runtime_refuses_user_code_whose_parts_are_not_the_plans(plan_obj, m
     """What only the runtime can check: the parts of the user model's code. A plan whose
     recorded parts (and cut) the verifier accepts is refused in one line when the code
     imported by --model-code has other parts."""
-    from runtime.config import _check_plan_fits_model
+    from runtime.config.cli import _check_plan_fits_model
     from runtime.models import resolve_model
 
     monkeypatch.syspath_prepend(str(ROOT / "examples"))

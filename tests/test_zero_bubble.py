@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_graph import uniform_profile
-from test_render import torch_runtime
+from helpers import torch_runtime, uniform_profile
 
 from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op, parse_op
