@@ -93,6 +93,76 @@ def test_a_forbidden_import_is_found(tmp_path):
     assert violations(tmp_path) == []
 
 
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (anywhere in the file, function bodies too).
+    A module's import of its own parent package is left out: Python loads the parent first
+    either way, and `from pkg import sibling` resolves to the sibling module."""
+    paths = {}
+    for path in [*root.glob("pfcompile/**/*.py"), *root.glob("runtime/**/*.py")]:
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for _, mod in imports_of(path, root):
+            while mod and mod not in paths:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and not name.startswith(mod + "."):
+                targets.add(mod)
+        graph[name] = targets
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert import_circles(module_graph()) == []
+
+
+def test_an_import_circle_is_found():
+    graph = module_graph()
+    graph["runtime.io.data"] = graph["runtime.io.data"] | {"runtime.pipeline.loop"}  # loop imports data
+    assert ["runtime.io.data", "runtime.pipeline.loop"] in import_circles(graph)
+
+
+def test_runtime_is_in_subpackages():
+    """At most 8 modules directly in runtime/: the rest lives in a subpackage per stage of
+    the data flow (config, models, optimizers, pipeline, observe, io)."""
+    top = sorted(p.name for p in (ROOT / "runtime").glob("*.py"))
+    assert len(top) <= 8, top
+    assert {"config", "models", "optimizers", "pipeline", "observe", "io"} <= {
+        p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").is_file()}
+
+
 @pytest.mark.e2e
 def test_contract_and_runtime_load_without_heavy_stacks():
     code = ("import sys, pfcompile.formats.plan, pfcompile.formats.profile, pfcompile.formats.trace, "

@@ -29,6 +29,7 @@ def chimera_plan(tmp_path_factory):
     return out, json.loads(r.stdout)
 
 
+@pytest.mark.e2e
 def test_plan_json_reports_the_replayed_statistics(chimera_plan):
     out, stats = chimera_plan
     for key in ("utilization", "step_time_ms", "baseline_step_time_ms", "refresh_steps",

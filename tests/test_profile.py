@@ -41,6 +41,7 @@ def measured(tmp_path_factory):
 
 
 # --- measured profile ------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_measured_profile_has_every_entry_positive(measured):
     assert measured.source == "measured"
     assert [p.name for p in measured.parts] == ["embed", "block0", "block1", "head"]
@@ -83,6 +84,7 @@ def test_measured_profile_has_every_entry_positive(measured):
         assert pv.get(k), k
 
 
+@pytest.mark.e2e
 def test_measured_comm_is_a_real_two_rank_fit(measured):
     c = measured.comm
     assert c.method == "measured-gloo"
@@ -95,6 +97,7 @@ def test_measured_comm_is_a_real_two_rank_fit(measured):
     assert all(s["send_ms"] > 0 and s["recv_ms"] > 0 for s in measured.provenance["comm_samples"])
 
 
+@pytest.mark.e2e
 def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
     """The plan's messages cost what the probe run's did: its receives posted before their
     send ended (rank 1 waits for every activation of a GPipe step) give the latency at the
@@ -108,6 +111,7 @@ def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
     assert "runtime probe" in pv["comm_note"]
 
 
+@pytest.mark.e2e
 def test_runtime_overheads_are_measured_by_running_the_runtime(measured):
     """The short GPipe run of the real runtime (torchrun, 2 ranks) gave every overhead: a
     dispatch gap per op, work between steps, a send's posting, a receive's completion."""
@@ -121,6 +125,7 @@ def block_params() -> int:
     return linears + 2 * 2 * H  # two LayerNorms
 
 
+@pytest.mark.e2e
 def test_measured_memory_equals_closed_forms(measured):
     tokens = MB * SEQ
     # parameters (and their gradients): counted from the architecture, not from the modules
@@ -204,6 +209,7 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert link.latency_ms > 0.05
 
 
+@pytest.mark.e2e
 def test_format_profile_lists_every_part_and_layer(measured):
     text = format_profile(measured)
     for p in measured.parts:
@@ -214,6 +220,7 @@ def test_format_profile_lists_every_part_and_layer(measured):
 
 
 
+@pytest.mark.e2e
 def test_format_profile_lists_shampoo_and_muon_costs_where_the_profile_has_them(measured):
     assert "other optimizers" not in format_profile(measured)  # profiled for K-FAC only: no such table
     ref = load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json"))

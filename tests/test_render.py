@@ -230,6 +230,7 @@ def order_chains(edges) -> list[list[str]]:
     return chains
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("collapse", [False, "layer", "stage"])
 def test_graph_draws_each_devices_ops_in_the_plans_order(kfac_plan, collapse):
     from pfcompile.render.graph import graph_source
@@ -252,6 +253,7 @@ def test_graph_draws_each_devices_ops_in_the_plans_order(kfac_plan, collapse):
                 assert first == sorted(first) and len(set(first)) == len(first)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("collapse", [False, "layer"])
 def test_inputs_from_another_step_or_device_are_labelled_stubs(kfac_plan, collapse):
     from pfcompile.render.graph import graph_source
