@@ -282,9 +282,10 @@ def _memory_lean_key(cm: CycleModel, canon: dict[int, tuple], head: list[int]):
             t, pos, _ = canon[a]
             lean[b] = (t, pos, 0, 1)
     pred = {}
+    micro_batch_kinds = {d.kind for d in cm.tg.cfg.optimizer_spec.micro_batch_ops}
     for a, b, _ in cm.problem.edges:
         # the producer latest in the order (split backward: curv_b follows both B and W)
-        if cm.tasks[b].op.kind in ("curv_a", "curv_b") and a in lean and (b not in pred or lean[a] > lean[pred[b]]):
+        if cm.tasks[b].op.kind in micro_batch_kinds and a in lean and (b not in pred or lean[a] > lean[pred[b]]):
             pred[b] = a
 
     def key(i: int) -> tuple:
