@@ -64,6 +64,17 @@ def test_the_list_covers_every_declared_op():
     assert declared == {(name, kind) for name, kind, _, _ in EXPECTED}
 
 
+def test_a_name_nothing_writes_is_refused():
+    """A misspelt read would otherwise wait for nothing."""
+    from dataclasses import replace
+
+    from pfcompile.formats.optimizers import MUON, STEP, OpDecl
+
+    typo = replace(MUON, name="muon-typo", ops=(OpDecl("orth", STEP, reads=("grads",), writes=("grad",)),))
+    with pytest.raises(ValueError, match="muon-typo.*orth reads 'grads', which nothing writes"):
+        producers(typo, "orth", replicas=False)
+
+
 CASES = [
     ("gpipe", dict(stages=2, micro_batches=3)),
     ("gpipe", dict(stages=2, micro_batches=4, replicas=2)),

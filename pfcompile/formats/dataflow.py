@@ -164,6 +164,9 @@ def _derive(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -> t
 
     for read in reader.reads:
         name = _bind(read, factor)
+        if not any(_match(written, w, name, spec.factors)[0] for w in writers for written in w.writes):
+            # a misspelt name would silently wait for nothing
+            raise ValueError(f"optimizer {spec.name!r}: {kind} reads {name!r}, which nothing writes")
         i, f = latest_writer(name)
         p = _producer(reader, before[i], name, f) if i >= 0 else None
         if p is not None:
