@@ -148,7 +148,9 @@ def producers(spec: Optimizer, kind: str, factor: str | None = None, *, replicas
 
 def _derive(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -> tuple[Producer, ...]:
     writers = _writers(spec)
-    at = next(i for i, w in enumerate(writers) if w.kind == kind)
+    at = next((i for i, w in enumerate(writers) if w.kind == kind and i >= len(PIPELINE_WRITES)), None)
+    if at is None:
+        raise ValueError(f"optimizer {spec.name!r} declares no op {kind!r}")
     reader = writers[at]
     before = [w for w in writers[:at] if replicas or not w.collective]
     found: list[Producer] = []
@@ -188,19 +190,19 @@ def _derive(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -> t
     for p in found:
         if p.is_pass or p.kind == GRADIENT:
             continue
-        for a in _ancestors(spec, p.kind, p.factor, replicas):
-            implied.add((a, p.first_step, p.every_micro_batch, p.on_source))
-    return tuple(p for p in found if (p.kind, p.first_step, p.every_micro_batch, p.on_source) not in implied)
+        for kind_factor in _ancestors(spec, p.kind, p.factor, replicas):
+            implied.add((*kind_factor, p.first_step, p.every_micro_batch, p.on_source))
+    return tuple(p for p in found if (p.kind, p.factor, p.first_step, p.every_micro_batch, p.on_source) not in implied)
 
 
-def _ancestors(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -> set[str]:
-    """The kinds an op waits for in its own scope (same step or cycle, same micro-batch and
-    rank), directly or through others."""
-    out: set[str] = set()
+def _ancestors(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -> set[tuple[str, str | None]]:
+    """The (kind, factor) an op waits for in its own scope (same step or cycle, same
+    micro-batch and rank), directly or through others."""
+    out: set[tuple[str, str | None]] = set()
     for p in producers(spec, kind, factor, replicas=replicas):
         if p.first_step or p.every_micro_batch or p.on_source:
             continue
-        out.add(p.kind)
+        out.add((p.kind, p.factor))
         if not (p.is_pass or p.kind == GRADIENT):
             out |= _ancestors(spec, p.kind, p.factor, replicas)
     return out
