@@ -1,7 +1,10 @@
-"""The graph builder's dependency rules (pfcompile.graph.taskgraph, what the planners place)
-and the replay's (pfcompile.check.deps, what checks their plans) are written apart; here
-they must agree, edge for edge, on every family, for every optimizer (K-FAC, Shampoo, Muon,
-AdamW), with each layer's work on every replica and divided between them.
+"""The dependencies of the optimizers' ops: derived once from their declarations' reads and
+writes (pfcompile.formats.dataflow), checked here against a closed list of what each op
+waits for; then the two places that turn them into ops, the task graph the planners place
+(pfcompile.graph.taskgraph) and the rules the verifier and the replay apply
+(pfcompile.formats.rules, through pfcompile.check.deps), must agree edge for edge on every
+family, for every optimizer (K-FAC, Shampoo, Muon, AdamW), with each layer's work on every
+replica and divided between them.
 
 A collective is compared as one unit: the graph makes each member wait for every replica's
 producers, the replay makes each member wait for its own and then for the rendezvous; both
@@ -11,15 +14,72 @@ import pytest
 from helpers import uniform_profile
 
 from pfcompile.check.deps import PlanLayout, op_dependencies
+from pfcompile.formats.dataflow import producers
+from pfcompile.formats.optimizers import OPTIMIZERS as DECLARATIONS
 from pfcompile.formats.plan import task_at
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place import assemble
 
+
+def _text(p) -> str:
+    """A producer as `kind[.factor][@0][ per mb][ on source] (name)`."""
+    return (p.kind + (f".{p.factor}" if p.factor else "") + ("@0" if p.first_step else "")
+            + (" per mb" if p.every_micro_batch else "") + (" on source" if p.on_source else "") + f" ({p.name})")
+
+
+# (optimizer, op kind, the op's factor, the stage has replicas) -> what the op waits for, in
+# order; every op of every declaration is listed (the test fails on one missing)
+EXPECTED = {
+    ("kfac", "curv_a", None, False): ["fwd@0 (input)"],
+    ("kfac", "curv_b", None, False): ["wgrad@0 (output_grad)"],
+    ("kfac", "sync_curv", "A", True): ["curv_a per mb (stat:A)"],
+    ("kfac", "sync_curv", "B", True): ["curv_b per mb (stat:B)"],
+    # both factors (the pi-corrected damping): their reductions, or every micro-batch's statistics
+    ("kfac", "inv", "A", False): ["curv_a per mb (stat:A)", "curv_b per mb (stat:B)"],
+    ("kfac", "inv", "B", True): ["sync_curv.A (stat:A)", "sync_curv.B (stat:B)"],
+    ("kfac", "bcast_inv", "A", True): ["inv.A on source (root:A)"],
+    # the roots it reads are the previous cycle's, in force: no dependency
+    ("kfac", "precond", None, False): ["gradient (grad)"],
+    ("kfac", "precond", None, True): ["gradient (grad)"],
+    ("shampoo", "stats", None, True): ["gradient (grad)"],
+    ("shampoo", "inv", "L", False): ["stats@0 (stat:L@0)"],
+    ("shampoo", "inv", "R", True): ["stats@0 (stat:R@0)"],
+    ("shampoo", "bcast_inv", "R", True): ["inv.R on source (root:R)"],
+    # it overwrites the gradient that the statistics read (and waits for the gradient through them)
+    ("shampoo", "precond", None, True): ["stats (grad)"],
+    # its momentum is its own previous step's
+    ("muon", "orth", None, True): ["gradient (grad)"],
+}
+
+
+@pytest.mark.parametrize("key", EXPECTED, ids=lambda k: "-".join(map(str, k)))
+def test_each_declared_op_waits_for_what_its_reads_and_writes_say(key):
+    name, kind, factor, replicas = key
+    assert [_text(p) for p in producers(DECLARATIONS[name], kind, factor, replicas=replicas)] == EXPECTED[key]
+
+
+def test_the_list_covers_every_declared_op():
+    declared = {(o.name, d.kind) for o in DECLARATIONS.values() for d in o.ops}
+    assert declared == {(name, kind) for name, kind, _, _ in EXPECTED}
+
+
+def test_a_name_nothing_writes_is_refused():
+    """A misspelt read would otherwise wait for nothing."""
+    from dataclasses import replace
+
+    from pfcompile.formats.optimizers import MUON, STEP, OpDecl
+
+    typo = replace(MUON, name="muon-typo", ops=(OpDecl("orth", STEP, reads=("grads",), writes=("grad",)),))
+    with pytest.raises(ValueError, match="muon-typo.*orth reads 'grads', which nothing writes"):
+        producers(typo, "orth", replicas=False)
+
+
 CASES = [
     ("gpipe", dict(stages=2, micro_batches=3)),
     ("gpipe", dict(stages=2, micro_batches=4, replicas=2)),
     ("1f1b", dict(stages=4, micro_batches=5)),
+    ("zb-h1", dict(stages=2, micro_batches=4, replicas=2)),
     ("1f1b", dict(stages=2, micro_batches=4, replicas=2)),
     ("interleaved", dict(stages=2, micro_batches=4, virtual_stages=2)),
     ("chimera", dict(stages=4, micro_batches=4)),

@@ -5,10 +5,11 @@ package: the runtime's verifier applies them too) and re-exported here.
 `PlanLayout(plan)`: the plan's placement and sizes as queries (pfcompile.formats.plan.Layout
 plus the plan's stage count, cycle length, K-FAC layers). `op_dependencies(layout, rank,
 cycle, step, op)`: what one listed op waits for. The replay (pfcompile.check.replay)
-executes plans with these rules, and the graph drawing shows them. They are written from
-the op vocabulary independently of the task graph the planners place
-(pfcompile.graph.taskgraph): tests/test_deps_agree.py checks that the two agree on every
-family, so the replay stays an independent check of the planners' output.
+executes plans with these rules, and the graph drawing shows them. The pipeline's rules are
+written from the op vocabulary apart from the task graph the planners place
+(pfcompile.graph.taskgraph); an optimizer op's come, in both, from its declaration
+(pfcompile.formats.dataflow). tests/test_deps_agree.py checks that the two agree on every
+family.
 
 A task is one op on one rank in one step of the refresh cycle
 (pfcompile.formats.plan.Task; here `step` is the step that lists it). Its dependencies:

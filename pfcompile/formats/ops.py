@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pfcompile.formats.errors import echo
-from pfcompile.formats.optimizers import ALL_FACTORS, OPTIMIZER_KINDS
+from pfcompile.formats.optimizers import ALL_FACTORS, OPTIMIZER_COLLECTIVE_KINDS, OPTIMIZER_KINDS
 from pfcompile.formats.optimizers import FLOATING_KINDS as FLOATING_KINDS  # re-exported: the op vocabulary's
 
 # kind -> (text prefix, fields that must be set)
@@ -104,14 +104,15 @@ def weight_grad_kind(schedule: str) -> str:
     return "bwd_weight" if schedule in SPLIT_BACKWARD_SCHEDULES else "bwd"
 
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
-COLLECTIVE_KINDS = frozenset({"sync_curv", "bcast_inv", "sync_grad", "rs_grad", "ag_grad"})
+# the pipeline's collectives and those the optimizers declare (pfcompile.formats.optimizers)
+COLLECTIVE_KINDS = frozenset({"sync_grad", "rs_grad", "ag_grad"}) | OPTIMIZER_COLLECTIVE_KINDS
 # An optimizer's work (pfcompile.formats.optimizers). FLOATING_KINDS, from there: the
 # refresh's work, which a plan may put in any step of the cycle (it is named without a
 # step: listed once per cycle on its rank); every other op is listed once per step.
 assert OPTIMIZER_KINDS <= set(OP_KINDS), "every declared optimizer op is in the vocabulary"
 # Ops whose time counts as the device being busy (communication is waiting).
-COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "curv_a", "curv_b", "inv", "precond", "stats",
-                           "orth", "step"})
+# The optimizers' ops are compute unless they are declared collective.
+COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "step"}) | (OPTIMIZER_KINDS - COLLECTIVE_KINDS)
 FACTORS = ALL_FACTORS
 STREAMS = ("compute", "p2p", "collective")  # display order too (pfcompile.formats.trace)
 

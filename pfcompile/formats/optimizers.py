@@ -6,7 +6,11 @@ plan's `layers`). An optimizer declares, for every op of its work:
 - `when` it may run: per micro-batch of the refresh cycle's first step (after the pass
   whose tensor it reads), once per step after the stage's gradient is synchronised, or
   once per refresh cycle of k steps (anywhere in the cycle: floating, amortised);
-- what it `reads` and `writes` (the names below), from which the dependency rules follow;
+- what it `reads` and `writes` (the names below), from which its dependencies follow
+  (pfcompile.formats.dataflow: an op waits for the latest writer, in its scope, of each
+  name it reads, and for the ops that read a name it overwrites);
+- whether it is `collective`: run together by every replica of the stage (a reduction of
+  statistics, a broadcast of a result from the replica that computed it);
 - whether the replicas of a stage may `divide` it (`--precond split|layers`: each layer's
   work on one replica, the results gathered);
 
@@ -20,11 +24,10 @@ and Shampoo's inverse fourth root, `precond` either's preconditioning; the plan'
 | name | what it is |
 |---|---|
 | `input`, `output_grad` | a micro-batch's layer input (kept from its forward) / output gradient (kept from its weight-gradient pass) |
-| `grad` | the layer's gradient of the step, synchronised over the stage's replicas |
+| `grad` | the layer's gradient of the step, synchronised over the stage's replicas; the update op (`update`) overwrites it in place with the update direction, which the step applies |
 | `stat:F` | factor F's statistics (K-FAC: summed per micro-batch; Shampoo: an EMA per step) |
 | `stat:F@0` | factor F's statistics as of the cycle's first step (Shampoo's snapshot) |
 | `root:F` | factor F's inverse (K-FAC) or inverse root (Shampoo) computed this cycle, in force next cycle |
-| `update` | the layer's update direction of the step (what the optimizer step applies) |
 | `momentum` | Muon's momentum buffer |
 
 This module is the contract: torch-, networkx- and ortools-free.
@@ -38,6 +41,8 @@ MICRO_BATCH, STEP, CYCLE = "micro_batch", "step", "cycle"
 # the passes a micro-batch op may read from: the forward (a layer's input) or the pass after
 # which the micro-batch's weight gradients are complete (bwd, or a split backward's W)
 PASS_FWD, PASS_WGRAD = "fwd", "wgrad"
+# the prefixes of the names of a factor's statistics and of what the refresh computes from them
+STAT, ROOT = "stat:", "root:"
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,6 @@ class OpDecl:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     factor: str | None = None  # a micro-batch op: the factor whose statistics it adds to
-    reads_pass: str | None = None  # a micro-batch op: the pass whose tensor it reads (PASS_*)
     divide: bool = False  # the stage's replicas may divide it layer by layer
     collective: bool = False  # run together by every replica of the stage
 
@@ -87,10 +91,30 @@ class Optimizer:
         """The per-layer ops of every step, in the order they run: statistics, then the update."""
         return tuple(k for k in (self.step_stats, self.update) if k is not None)
 
+    def _cycle_op(self, prefix: str, collective: bool) -> str | None:
+        return next((d.kind for d in self.ops if d.when == CYCLE and d.collective == collective
+                     and any(w.startswith(prefix) for w in d.writes)), None)
+
+    @property
+    def reduction(self) -> str | None:
+        """The collective that sums the statistics over the stage's replicas (K-FAC's sync_curv), if any."""
+        return self._cycle_op(STAT, collective=True)
+
     @property
     def reduces(self) -> bool:
-        """Whether the micro-batch statistics are summed over the replicas (sync_curv)."""
-        return "sync_curv" in self.kinds
+        """Whether the micro-batch statistics are summed over the replicas."""
+        return self.reduction is not None
+
+    @property
+    def refresh(self) -> str | None:
+        """The per-cycle op that computes each factor's root from its statistics (inv), if any."""
+        return self._cycle_op(ROOT, collective=False)
+
+    @property
+    def broadcast(self) -> str | None:
+        """The collective that copies a factor's root from the replica that computed it to
+        the others (bcast_inv; its `peer` is that source), if any."""
+        return self._cycle_op(ROOT, collective=True)
 
     @property
     def refreshes(self) -> bool:
@@ -106,10 +130,6 @@ class Optimizer:
         """Whether the replicas of a stage may divide the per-layer work (--precond split|layers)."""
         return any(d.divide for d in self.ops)
 
-    def factor_kind(self, factor: str) -> str:
-        """The micro-batch op that adds to `factor`'s statistics."""
-        return next(d.kind for d in self.micro_batch_ops if d.factor == factor)
-
 
 KFAC = Optimizer(
     name="kfac",
@@ -118,13 +138,13 @@ KFAC = Optimizer(
     doc="K-FAC: Kronecker factors A (layer inputs) and B (output gradients) from the cycle's "
         "first step, inverted once per cycle; every step's gradient preconditioned B^-1 G A^-1",
     ops=(
-        OpDecl("curv_a", MICRO_BATCH, reads=("input",), writes=("stat:A",), factor="A", reads_pass=PASS_FWD),
-        OpDecl("curv_b", MICRO_BATCH, reads=("output_grad",), writes=("stat:B",), factor="B", reads_pass=PASS_WGRAD),
+        OpDecl("curv_a", MICRO_BATCH, reads=("input",), writes=("stat:A",), factor="A"),
+        OpDecl("curv_b", MICRO_BATCH, reads=("output_grad",), writes=("stat:B",), factor="B"),
         OpDecl("sync_curv", CYCLE, reads=("stat:F",), writes=("stat:F",), collective=True),
         # both factors: the pi-corrected damping splits the damping by their traces
         OpDecl("inv", CYCLE, reads=("stat:A", "stat:B"), writes=("root:F",), divide=True),
         OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True),
-        OpDecl("precond", STEP, reads=("grad", "root:A", "root:B"), writes=("update",), divide=True),
+        OpDecl("precond", STEP, reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True),
     ),
 )
 
@@ -139,7 +159,7 @@ SHAMPOO = Optimizer(
         OpDecl("stats", STEP, reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True),
         OpDecl("inv", CYCLE, reads=("stat:F@0",), writes=("root:F",), divide=True),
         OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True),
-        OpDecl("precond", STEP, reads=("grad", "root:L", "root:R"), writes=("update",), divide=True),
+        OpDecl("precond", STEP, reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True),
     ),
 )
 
@@ -149,7 +169,7 @@ MUON = Optimizer(
     doc="Muon: momentum, then five Newton-Schulz iterations orthogonalise each covered weight's "
         "update every step (torch.optim.Muon's); AdamW updates the rest",
     ops=(
-        OpDecl("orth", STEP, reads=("grad", "momentum"), writes=("momentum", "update"), divide=True),
+        OpDecl("orth", STEP, reads=("grad", "momentum"), writes=("momentum", "grad"), divide=True),
     ),
 )
 
@@ -162,6 +182,8 @@ OPTIMIZER_KINDS = frozenset().union(*(o.kinds for o in OPTIMIZERS.values()))
 ALL_FACTORS = tuple(dict.fromkeys(f for o in OPTIMIZERS.values() for f in o.factors))
 # ops that may run anywhere in the refresh cycle (listed once per cycle, on some step)
 FLOATING_KINDS = frozenset(d.kind for o in OPTIMIZERS.values() for d in o.ops if d.when in (MICRO_BATCH, CYCLE))
+# the optimizer ops that every replica of a stage runs together
+OPTIMIZER_COLLECTIVE_KINDS = frozenset(d.kind for o in OPTIMIZERS.values() for d in o.ops if d.collective)
 
 
 def optimizer(name: str) -> Optimizer:

@@ -6,9 +6,11 @@ rank, cycle, step, op)`: what one listed op waits for; `check_ops`: what a cycle
 The verifier (pfcompile.formats.verify, run by the runtime, inspect, render and before
 `pfcompile plan` writes), the replay (pfcompile.check.replay, the timing simulator) and
 the drawn task graph (pfcompile.check.deps) all take their rules from here (they live in
-the contract package because the runtime verifies plans and imports nothing else);
-tests/test_deps_agree.py checks they agree with the planners' task graph on every family, so a plan the
-runtime accepts is one the compiler's checker accepts and the picture shows what runs.
+the contract package because the runtime verifies plans and imports nothing else). What
+an optimizer's op waits for comes from its declaration (pfcompile.formats.dataflow, which
+the planners' task graph uses too); tests/test_deps_agree.py checks the rules agree with
+that graph on every family, so a plan the runtime accepts is one the compiler's checker
+accepts and the picture shows what runs.
 Part of the contract package: standard library and pfcompile.formats only.
 
 Every refusal is a PlanError (an InputError: one line naming the file, the op's place
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from pfcompile.formats.dataflow import GRADIENT, producers
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import (
     FLOATING_KINDS,
+    OP_KINDS,
     Op,
     backward_kinds,
     input_grad_kind,
@@ -174,7 +178,7 @@ def op_dependencies(L: PlanLayout, q: int, c: int, t: int, op: Op) -> tuple[list
         else:
             local += _gradient(L, s, mine, here)
     elif op.is_optimizer_work:
-        local += _optimizer_dependencies(L, q, c, s, mine, op, here)
+        local += _optimizer_dependencies(L, q, c, t, s, mine, op)
     return local, remote
 
 
@@ -186,34 +190,28 @@ def _gradient(L: PlanLayout, s: int, mine: list[int], here) -> list[Key]:
     return [here(_op("sync_grad", stage=s))] if L.R > 1 else [here(_op(L.Wk, stage=s, mb=m)) for m in mine]
 
 
-def _optimizer_dependencies(L: PlanLayout, q: int, c: int, s: int, mine: list[int], op: Op, here) -> list[Key]:
-    """What an optimizer op waits for, from its declaration (pfcompile.formats.optimizers):
-    a micro-batch op the pass of the cycle's first step whose tensor it reads; a reduction
-    its factor's micro-batch ops; a refresh the cycle's statistics of every factor (their
-    reductions, the micro-batch ops, or the per-step statistics of the cycle's first step);
-    a broadcast its source's refresh; a per-step op the gradient, or the op before it in
-    `spec.step_kinds`."""
-    spec, k, layer = L.spec, op.kind, op.layer
-    decl = spec.op(k)
-    if decl.when == "micro_batch":
-        # split backward: curv_b runs with or after W, which shares its output gradient
-        kind = "fwd" if decl.reads_pass == PASS_FWD else L.Wk
-        return [(c, 0, q, _op(kind, stage=s, mb=op.mb))]
-    if k == "sync_curv":
-        kind = spec.factor_kind(op.factor)
-        return [(c, None, q, _op(kind, layer=layer, mb=m)) for m in mine]
-    if k == "inv":
-        if spec.step_stats is not None:  # the statistics as of the cycle's first step
-            return [(c, 0, q, _op(spec.step_stats, layer=layer))]
-        if spec.reduces and L.R > 1:
-            return [(c, None, q, _op("sync_curv", layer=layer, factor=f)) for f in spec.factors]
-        return [(c, None, q, _op(d.kind, layer=layer, mb=m)) for m in mine for d in spec.micro_batch_ops]
-    if k == "bcast_inv":
-        return [(c, None, q, _op("inv", layer=layer, factor=op.factor))] if op.peer == q else []
-    # the per-step work, in order: the first waits for the gradient, the others for the one before
-    kinds = spec.step_kinds
-    i = kinds.index(k)
-    return _gradient(L, s, mine, here) if i == 0 else [here(_op(kinds[i - 1], layer=layer))]
+def _optimizer_dependencies(L: PlanLayout, q: int, c: int, t: int, s: int, mine: list[int], op: Op) -> list[Key]:
+    """What an optimizer op waits for, from its declaration's reads and writes
+    (pfcompile.formats.dataflow.producers) as the ops of this plan: a pass of the op's
+    stage, the stage's gradient, or the optimizer's ops of the layer. A broadcast waits for
+    its source's op on the source only (the others wait for it at the rendezvous)."""
+    out: list[Key] = []
+    for p in producers(L.spec, op.kind, op.factor, replicas=L.R > 1):
+        if p.on_source and op.peer != q:
+            continue
+        step = 0 if p.first_step else None if p.kind in FLOATING_KINDS else t
+        at = lambda o, step=step: (c, step, q, o)  # noqa: E731
+        mbs = mine if p.every_micro_batch else [op.mb]
+        if p.kind == GRADIENT:
+            out += _gradient(L, s, mine, at)
+        elif p.is_pass:
+            out += [at(_op("fwd" if p.kind == PASS_FWD else L.Wk, stage=s, mb=m)) for m in mbs]
+        else:
+            fields = OP_KINDS[p.kind][1]
+            factor = p.factor if "factor" in fields else None
+            out += [at(_op(p.kind, layer=op.layer, mb=m, factor=factor)) for m in mbs] if "mb" in fields \
+                else [at(_op(p.kind, layer=op.layer, factor=factor))]
+    return out
 
 
 def differs_by_cycle(t: int, op: Op) -> bool:
@@ -342,7 +340,7 @@ def check_ops(plan: Plan, L: PlanLayout, where: str) -> dict[tuple[int, Op], int
 
 
 def _check_peer(L: PlanLayout, q: int, op: Op, at: str, name: str, where: str) -> None:
-    if op.kind == "bcast_inv":
+    if op.kind == L.spec.broadcast:  # its peer is the source, a member of the stage's group
         if op.peer not in L.group(L.stage_of(op)):
             raise PlanError(where, at, f"{name}: rank {op.peer} holds no replica of stage {L.stage_of(op)} (rule: peer)")
         return
@@ -381,9 +379,10 @@ def _check_refresh_complete(L: PlanLayout, floating: dict, where: str) -> None:
     def missing(q, op):
         return PlanError(where, f"ranks[{q}]", f"{op} (rank {q}, any step of the cycle) is missing (rule: complete)")
 
+    spec = L.spec
     bcasts: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)  # (layer, factor) -> {rank: source}
     for (q, o) in floating:
-        if o.kind == "bcast_inv":
+        if o.kind == spec.broadcast:
             if (o.layer, o.factor) in bcasts and q in bcasts[(o.layer, o.factor)]:
                 raise PlanError(where, f"ranks[{q}]", f"{o} (rank {q}): a second broadcast of factor {o.factor} "
                                 f"of layer {o.layer} (rule: once)")
@@ -392,38 +391,38 @@ def _check_refresh_complete(L: PlanLayout, floating: dict, where: str) -> None:
         group = L.group(s)
         for q in group:
             for m in L.mbs_of(L.held[q][s]):
-                for d in L.spec.micro_batch_ops:
+                for d in spec.micro_batch_ops:
                     if (q, Op(d.kind, layer=l, mb=m)) not in floating:
                         raise missing(q, Op(d.kind, layer=l, mb=m))
-            if L.R > 1 and L.spec.reduces:
-                for f in L.spec.factors:
-                    if (q, Op("sync_curv", layer=l, factor=f)) not in floating:
-                        raise missing(q, Op("sync_curv", layer=l, factor=f))
+            if L.R > 1 and spec.reduces:
+                for f in spec.factors:
+                    if (q, Op(spec.reduction, layer=l, factor=f)) not in floating:
+                        raise missing(q, Op(spec.reduction, layer=l, factor=f))
         owner = L.precond_owner[l] if L.precond_owner is not None else None
-        for f in L.spec.factors:
-            inverters = [q for q in group if (q, Op("inv", layer=l, factor=f)) in floating]
+        for f in spec.factors:
+            inverters = [q for q in group if (q, Op(spec.refresh, layer=l, factor=f)) in floating]
             if owner is not None:  # split preconditioning: the owner inverts, nobody else needs it
                 q = L.rank[(s, owner)]
                 if q not in inverters:
-                    raise missing(q, Op("inv", layer=l, factor=f))
+                    raise missing(q, Op(spec.refresh, layer=l, factor=f))
                 continue
             if not inverters:
-                raise missing(group[0], Op("inv", layer=l, factor=f))
+                raise missing(group[0], Op(spec.refresh, layer=l, factor=f))
             got = bcasts.get((l, f), {})
             if len(inverters) == len(group):
                 if got:
                     q = min(got)
-                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{got[q]} (rank {q}): every replica inverts "
+                    raise PlanError(where, f"ranks[{q}]", f"{Op(spec.broadcast, layer=l, factor=f, peer=got[q])} (rank {q}): every replica inverts "
                                     f"factor {f} of layer {l}, nothing to broadcast (rule: ops)")
                 continue
             for q in group:
                 if q not in got:
-                    raise missing(q, Op("bcast_inv", layer=l, factor=f, peer=inverters[0]))
+                    raise missing(q, Op(spec.broadcast, layer=l, factor=f, peer=inverters[0]))
             sources = set(got.values())
             for q, src in sorted(got.items()):
                 if src not in inverters:
-                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{src} (rank {q}): rank {src} does not invert "
+                    raise PlanError(where, f"ranks[{q}]", f"{Op(spec.broadcast, layer=l, factor=f, peer=src)} (rank {q}): rank {src} does not invert "
                                     f"factor {f} of layer {l} (rule: peer)")
                 if len(sources) > 1:
-                    raise PlanError(where, f"ranks[{q}]", f"BI{l}.{f}<{src} (rank {q}): the members of the broadcast "
+                    raise PlanError(where, f"ranks[{q}]", f"{Op(spec.broadcast, layer=l, factor=f, peer=src)} (rank {q}): the members of the broadcast "
                                     f"name different sources {sorted(sources)} (rule: peer)")

@@ -22,7 +22,8 @@
   curv ops (R = 1) -> inv (BOTH factors, for the pi-corrected damping); inv -> bcast_inv
   members; bwd of the stage (all replicas) -> sync_grad members; sync_grad (or the
   replica's bwd when R = 1) -> precond; precond (or sync_grad / bwd) -> step(s);
-  step(s)@t -> fwd(s, m)@t+1.
+  step(s)@t -> fwd(s, m)@t+1. The optimizer ops' edges are what their declarations' reads
+  and writes give (pfcompile.formats.dataflow.producers, the rules' too).
 - `collectives`: {(step, op): [member tasks]}: blocking rendezvous, so all members start
   at the same time (sync_curv, bcast_inv have step None).
 - `buffers`: [Buffer(rank, nbytes, alloc, free, key)]: allocated at the start of `alloc`,
@@ -50,7 +51,8 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from pfcompile.formats.ops import Op, input_grad_kind, stream_of, weight_grad_kind
+from pfcompile.formats.dataflow import GRADIENT, producers
+from pfcompile.formats.ops import FLOATING_KINDS, OP_KINDS, Op, input_grad_kind, stream_of, weight_grad_kind
 from pfcompile.formats.optimizers import PASS_FWD, PASS_WGRAD
 from pfcompile.formats.plan import Task
 from pfcompile.formats.profile import Profile
@@ -296,25 +298,59 @@ def _add_split_precond(tg: TaskGraph, k: int, s: int, r: int, q: int, bwds: list
     tg.add_edge(ag, step)
 
 
-def _add_layer_work(tg: TaskGraph, k: int, q: int, layer: int, after: list[Task]) -> Task:
+def _add_layer_work(tg: TaskGraph, k: int, q: int, layer: int, gradient: list[Task]) -> Task:
     """A covered layer's per-step optimizer ops on rank q (the declaration's `step_kinds`:
-    Shampoo's statistics, then the update), chained after `after` (what makes the gradient);
-    -> the last, which the step (or the gather of divided work) waits for."""
-    prev = after
+    Shampoo's statistics, then the update), each after what it waits for
+    (pfcompile.formats.dataflow; `gradient`: what makes the stage's gradient on this
+    replica); -> the last, which the step (or the gather of divided work) waits for."""
     task = None
     for kind in tg.cfg.optimizer_spec.step_kinds:
         task = Task(k, q, tg.interned.op(kind, layer=layer))
-        for b in prev:
-            tg.add_edge(b, task)
-        prev = [task]
+        for u in _producer_tasks(tg, task, gradient=gradient):
+            tg.add_edge(u, task)
     return task
+
+
+def _producer_tasks(tg: TaskGraph, task: Task, *, gradient: list[Task] | None = None) -> list[Task]:
+    """The tasks an optimizer task waits for, from its declaration's reads and writes
+    (pfcompile.formats.dataflow.producers). A collective waits for what every member's
+    replica makes (the graph's collectives wait for every member's producers), a broadcast
+    for its source's; every other task for its own replica's."""
+    cfg, op = tg.cfg, task.op
+    spec = cfg.optimizer_spec
+    O = tg.interned.op
+    s = tg.costs.layer_stage[op.layer]
+    rep = cfg.micro_batch_replica()
+    collective = op.is_collective
+    out: list[Task] = []
+    for p in producers(spec, op.kind, op.factor, replicas=cfg.replicas > 1):
+        step = 0 if p.first_step else None if p.kind in FLOATING_KINDS else task.step
+        if p.kind == GRADIENT:
+            assert gradient is not None and not p.first_step, f"{op}: what makes the gradient is not known here"
+            out += gradient
+            continue
+        if p.every_micro_batch:
+            mbs = [m for m in range(cfg.micro_batches) if collective or cfg.rank_of(s, rep[m]) == task.rank]
+        else:
+            mbs = [op.mb]
+        for m in mbs:
+            rank = op.peer if p.on_source else cfg.rank_of(s, rep[m]) if m is not None else task.rank
+            if p.is_pass:
+                kind = "fwd" if p.kind == PASS_FWD else weight_grad_kind(cfg.schedule)
+                out.append(Task(step, rank, O(kind, stage=s, mb=m)))
+            else:
+                fields = OP_KINDS[p.kind][1]
+                out.append(Task(step, rank, O(p.kind, layer=op.layer, mb=m if "mb" in fields else None,
+                                              factor=p.factor if "factor" in fields else None)))
+    return out
 
 
 def _add_refresh(tg: TaskGraph, inverters: dict | None) -> None:
     """The floating tasks of the cycle, as the optimizer declares them: the micro-batch ops
     of step 0 and their kept-tensor buffers (K-FAC's curvature), the reductions of their
-    statistics, each factor's refresh (inversion or inverse root: on the inverters the policy
-    or `inverters` names) and the broadcast of its result."""
+    statistics (replicas), each factor's refresh (inversion or inverse root: on the
+    inverters the policy or `inverters` names) and the broadcast of its result; each after
+    what it waits for (pfcompile.formats.dataflow)."""
     cfg = tg.cfg
     spec = cfg.optimizer_spec
     R = cfg.replicas
@@ -326,74 +362,56 @@ def _add_refresh(tg: TaskGraph, inverters: dict | None) -> None:
             tg.inv_candidates[(l, f)] = cfg.replica_ranks(s) if own is None else [cfg.rank_of(s, own)]
     tg.inverters = dict(inverters) if inverters is not None else _inversion_policy(tg)
 
+    def add(task: Task, collective: bool = False) -> None:
+        tg.add_task(task)
+        for u in _producer_tasks(tg, task):
+            tg.add_edge(u, task)
+        if collective:
+            tg.collectives.setdefault((None, task.op), []).append(task)
+
     for l, s in enumerate(tg.costs.layer_stage):
-        if spec.micro_batch_ops:
-            curv = _add_micro_batch_ops(tg, l, s)
-        ready_for_inv: dict[int, list[Task]] = {}
-        for r in range(R):
-            q = cfg.rank_of(s, r)
-            if spec.step_stats is not None:  # the statistics as of the cycle's first step
-                ready_for_inv[q] = [Task(0, q, O(spec.step_stats, layer=l))]
-            elif R > 1 and spec.reduces:
-                syncs = []
+        _add_micro_batch_ops(tg, l, s)
+        if R > 1 and spec.reduction is not None:
+            for q in cfg.replica_ranks(s):
                 for f in spec.factors:
-                    y = tg.add_task(Task(None, q, O("sync_curv", layer=l, factor=f)))
-                    for c in curv[f]:
-                        tg.add_edge(c, y)
-                    tg.collectives.setdefault((None, y.op), []).append(y)
-                    syncs.append(y)
-                ready_for_inv[q] = syncs
-            else:
-                ready_for_inv[q] = [c for f in spec.factors for c in curv[f]]
+                    add(Task(None, q, O(spec.reduction, layer=l, factor=f)), collective=True)
         for f in spec.factors:
             who = tg.inverters[(l, f)]
             for q in who:
-                inv = tg.add_task(Task(None, q, O("inv", layer=l, factor=f)))
-                for y in ready_for_inv[q]:
-                    tg.add_edge(y, inv)
-            if R > 1 and len(who) < len(tg.inv_candidates[(l, f)]):
-                src = who[0]
+                add(Task(None, q, O(spec.refresh, layer=l, factor=f)))
+            if R > 1 and spec.broadcast is not None and len(who) < len(tg.inv_candidates[(l, f)]):
                 for q in cfg.replica_ranks(s):
-                    b = tg.add_task(Task(None, q, O("bcast_inv", layer=l, factor=f, peer=src)))
-                    tg.add_edge(Task(None, src, O("inv", layer=l, factor=f)), b)
-                    tg.collectives.setdefault((None, b.op), []).append(b)
+                    add(Task(None, q, O(spec.broadcast, layer=l, factor=f, peer=who[0])), collective=True)
 
 
-def _add_micro_batch_ops(tg: TaskGraph, l: int, s: int) -> dict[str, list[Task]]:
-    """K-FAC's curvature: per micro-batch of step 0 and factor, one op after the pass whose
-    tensor it reads, with the kept tensor's buffer. -> {factor: its ops}."""
+def _add_micro_batch_ops(tg: TaskGraph, l: int, s: int) -> None:
+    """The optimizer's micro-batch ops (K-FAC's curvature): per micro-batch of step 0, one
+    op after the pass whose tensor it reads, with the kept tensor's buffer."""
     cfg, layers = tg.cfg, tg.costs.profile.kfac_layers
     rep = cfg.micro_batch_replica()
     O = tg.interned.op
-    W = weight_grad_kind(cfg.schedule)
-    curv: dict[str, list[Task]] = {d.factor: [] for d in cfg.optimizer_spec.micro_batch_ops}
+    spec = cfg.optimizer_spec
     for m in range(cfg.micro_batches):
         q = cfg.rank_of(s, rep[m])
-        for d in cfg.optimizer_spec.micro_batch_ops:
-            f, kind = d.factor, d.kind
-            after = "fwd" if d.reads_pass == PASS_FWD else W
-            c = tg.add_task(Task(None, q, O(kind, layer=l, mb=m)))
-            made_by = Task(0, q, O(after, stage=s, mb=m))
-            key = (f"kept_{f.lower()}", l, m)
-            if d.reads_pass == PASS_WGRAD and cfg.split_backward:
-                # the output gradient is made by B and shared with W: curv_b runs with
-                # or after W (they read the same tensors; B -> W implies B -> curv_b),
-                # the buffer lives from B on
-                made_by = Task(0, q, O("bwd_input", stage=s, mb=m))
-                tg.add_edge(Task(0, q, O("bwd_weight", stage=s, mb=m)), c)
-                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
-            elif d.reads_pass == PASS_FWD and cfg.split_backward:
-                # the input is W's kept input, inside the activations until W ends:
-                # curv_a runs before or after W (the planner chooses) and holds it on
-                # its own only from W's end to its own
-                tg.add_edge(made_by, c)
-                w = Task(0, q, O("bwd_weight", stage=s, mb=m))
-                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), w, c, key, at_end=True))
+        for d in spec.micro_batch_ops:
+            c = tg.add_task(Task(None, q, O(d.kind, layer=l, mb=m)))
+            after = _producer_tasks(tg, c)
+            for u in after:
+                tg.add_edge(u, c)
+            # the pass whose tensor the op reads, kept for it from that pass on
+            (kept,) = [p.kind for p in producers(spec, d.kind, replicas=cfg.replicas > 1) if p.is_pass]
+            key, nbytes = (f"kept_{d.factor.lower()}", l, m), layers[l].kept_bytes(d.factor)
+            if kept == PASS_WGRAD and cfg.split_backward:
+                # the output gradient is made by B and shared with W: the op runs with or
+                # after W (they read the same tensors), the buffer lives from B on
+                tg.buffers.append(Buffer(q, nbytes, Task(0, q, O("bwd_input", stage=s, mb=m)), c, key))
+            elif kept == PASS_FWD and cfg.split_backward:
+                # the input is W's kept input, inside the activations until W ends: the op
+                # runs before or after W (the planner chooses) and holds it on its own only
+                # from W's end to its own
+                tg.buffers.append(Buffer(q, nbytes, Task(0, q, O("bwd_weight", stage=s, mb=m)), c, key, at_end=True))
             else:
-                tg.add_edge(made_by, c)
-                tg.buffers.append(Buffer(q, layers[l].kept_bytes(f), made_by, c, key))
-            curv[f].append(c)
-    return curv
+                tg.buffers.append(Buffer(q, nbytes, after[0], c, key))
 
 
 def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
@@ -410,9 +428,10 @@ def _inversion_policy(tg: TaskGraph) -> dict[tuple[int, str], list[int]]:
                 for key, c in sorted(tg.inv_candidates.items())}
     load = {q: 0.0 for q in tg.ranks}
     out = {}
-    by_cost = sorted(tg.inv_candidates, key=lambda key: -tg.costs.duration(Op("inv", layer=key[0], factor=key[1])))
+    refresh = tg.cfg.optimizer_spec.refresh
+    by_cost = sorted(tg.inv_candidates, key=lambda key: -tg.costs.duration(Op(refresh, layer=key[0], factor=key[1])))
     for key in by_cost:
         q = min(tg.inv_candidates[key], key=lambda q: (load[q], q))
-        load[q] += tg.costs.duration(Op("inv", layer=key[0], factor=key[1]))
+        load[q] += tg.costs.duration(Op(refresh, layer=key[0], factor=key[1]))
         out[key] = [q]
     return dict(sorted(out.items()))

@@ -25,8 +25,6 @@ from pfcompile.place.options import Planning, PlanOptions
 # share of the time left it may take under a wall-clock limit
 EXPECTED_STEP_MAX_OPS = 200_000
 EXPECTED_STEP_SHARE_OF_TIME_LEFT = 0.5
-# the tight first-order baseline is small (proven optimal well within this) and only a reference
-TIGHT_BASELINE_TIME_LIMIT_S = 10.0
 
 
 def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None, *,
@@ -212,21 +210,13 @@ def pareto(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = 
 
 def tight_baseline(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None,
                    planning: Planning | None = None) -> Plan | None:
-    """The best first-order plan of the family: the family's forward/backward order with its
-    gradient syncs, sends and receives placed by the same CP-SAT machinery (None without
-    OR-Tools). The canonical baseline posts every sync at the end of the step; moving a
-    stage's sync into a bubble is free speed that K-FAC plans get too, so an overhead
-    measured against the canonical plan partly credits K-FAC with it."""
+    """The best first-order plan of the family (pfcompile.place.solver.tight_baseline);
+    None without OR-Tools."""
     try:
-        from pfcompile.place.solver import solve_plan
+        from pfcompile.place.solver import tight_baseline as solve_tight_baseline
     except ImportError:
         return None
-    options = options or PlanOptions()
-    first_order = PlanOptions(method="cpsat", time_limit=min(options.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
-                              workers=options.workers, fixed_order=True)
-    planning = planning or Planning()  # its budget and graphs, not its progress reports
-    return solve_plan(profile, replace(cfg, optimizer="adamw", memory_limit_bytes=None), first_order,
-                      Planning(budget=planning.budget, graphs=planning.graphs))
+    return solve_tight_baseline(profile, cfg, options, planning)
 
 
 def add_tight_baseline_stats(plan: Plan, tight: Plan) -> None:

@@ -81,14 +81,15 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
         us = sum(_model_us(duration(op)) for op in emit[t] if op.kind not in P2P_KINDS or duration(op) > 0)
         index[t] = p.add(t, us, (t.rank,), option_of.get(t))
     if choose and refresh:  # the broadcasts from each candidate inverter
+        spec = cfg.optimizer_spec
         for (layer, f), cands in tg.inv_candidates.items():
             if len(cands) < 2:  # no choice (split preconditioning: only the owner needs it)
                 continue
             for c in cands:
-                inv = Task(None, c, Op("inv", layer=layer, factor=f))
+                inv = Task(None, c, Op(spec.refresh, layer=layer, factor=f))
                 group = []
                 for q in cands:
-                    b = Task(None, q, Op("bcast_inv", layer=layer, factor=f, peer=c))
+                    b = Task(None, q, Op(spec.broadcast, layer=layer, factor=f, peer=c))
                     index[b] = p.add(b, _model_us(duration(b.op)), (q,), option_of[inv])
                     tasks.append(b)
                     emit[b] = [b.op]
@@ -124,6 +125,7 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
     the tasks of a pipeline without changing what the replay computes. With
     `group_curvature`, the curvature ops a forward/backward enables form one task."""
     g = tg.g
+    micro_batch_kinds = {d.kind for d in tg.cfg.optimizer_spec.micro_batch_ops}  # K-FAC's curvature
     nodes = [t for t in g.nodes if refresh or t.step is not None]
     host = {t: t for t in nodes}
     for t in nodes:
@@ -135,7 +137,7 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
     if group_curvature:
         for u in nodes:
             if u.step == 0 and u.op.kind in CURVATURE_PRODUCERS:
-                curv = sorted((v for v in g.successors(u) if v.op.kind in ("curv_a", "curv_b")), key=lambda v: v.op)
+                curv = sorted((v for v in g.successors(u) if v.op.kind in micro_batch_kinds), key=lambda v: v.op)
                 for v in curv[1:]:
                     host[v] = curv[0]
     emit: dict[Task, list[Op]] = {t: [] for t in nodes if host[t] == t}
@@ -143,7 +145,7 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
         if host[t] != t and t.op.kind.startswith("recv"):
             emit[host[t]].append(t.op)
     for t in nodes:
-        if host[t] == t or t.op.kind in ("curv_a", "curv_b"):
+        if host[t] == t or t.op.kind in micro_batch_kinds:
             emit[host[t]].append(t.op)
     for t in nodes:
         if host[t] != t and t.op.kind.startswith("send"):
@@ -178,13 +180,14 @@ def _inversion_options(tg: TaskGraph, p: Problem) -> dict[Task, int]:
     """One option per (factor, candidate rank): that rank's inv (the graph, built with
     inversion="all", has one on every candidate) and its broadcasts."""
     option_of = {}
+    refresh = tg.cfg.optimizer_spec.refresh
     for key, cands in tg.inv_candidates.items():
         if len(cands) < 2:  # nothing to choose: the inv is mandatory
             continue
         ids = []
         for c in cands:
             o = len(option_of)
-            option_of[Task(None, c, Op("inv", layer=key[0], factor=key[1]))] = o
+            option_of[Task(None, c, Op(refresh, layer=key[0], factor=key[1]))] = o
             ids.append(o)
         p.choices.append(ids)
     return option_of
