@@ -11,7 +11,6 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
-
 # The fast tier's promise, enforced: a test that starts a process, in its body or in a
 # fixture it sets up, must be marked e2e (`make test-fast` runs `-m "not e2e"`), so the
 # tiers cannot drift apart unnoticed.
