@@ -362,7 +362,7 @@ def _add_refresh(tg: TaskGraph, inverters: dict | None) -> None:
 def _add_micro_batch_ops(tg: TaskGraph, l: int, s: int) -> dict[str, list[Task]]:
     """K-FAC's curvature: per micro-batch of step 0 and factor, one op after the pass whose
     tensor it reads, with the kept tensor's buffer. -> {factor: its ops}."""
-    cfg, layers = tg.cfg, tg.costs.profile.kfac_layers
+    cfg, layers = tg.cfg, tg.costs.profile.covered_layers
     rep = cfg.micro_batch_replica()
     O = tg.interned.op
     W = weight_grad_kind(cfg.schedule)
