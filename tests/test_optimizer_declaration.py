@@ -14,8 +14,7 @@ from pfcompile.calibrate.fit import calibrate
 from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
-from pfcompile.formats.optimizers import (BROADCAST, CYCLE, IN, OPTIMIZERS, OUT, STEP, OpDecl, Optimizer,
-                                          StateDecl)
+from pfcompile.formats.optimizers import BROADCAST, CYCLE, IN, OPTIMIZERS, OUT, STEP, OpDecl, Optimizer, StateDecl
 from pfcompile.formats.profile import format_profile, load_profile, profile_from_json
 from pfcompile.graph.costs import Costs
 from pfcompile.render.style import FALLBACK_COLOUR, color_of, group_of, label_of, legend_groups
