@@ -46,9 +46,9 @@ def scaled_profile(blocks: int) -> Profile:
     """BERT-Large's block costs, `blocks` blocks (a synthetic model for scaling only)."""
     prof = load_profile(str(PAPER))
     b0 = prof.part("block0")
-    lay0 = [l for l in prof.kfac_layers if l.part == "block0"]
+    lay0 = [l for l in prof.covered_layers if l.part == "block0"]
     prof.parts = [prof.parts[0], *(replace(b0, name=f"block{b}") for b in range(blocks)), prof.parts[-1]]
-    prof.kfac_layers = [replace(l, name=f"block{b}.{l.name.split('.', 1)[1]}", part=f"block{b}")
+    prof.covered_layers = [replace(l, name=f"block{b}.{l.name.split('.', 1)[1]}", part=f"block{b}")
                         for b in range(blocks) for l in lay0]
     prof.model = {**prof.model, "name": f"bert-large-{blocks}-blocks", "layers": blocks}
     prof.provenance = {**prof.provenance, "note": f"benchmark: bert-large block costs x {blocks} blocks"}

@@ -44,38 +44,39 @@ def _mc_generator(seed: int, step: int, mb: int) -> torch.Generator:
     return g
 
 
-def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch: Batch, step: int,
+def train_step(model: nn.Module, covered_layers: list[KfacLayer], optimizer, batch: Batch, step: int,
                micro_batches: int, cfg: KfacConfig | None, *, kl_groups: list[list[KfacLayer]] | None = None,
                seed: int = 0, precision=None, max_grad_norm: float = 0.0, stats: dict | None = None) -> float:
     """One training step; returns the step's loss (mean over micro-batches of their mean loss).
 
-    `kl_groups` partitions kfac_layers for the KL clip (the pipeline runtime clips per stage);
+    `kl_groups` partitions covered_layers for the KL clip (the pipeline runtime clips per stage);
     default: one group of all layers. `precision` (runtime.config.precision.Precision): bfloat16 runs
     the forwards under autocast, as the runtime does (the backward follows their dtypes).
     `max_grad_norm` > 0 clips the back-propagated gradient to that global norm (before
     preconditioning; applied after it, which is the same by linearity). `stats`, if given,
     receives "grad_norm" (before clipping).
 
-    With a ShampooConfig or MuonConfig as `cfg`, `kfac_layers` are that optimizer's layers
-    (runtime.optimizers.shampoo.ShampooLayer, runtime.optimizers.muon.MuonLayer); `kl_groups` and `seed` are unused.
+    With a ShampooConfig or MuonConfig as `cfg`, `covered_layers` are that optimizer's layers
+    (runtime.optimizers.shampoo.ShampooLayer,
+    runtime.optimizers.muon.MuonLayer); `kl_groups` and `seed` are unused.
     """
     import contextlib
     device_type = next(model.parameters()).device.type
     amp = (lambda: precision.autocast(device_type)) if precision is not None else contextlib.nullcontext
     if isinstance(cfg, (ShampooConfig, MuonConfig)):
-        return _matrix_step(model, kfac_layers, optimizer, batch, step, micro_batches, cfg, amp,
+        return _matrix_step(model, covered_layers, optimizer, batch, step, micro_batches, cfg, amp,
                             max_grad_norm, stats)
     M = micro_batches
-    use_kfac = bool(kfac_layers) and cfg is not None
+    use_kfac = bool(covered_layers) and cfg is not None
     refresh = use_kfac and step % cfg.refresh_steps == 0
     if refresh:
-        for l in kfac_layers:
+        for l in covered_layers:
             l.activate()
             l.loss_divisor = M
     optimizer.zero_grad()
     losses = []
     for m, (tokens, targets) in enumerate(split_micro_batches(batch, M)):
-        with capturing(kfac_layers, m, on=refresh):
+        with capturing(covered_layers, m, on=refresh):
             if refresh and cfg.fisher == "mc":
                 with amp():
                     logits = model(tokens)
@@ -84,7 +85,7 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
                 params = [p for p in model.parameters() if p.requires_grad]
                 # Its own backward: only the hooks' captured output gradients are kept.
                 torch.autograd.grad(lm_loss(logits, sampled) / M, params, retain_graph=True, allow_unused=True)
-                for l in kfac_layers:
+                for l in covered_layers:
                     l.skip_grad_capture = True
             else:
                 with amp():
@@ -92,23 +93,23 @@ def train_step(model: nn.Module, kfac_layers: list[KfacLayer], optimizer, batch:
             (loss / M).backward()
         losses.append(loss.detach())
         if refresh:
-            for l in kfac_layers:
+            for l in covered_layers:
                 l.curv_a(m)
                 l.curv_b(m)
     if refresh:
-        for l in kfac_layers:
+        for l in covered_layers:
             l.invert("A")
             l.invert("B")
     if use_kfac:
-        for l in kfac_layers:
+        for l in covered_layers:
             l.precondition()
-    active = kfac_layers if use_kfac else []
+    active = covered_layers if use_kfac else []
     norm = float(raw_grad_norm_sq(model, active)) ** 0.5
     scale_all_grads(model, active, clip_coefficient(norm, max_grad_norm))
     if stats is not None:
         stats["grad_norm"] = norm
     if use_kfac:
-        for group in kl_groups or [kfac_layers]:
+        for group in kl_groups or [covered_layers]:
             apply_kl_clip(group, optimizer.lr, cfg.kl_clip)
     optimizer.step()
     return float(torch.stack(losses).mean())

@@ -51,7 +51,7 @@ def ops_only_tiny(tmp_path_factory):
 
     prof = load_profile(str(Path(__file__).resolve().parents[1] / "profiles" / "bert-tiny-cpu.json"))
     prof.runtime = RuntimeOverheads()
-    for layer in prof.kfac_layers:  # Shampoo's and Muon's ops at a CPU's GEMM rate (20 GFLOP/s): to plan them
+    for layer in prof.covered_layers:  # Shampoo's and Muon's ops at a CPU's GEMM rate (20 GFLOP/s): to plan them
         for opt in ("shampoo", "muon"):
             layer.optimizer_ms.setdefault(opt, estimated_optimizer_ms(opt, layer.in_features, layer.out_features, 2e7))
     path = tmp_path_factory.mktemp("profiles") / "bert-tiny-ops-only.json"

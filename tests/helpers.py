@@ -16,7 +16,7 @@ import torch
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.profile import (
     Comm,
-    KfacLayer,
+    CoveredLayer,
     LinkModel,
     Part,
     Profile,
@@ -131,17 +131,17 @@ def uniform_profile(blocks: int = 4, fwd: float = 1.0, bwd: float = 2.0, layers_
     for b in range(blocks):
         parts.append(Part(f"block{b}", fwd, bwd, act_bytes, 100, 100, out_bytes))
         for j in range(layers_per_block):
-            layers.append(KfacLayer(
+            layers.append(CoveredLayer(
                 name=f"block{b}.fc{j}", part=f"block{b}", in_features=8, out_features=8, bias=False,
-                curv_a_ms=curv, curv_b_ms=curv, inv_a_ms={"cholesky": inv, "eigen": 2 * inv},
-                inv_b_ms={"cholesky": inv, "eigen": 2 * inv}, precond_ms=precond,
+                optimizer_ms={"kfac": {"curv_a": curv, "curv_b": curv, "inv_A.cholesky": inv, "inv_A.eigen": 2 * inv,
+                                       "inv_B.cholesky": inv, "inv_B.eigen": 2 * inv, "precond": precond}},
                 kept_a_bytes=10, kept_b_bytes=20, factor_a_bytes=4, factor_b_bytes=4,
                 inverse_a_bytes=4, inverse_b_bytes=4))
     parts.append(Part("head", 0.0, 0.0, 0, 0, 0, 0))
     link = LinkModel(latency_ms=latency_ms, bytes_per_ms=1e6)
     prof = Profile(source="reference", provenance={"note": "synthetic, tests"},
                    model={"name": "tests:synthetic", "micro_batch": 1, "seq_len": 1},  # user code: its own parts
-                   parts=parts, kfac_layers=layers, comm=Comm("model", out_bytes, link, link))
+                   parts=parts, covered_layers=layers, comm=Comm("model", out_bytes, link, link))
     prof.to_json()  # sets the hash
     return prof
 

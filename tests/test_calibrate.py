@@ -56,7 +56,7 @@ def test_schema_1_profile_loads_with_one_line_warning_and_the_documented_estimat
     # the estimate, from the module doc: K-FAC = 5 passes over the K-FAC layers' parameter
     # bytes + 7 over the rest, AdamW = 7 passes over all, at 2 GB/s on a CPU
     block = loaded.part("block0")
-    covered = sum((l.in_features + 1) * l.out_features * 4 for l in loaded.kfac_layers if l.part == "block0")
+    covered = sum((l.in_features + 1) * l.out_features * 4 for l in loaded.covered_layers if l.part == "block0")
     assert block.step_ms["kfac"] == pytest.approx((5 * covered + 7 * (block.param_bytes - covered)) / 2e6)
     assert block.step_ms["adamw"] == pytest.approx(7 * block.param_bytes / 2e6)
 
@@ -81,12 +81,14 @@ def true_profile(prof: Profile) -> Profile:
         p.fwd_ms = (p.fwd_ms or 0.5) * (1.1 + 0.2 * i)
         p.bwd_ms = (p.bwd_ms or 0.7) * (0.7 + 0.1 * i)
         p.step_ms = {k: v * (1.5 + 0.3 * i) for k, v in p.step_ms.items()}
-    for j, l in enumerate(t.kfac_layers):
-        l.curv_a_ms *= 2.0 + 0.01 * j
-        l.curv_b_ms *= 0.5
-        l.inv_a_ms = {m: v * 1.2 for m, v in l.inv_a_ms.items()}
-        l.inv_b_ms = {m: v * 0.9 for m, v in l.inv_b_ms.items()}
-        l.precond_ms *= 3.0
+    for j, l in enumerate(t.covered_layers):
+        kfac = l.optimizer_ms["kfac"]
+        kfac["curv_a"] *= 2.0 + 0.01 * j
+        kfac["curv_b"] *= 0.5
+        for m in ("cholesky", "eigen"):
+            kfac[f"inv_A.{m}"] *= 1.2
+            kfac[f"inv_B.{m}"] *= 0.9
+        kfac["precond"] *= 3.0
     t.comm.p2p.latency_ms = 0.25
     t.runtime = RuntimeOverheads(op_ms=0.01, step_ms=0.8, send_ms=0.15, recv_ms=0.2)
     return t
@@ -160,12 +162,11 @@ def test_calibration_recovers_known_costs(tmp_path):
     for got, want in zip(fitted.parts, truth.parts):
         assert close(got.fwd_ms, want.fwd_ms) and close(got.bwd_ms, want.bwd_ms), got.name
         assert close(got.step_ms["kfac"], want.step_ms["kfac"]), got.name
-    for got, want in zip(fitted.kfac_layers, truth.kfac_layers):
-        for key in ("curv_a_ms", "curv_b_ms", "precond_ms"):
-            assert close(getattr(got, key), getattr(want, key)), (got.name, key)
-        assert close(got.inv_a_ms["cholesky"], want.inv_a_ms["cholesky"])
-        assert close(got.inv_b_ms["cholesky"], want.inv_b_ms["cholesky"])
-        assert got.inv_a_ms["eigen"] == prof.kfac_layers[fitted.kfac_layers.index(got)].inv_a_ms["eigen"]  # not run: kept
+    for got, want, was in zip(fitted.covered_layers, truth.covered_layers, prof.covered_layers):
+        g, w = got.optimizer_ms["kfac"], want.optimizer_ms["kfac"]
+        for key in ("curv_a", "curv_b", "precond", "inv_A.cholesky", "inv_B.cholesky"):
+            assert close(g[key], w[key]), (got.name, key)
+        assert g["inv_A.eigen"] == was.optimizer_ms["kfac"]["inv_A.eigen"]  # not run: kept
     assert close(fitted.comm.p2p.latency_ms, truth.comm.p2p.latency_ms)
     for key in ("op_ms", "step_ms", "send_ms", "recv_ms"):  # the runtime around the ops
         assert close(getattr(fitted.runtime, key), getattr(truth.runtime, key)), key

@@ -95,9 +95,9 @@ OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")
 def _profile():
     """The uniform profile with Shampoo's and Muon's per-layer costs too."""
     prof = uniform_profile(blocks=4)
-    for layer in prof.kfac_layers:
-        layer.optimizer_ms = {"shampoo": {"stats": 0.04, "inv_L": 0.3, "inv_R": 0.2, "precond": 0.05},
-                              "muon": {"orth": 0.1}}
+    for layer in prof.covered_layers:
+        layer.optimizer_ms.update({"shampoo": {"stats": 0.04, "inv_L": 0.3, "inv_R": 0.2, "precond": 0.05},
+                                   "muon": {"orth": 0.1}})
     return prof
 
 

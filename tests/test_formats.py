@@ -73,14 +73,15 @@ def test_canonical_hash_ignores_key_order():
 def test_committed_reference_profile_loads_with_valid_hash():
     prof = load_profile(PROFILE)
     assert prof.source == "reference"
-    assert len(prof.kfac_layers) == 12 * 6
+    assert len(prof.covered_layers) == 12 * 6
 
 
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d.pop("parts"), "parts"),
     (lambda d: d["parts"][2].__setitem__("fwd_ms", "fast"), "parts[2].fwd_ms"),
-    (lambda d: d["kfac_layers"][0].__setitem__("part", "nowhere"), "kfac_layers[0].part"),
-    (lambda d: d["kfac_layers"][1]["inv_a_ms"].pop("eigen"), "kfac_layers[1].inv_a_ms.eigen"),
+    (lambda d: d["covered_layers"][0].__setitem__("part", "nowhere"), "covered_layers[0].part"),
+    (lambda d: d["covered_layers"][1]["optimizer_ms"]["kfac"].pop("inv_A.eigen"),
+     "covered_layers[1].optimizer_ms.kfac.inv_A.eigen"),
     (lambda d: d.__setitem__("schema_version", 99), "schema_version"),
     (lambda d: d.__setitem__("schema", "pfcompile-plan"), "schema"),
     (lambda d: d["comm"]["p2p"].__setitem__("bytes_per_ms", 0), "comm.p2p.bytes_per_ms"),

@@ -356,7 +356,7 @@ PLAN_STRING_FIELDS = [
     ("profile", "parts", 1), ("stats", "solver_status"), ("stats", "refresh_steps_note"), ("schema",)]
 PROFILE_STRING_FIELDS = [
     ("model", "name"), ("model", "kind"), ("model", "dtype"), ("parts", 0, "name"), ("parts", 2, "name"),
-    ("kfac_layers", 0, "name"), ("kfac_layers", 3, "part"), ("provenance", "note"), ("provenance", "device"),
+    ("covered_layers", 0, "name"), ("covered_layers", 3, "part"), ("provenance", "note"), ("provenance", "device"),
     ("provenance", "host"), ("source",), ("comm", "method"), ("schema",)]
 STRING_CASES = 60  # per target
 

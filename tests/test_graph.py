@@ -118,7 +118,7 @@ def test_pipefisher_inversion_split_counts_where_each_factor_is_inverted():
             for po in ops:
                 if po.op.kind == "inv":
                     where[(po.op.layer, po.op.factor, q)] += 1
-    for l, layer in enumerate(prof.kfac_layers):
+    for l, layer in enumerate(prof.covered_layers):
         s = plan.layer_stage[l]
         j = int(layer.part[len("block"):]) - 3 * s  # the block's place in its stage
         ranks = {cfg.rank_of(s, 0): j in (0, 2), cfg.rank_of(s, 1): j in (1, 2)}
@@ -128,7 +128,7 @@ def test_pipefisher_inversion_split_counts_where_each_factor_is_inverted():
     # a split factor's inverse reaches the other replica by broadcast; the rest need none
     bcasts = {(po.op.layer, po.op.factor) for steps in plan.ranks for ops in steps for po in ops
               if po.op.kind == "bcast_inv"}
-    assert bcasts == {(l, f) for l, layer in enumerate(prof.kfac_layers) for f in ("A", "B")
+    assert bcasts == {(l, f) for l, layer in enumerate(prof.covered_layers) for f in ("A", "B")
                       if (int(layer.part[len("block"):]) - 3 * plan.layer_stage[l]) != 2}
 
 

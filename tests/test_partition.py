@@ -38,7 +38,7 @@ def heavy_head_profile(blocks: int = 8, head_blocks: float = 5.0):
     prof = load_profile(REF)
     block = prof.parts[1]
     prof.parts = [prof.parts[0], *prof.parts[1:1 + blocks], prof.parts[-1]]
-    prof.kfac_layers = [l for l in prof.kfac_layers if int(l.part[5:]) < blocks]
+    prof.covered_layers = [l for l in prof.covered_layers if int(l.part[5:]) < blocks]
     head = prof.parts[-1]
     head.fwd_ms, head.bwd_ms = head_blocks * block.fwd_ms, head_blocks * block.bwd_ms
     head.param_bytes = head.grad_bytes = 4 * 32000 * 1024

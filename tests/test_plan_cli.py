@@ -166,10 +166,8 @@ def test_cpsat_stretches_the_step_when_the_bubbles_cannot_hold_kfac(tmp_path):
     ways out; CP-SAT starts from the work appended to the step and stretches the step, a plan
     faster than the appended one that the replay accepts, at the k it is given too."""
     prof = load_profile(os.path.join(ROOT, "profiles", "bert-tiny-cpu.json"))
-    for l in prof.kfac_layers:
-        l.curv_a_ms, l.curv_b_ms, l.precond_ms = 10 * l.curv_a_ms, 10 * l.curv_b_ms, 10 * l.precond_ms
-        l.inv_a_ms = {m: 10 * v for m, v in l.inv_a_ms.items()}
-        l.inv_b_ms = {m: 10 * v for m, v in l.inv_b_ms.items()}
+    for l in prof.covered_layers:
+        l.optimizer_ms["kfac"] = {k: 10 * v for k, v in l.optimizer_ms["kfac"].items()}
     tiny = str(tmp_path / "bert-tiny-kfac-x10.json")
     prof.save(tiny)
     base = ("plan", tiny, "--schedule", "chimera", "--stages", "4", "--micro-batches", "4")

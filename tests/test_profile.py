@@ -15,6 +15,7 @@ import pytest
 from helpers import cli, one_line_error
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.optimizers import KFAC
 from pfcompile.formats.profile import fit_link, format_profile, load_profile, profile_from_json
 from pfcompile.profiler.reference import reference_profile
 
@@ -54,20 +55,18 @@ def test_measured_profile_has_every_entry_positive(measured):
         linear_outs = {"embed": 0, "head": VOCAB}.get(p.name, 4 * H + FFN + H)
         assert p.wgrad_bytes == MB * SEQ * linear_outs * F32, p
     names = [f"block{b}.{n}" for b in range(BLOCKS) for n in ("attn.q", "attn.k", "attn.v", "attn.out", "ffn.fc1", "ffn.fc2")]
-    assert [l.name for l in measured.kfac_layers] == names
-    for l in measured.kfac_layers:
+    assert [l.name for l in measured.covered_layers] == names
+    for l in measured.covered_layers:
         assert l.part == l.name.split(".")[0]
-        times = [l.curv_a_ms, l.curv_b_ms, l.precond_ms, *l.inv_a_ms.values(), *l.inv_b_ms.values()]
-        assert all(t > 0 for t in times), l
+        assert list(l.optimizer_ms["kfac"]) == list(KFAC.cost_keys()), l
+        assert all(t > 0 for t in l.optimizer_ms["kfac"].values()), l
     # every timed entry has its spread, and the median lies inside it
     flat = {f"parts.{p.name}.{k}": getattr(p, k) for p in measured.parts
             for k in ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms")}
     flat.update({f"parts.{p.name}.step_ms.{k}": v for p in measured.parts for k, v in p.step_ms.items()})
     assert all(set(p.step_ms) == {"kfac", "adamw"} and min(p.step_ms.values()) > 0 for p in measured.parts)
-    for l in measured.kfac_layers:
-        flat.update({f"kfac_layers.{l.name}.{k}": getattr(l, k) for k in ("curv_a_ms", "curv_b_ms", "precond_ms")})
-        flat.update({f"kfac_layers.{l.name}.inv_{f}_ms.{m}": getattr(l, f"inv_{f}_ms")[m]
-                     for f in ("a", "b") for m in ("cholesky", "eigen")})
+    for l in measured.covered_layers:
+        flat.update({f"covered_layers.{l.name}.optimizer_ms.kfac.{k}": v for k, v in l.optimizer_ms["kfac"].items()})
     assert set(flat) == set(measured.spread)
     # the parts' fwd/bwd/step entries are the medians timed alone times the probe run's tail
     # of their kind (a run's expected op time); divided by it, each lies inside its spread
@@ -155,7 +154,7 @@ def test_measured_memory_equals_closed_forms(measured):
         low, high = act_bounds[p.name]
         assert low <= p.act_bytes <= high, (p.name, low, p.act_bytes, high)
         assert p.out_bytes == (0 if p.name == "head" else tokens * H * F32), p.name
-    for l in measured.kfac_layers:
+    for l in measured.covered_layers:
         i, o = l.in_features, l.out_features
         assert (i, o) == {"fc1": (H, FFN), "fc2": (FFN, H)}.get(l.name.split(".")[-1], (H, H))
         assert l.kept_a_bytes == tokens * i * F32 and l.kept_b_bytes == tokens * o * F32
@@ -214,25 +213,59 @@ def test_format_profile_lists_every_part_and_layer(measured):
     text = format_profile(measured)
     for p in measured.parts:
         assert f"{p.fwd_ms:.3f}" in text and p.name in text
-    for l in measured.kfac_layers:
+    for l in measured.covered_layers:
         assert l.name in text
     assert "measured-gloo" in text and measured.hash in text
 
 
 
+def _cost_table(text: str, title: str) -> tuple[list[str], dict[str, list[str]]]:
+    """(column heads, layer -> cells) of the optimizer table of `format_profile` titled `title`."""
+    lines = text.split(f"\n{title} per layer")[1].split("\n\n")[0].splitlines()[1:]  # below its title
+    return lines[0].split()[1:], {line.split()[0]: line.split()[1:] for line in lines[2:]}
+
+
 @pytest.mark.e2e
-def test_format_profile_lists_shampoo_and_muon_costs_where_the_profile_has_them(measured):
-    assert "other optimizers" not in format_profile(measured)  # profiled for K-FAC only: no such table
+def test_format_profile_lists_each_optimizers_costs_where_the_profile_has_them(measured):
+    text = format_profile(measured)
+    assert "Shampoo per layer" not in text and "Muon per layer" not in text  # profiled for K-FAC only
+    heads, rows = _cost_table(text, "K-FAC")
+    assert heads == list(KFAC.cost_keys()) and len(rows) == len(measured.covered_layers)
     ref = load_profile(str(ROOT / "profiles" / "bert-large-p100-ref.json"))
     text = format_profile(ref)
     assert ref.provenance["optimizer_note"] in text
-    table = text.split("other optimizers")[1].split("\n\n")[0].splitlines()[4:]  # below its note, head and rule
-    rows = {line.split()[0]: line.split()[1:] for line in table}
-    assert len(rows) == len(ref.kfac_layers)
-    for l in ref.kfac_layers:
-        o = l.optimizer_ms
-        assert rows[l.name] == [f"{o['shampoo'][k]:.3f}" for k in ("stats", "inv_L", "inv_R", "precond")] \
-            + [f"{o['muon']['orth']:.3f}"]
+    for title, name, keys in (("K-FAC", "kfac", KFAC.cost_keys()), ("Shampoo", "shampoo", ("stats", "inv_L", "inv_R", "precond")),
+                              ("Muon", "muon", ("orth",))):
+        heads, rows = _cost_table(text, title)
+        assert heads == list(keys) and len(rows) == len(ref.covered_layers)
+        for l in ref.covered_layers:
+            assert rows[l.name] == [f"{l.optimizer_ms[name][k]:.3f}" for k in keys]
+
+
+SCHEMA3 = ROOT / "tests" / "data" / "profiles-schema3"
+
+
+@pytest.mark.parametrize("path", sorted(SCHEMA3.glob("*.json")), ids=lambda p: p.stem)
+def test_schema3_profile_loads_with_the_costs_of_its_schema4_rewrite(path):
+    """Each profile as committed in schema 3 (kept here) loads, its hash verified over the file
+    as written, and has the very costs of its schema-4 rewrite under profiles/; upgrading it
+    gives that rewrite."""
+    from pfcompile.formats.profile import upgraded
+
+    old, new = load_profile(str(path)), load_profile(str(ROOT / "profiles" / path.name))
+    assert old.schema_version == 3 and new.schema_version == 4
+    assert old.hash == json.loads(path.read_text())["hash"]  # the file's own hash, still verifiable
+    assert [l.optimizer_ms for l in old.covered_layers] == [l.optimizer_ms for l in new.covered_layers]
+    assert all(list(l.optimizer_ms["kfac"]) == list(KFAC.cost_keys()) for l in old.covered_layers)
+    assert old.parts == new.parts and old.comm == new.comm and old.runtime == new.runtime
+    assert [(l.name, l.kept_a_bytes, l.factor_b_bytes, l.inverse_a_bytes) for l in old.covered_layers] == \
+        [(l.name, l.kept_a_bytes, l.factor_b_bytes, l.inverse_a_bytes) for l in new.covered_layers]
+    assert upgraded(old).to_json() == new.to_json()
+    # the schema-3 fields map one to one onto K-FAC's cost keys
+    raw = json.loads(path.read_text())["kfac_layers"][0]
+    kfac = old.covered_layers[0].optimizer_ms["kfac"]
+    assert (kfac["curv_a"], kfac["inv_B.eigen"], kfac["precond"]) == \
+        (raw["curv_a_ms"], raw["inv_b_ms"]["eigen"], raw["precond_ms"])
 
 # --- reference profiles from the CSV --------------------------------------------------------------
 def csv_row(model: str, bs: int = 32) -> dict[str, float]:
@@ -248,11 +281,12 @@ def test_reference_reproduces_csv(model):
     for b in blocks:
         assert b.fwd_ms == pytest.approx(row["time_f"]) and b.bwd_ms == pytest.approx(row["time_b"])
         assert b.act_bytes == round(row["mem_act"] * MIB)
-        ls = [prof.kfac_layers[i] for i in prof.layers_of(b.name)]
+        ls = [prof.covered_layers[i] for i in prof.layers_of(b.name)]
         assert len(ls) == 6
-        assert sum(l.curv_a_ms + l.curv_b_ms for l in ls) == pytest.approx(row["time_kron"])
-        assert sum(l.inv_a_ms["cholesky"] + l.inv_b_ms["cholesky"] for l in ls) == pytest.approx(row["time_inv"])
-        assert sum(l.precond_ms for l in ls) == pytest.approx(row["time_prec"])
+        kfac = [l.optimizer_ms["kfac"] for l in ls]
+        assert sum(c["curv_a"] + c["curv_b"] for c in kfac) == pytest.approx(row["time_kron"])
+        assert sum(c["inv_A.cholesky"] + c["inv_B.cholesky"] for c in kfac) == pytest.approx(row["time_inv"])
+        assert sum(c["precond"] for c in kfac) == pytest.approx(row["time_prec"])
         assert sum(l.factor_a_bytes + l.factor_b_bytes for l in ls) == round(row["mem_kron"] * MIB)
         assert sum(l.kept_b_bytes for l in ls) == round(row["mem_save_err"] * MIB)
 
@@ -285,7 +319,7 @@ def test_committed_measured_profiles_load():
         prof = load_profile(str(ROOT / "profiles" / f"{name}.json"))
         assert prof.source == "measured" and prof.model["name"] == name.rsplit("-", 1)[0]
         assert all(p.fwd_ms > 0 and p.bwd_ms > 0 for p in prof.parts)
-        assert len(prof.kfac_layers) == 6 * prof.model["layers"]
+        assert len(prof.covered_layers) == 6 * prof.model["layers"]
 
 
 
@@ -294,8 +328,8 @@ def test_committed_optimizers_profile_has_every_optimizers_costs():
     prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
     assert prof.source == "measured" and prof.model["name"] == "bert-tiny"
     assert prof.provenance["optimizers"] == ["kfac", "shampoo", "muon"] and prof.provenance["muon_ns_dtype"] == "float32"
-    for layer in prof.kfac_layers:
-        assert set(layer.optimizer_ms) == {"shampoo", "muon"}
+    for layer in prof.covered_layers:
+        assert set(layer.optimizer_ms) == {"kfac", "shampoo", "muon"}
         assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
 
 # --- bad input through the CLI ----------------------------------------------------------------------
@@ -329,7 +363,7 @@ def test_inspect_foreign_schema(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("field,value,needle", [
     (("parts", 1, "fwd_ms"), "fast", "parts[1].fwd_ms"),
-    (("kfac_layers", 2, "inv_a_ms", "eigen"), None, "kfac_layers[2].inv_a_ms.eigen"),
+    (("covered_layers", 2, "optimizer_ms", "kfac", "inv_A.eigen"), None, "covered_layers[2].optimizer_ms.kfac.inv_A.eigen"),
     (("comm", "p2p", "bytes_per_ms"), -1.0, "comm.p2p.bytes_per_ms"),
     (("model", "micro_batch"), 3.5, "model.micro_batch"),
 ])
@@ -400,7 +434,7 @@ def test_muon_is_timed_in_the_newton_schulz_dtype_asked_for():
     prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
                          progress=False, optimizers=("muon",), muon_ns_dtype="float32")
     assert prof.provenance["muon_ns_dtype"] == "float32"
-    assert all(layer.optimizer_ms["muon"]["orth"] > 0 for layer in prof.kfac_layers)
+    assert all(layer.optimizer_ms["muon"]["orth"] > 0 for layer in prof.covered_layers)
     plain = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05, progress=False)
     assert "muon_ns_dtype" not in plain.provenance  # only a profile that times Muon records it
 

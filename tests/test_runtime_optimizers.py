@@ -24,7 +24,7 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
     from pfcompile.profiler.optimizer_layers import estimated_optimizer_ms
 
     prof = load_profile(str(PROFILE))
-    for layer in prof.kfac_layers:
+    for layer in prof.covered_layers:
         for opt in ("shampoo", "muon"):
             layer.optimizer_ms.setdefault(opt, estimated_optimizer_ms(opt, layer.in_features, layer.out_features,
                                                                       1e6))

@@ -232,7 +232,7 @@ def test_replicas_invert_each_factor_once_and_share_the_work():
     plan = solve_plan(prof, PipelineConfig(**kw), PlanOptions(time_limit=5, workers=1))
     invs = _ops(plan, "inv")
     factors = {(op.layer, op.factor) for _, op in invs}
-    assert len(invs) == len(factors) == 2 * len(prof.kfac_layers)  # once, not once per replica
+    assert len(invs) == len(factors) == 2 * len(prof.covered_layers)  # once, not once per replica
     for _q, op in _ops(plan, "bcast_inv"):  # every replica gets the inverse from its inverter
         assert (op.peer, Op("inv", layer=op.layer, factor=op.factor)) in invs
     per_rank = [sum(1 for q, _ in invs if q == r) for r in range(4)]

@@ -262,7 +262,7 @@ def _tiny_with_optimizer_costs():
     from pfcompile.profiler.optimizer_layers import estimated_optimizer_ms
 
     prof = load_profile(str(TINY))
-    for layer in prof.kfac_layers:
+    for layer in prof.covered_layers:
         for opt in ("shampoo", "muon"):
             layer.optimizer_ms.setdefault(opt, estimated_optimizer_ms(opt, layer.in_features, layer.out_features, 1e6))
     return prof

@@ -216,7 +216,7 @@ def kept_input_profile(kept_a: int):
     """2 blocks of 2 K-FAC layers; act 1000 per block, kept_b 10 per layer (so W keeps
     nothing beyond the K-FAC output gradients: wgrad falls back to the kept_b sum)."""
     prof = uniform_profile(blocks=2, act_bytes=1000)
-    for l in prof.kfac_layers:
+    for l in prof.covered_layers:
         l.kept_a_bytes, l.kept_b_bytes = kept_a, 10
     prof.to_json()  # the hash
     return prof
@@ -243,10 +243,10 @@ def brute_force_peaks(plan, prof) -> list[int]:
                 w_end = at[(q, Op("bwd_weight", stage=s, mb=m))][1]
                 kept_b = 0
                 for l in costs.stage_layers[s]:
-                    kept_b += prof.kfac_layers[l].kept_b_bytes
-                    iv.append((p.start, at[(q, Op("curv_b", layer=l, mb=m))][1], prof.kfac_layers[l].kept_b_bytes))
+                    kept_b += prof.covered_layers[l].kept_b_bytes
+                    iv.append((p.start, at[(q, Op("curv_b", layer=l, mb=m))][1], prof.covered_layers[l].kept_b_bytes))
                     ca_end = at[(q, Op("curv_a", layer=l, mb=m))][1]
-                    iv.append((w_end, max(w_end, ca_end), prof.kfac_layers[l].kept_a_bytes))
+                    iv.append((w_end, max(w_end, ca_end), prof.covered_layers[l].kept_a_bytes))
                 iv.append((p.start, w_end, max(0, costs.wgrad_bytes(s) - kept_b)))
         level = max(sum(n for a, f, n in iv if a <= t < f) for t in {a for a, _, _ in iv})
         held = sorted({p.op.stage for ops in steps for p in ops if p.op.kind == "fwd"})
@@ -339,7 +339,7 @@ def test_costs_take_b_and_w_from_the_profile_and_older_profiles_estimate_half(tm
         # what W keeps: every Linear's output gradient, as measured (the head's vocabulary
         # projection is no K-FAC layer, so it is more than the K-FAC layers' kept_b)
         assert costs.wgrad_bytes(s) == sum(prof.part(n).wgrad_bytes for n in group)
-    kept_b = sum(prof.kfac_layers[l].kept_b_bytes for l in costs.stage_layers[1])
+    kept_b = sum(prof.covered_layers[l].kept_b_bytes for l in costs.stage_layers[1])
     assert costs.wgrad_bytes(1) > kept_b
 
     old = copy.deepcopy(prof)
@@ -356,7 +356,7 @@ def test_costs_take_b_and_w_from_the_profile_and_older_profiles_estimate_half(tm
     for s in range(2):
         assert est.bwd_input_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
         assert est.bwd_weight_ms(s) == pytest.approx(est.bwd_ms(s) / 2)
-        assert est.wgrad_bytes(s) == sum(loaded.kfac_layers[l].kept_b_bytes for l in est.stage_layers[s])
+        assert est.wgrad_bytes(s) == sum(loaded.covered_layers[l].kept_b_bytes for l in est.stage_layers[s])
 
 
 def test_split_fields_are_both_numbers_or_both_null(tmp_path):

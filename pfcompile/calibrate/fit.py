@@ -8,8 +8,9 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   gradient bookkeeping, keeps that work in its own entry);
 - every compute op kind: statistic(occupancy - op_ms) (an op that ends its step: its timed
   span, the runtime's work after it being the step's),
-  - per K-FAC layer: curv_a, curv_b, precond, and inv of the method the plan used, directly
-    (one op is one entry);
+  - per covered layer: each op with a cost key in the traced plan's optimizer's declaration
+    (K-FAC's curv_a, curv_b, precond, and inv of the method the plan used; Shampoo's, Muon's),
+    directly into that entry of its optimizer_ms (one op is one entry);
   - per part: fwd, bwd and the optimizer step are measured per STAGE (a stage may hold
     several parts), so each part's entry is scaled by measured / predicted of its stage (the
     proportional fit: parts keep their relative costs); a part seen in several stages or
@@ -52,11 +53,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
+from pfcompile.formats.optimizers import Optimizer, optimizer
 from pfcompile.formats.profile import SCHEMA_VERSION, SPREAD_KINDS, LinkModel, Profile, RuntimeOverheads, fit_link
-from pfcompile.graph.costs import STEP_LIKE
 
 PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
-LAYER_KINDS = ("curv_a", "curv_b", "precond", "inv", "stats", "orth")
 
 
 STATISTICS = {"mean": statistics.fmean, "median": statistics.median}
@@ -77,11 +77,13 @@ def dispatch_gaps(traces: list[MeasuredTrace]) -> list[float]:
 def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float]]:
     """What each op costs its rank, less the dispatch of the next (op_ms): its occupancy - op_ms
     when the next op is in the same step, its timed span when it is the step's last.
-    (kind, key) -> ms, key = (trace index, stage) for parts, layer[, factor] for K-FAC ops;
+    (kind, key) -> ms, key = (trace index, stage) for parts, (layer, factor) for the per-layer
+    ops with a cost key in the traced plan's optimizer's declaration;
     ("send",) for sends; ("between steps",) -> a rank's last op's end to its next step's
     first op, less op_ms (the runtime's work between steps)."""
     out: dict[tuple, list[float]] = defaultdict(list)
     for i, tr in enumerate(traces):
+        spec = optimizer(optimizer_of(tr.layout))
         for ops in tr.by_rank().values():
             for a, b in zip(ops, ops[1:] + [None]):
                 if b is not None and b.step != a.step:
@@ -90,10 +92,8 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
                 k = a.op.kind
                 if k in PART_KINDS:
                     out[(k, i, a.op.stage)].append(occ)
-                elif k == "inv":
+                elif _costed(spec, k) and a.op.layer is not None:
                     out[(k, a.op.layer, a.op.factor)].append(occ)
-                elif k in LAYER_KINDS:
-                    out[(k, a.op.layer)].append(occ)
                 elif k in ("send_act", "send_grad"):
                     out[("send",)].append(occ)
     return out
@@ -223,21 +223,15 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     fitted = fit.entries
     counts: dict[str, int] = defaultdict(int)
 
-    # per covered layer: direct, into the entry of the traced plan's optimizer
-    optimizer = _optimizer_of(traces[0].layout)
+    # per covered layer: direct, into the entry its declaration names (the traced plan's
+    # optimizer, the op's factor, the plan's inversion method)
+    name = optimizer_of(traces[0].layout)
+    spec, method = optimizer(name), traces[0].layout.get("inverse", "cholesky")
     for key, ms in fitted.items():
         kind = key[0]
-        if kind not in LAYER_KINDS:
+        if kind in PART_KINDS or not _costed(spec, kind) or len(key) != 3:
             continue
-        L = new.kfac_layers[key[1]]
-        if optimizer != "kfac":  # Shampoo's and Muon's entries (formats.profile.OPTIMIZER_COST_KEYS)
-            entry = f"inv_{key[2]}" if kind == "inv" else kind
-            L.optimizer_ms.setdefault(optimizer, {})[entry] = ms
-        elif kind == "inv":
-            method = traces[0].layout.get("inverse", "cholesky")
-            (L.inv_a_ms if key[2] == "A" else L.inv_b_ms)[method] = ms
-        else:
-            setattr(L, f"{kind}_ms", ms)
+        new.covered_layers[key[1]].optimizer_ms.setdefault(name, {})[spec.cost_key(kind, key[2], method)] = ms
         counts[kind] += 1
 
     # per part: proportional within each measured stage, mean over observations
@@ -249,7 +243,7 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
         _, i, stage = key
         layout = traces[i].layout
         names = layout["partition"][stage]
-        step_kind = _optimizer_of(layout)
+        step_kind = optimizer_of(layout)
         old = [_part_ms(profile, name, kind, step_kind) for name in names]
         total = sum(old)
         for name, o in zip(names, old):
@@ -292,7 +286,13 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
     return new, dict(counts)
 
 
-def _optimizer_of(layout: dict) -> str:
+def _costed(spec: Optimizer, kind: str) -> bool:
+    """Whether `kind` is one of the optimizer's per-layer ops with a profile entry (cost key)."""
+    d = spec.op(kind)
+    return d is not None and d.cost is not None
+
+
+def optimizer_of(layout: dict) -> str:
     """The traced plan's optimizer (traces of plans from before Shampoo and Muon say "kfac": bool)."""
     return layout.get("optimizer") or ("kfac" if layout.get("kfac") else "adamw")
 
@@ -300,7 +300,7 @@ def _optimizer_of(layout: dict) -> str:
 def _part_ms(profile: Profile, name: str, kind: str, step_kind: str) -> float:
     p = profile.part(name)
     if kind == "step":
-        return p.step_ms.get(step_kind, p.step_ms.get(STEP_LIKE.get(step_kind, step_kind), 0.0))
+        return p.step_ms.get(step_kind, p.step_ms.get(optimizer(step_kind).step_like, 0.0))
     if kind in ("bwd_input", "bwd_weight"):
         return p.split_backward_ms()[kind == "bwd_weight"]
     return p.fwd_ms if kind == "fwd" else p.bwd_ms

@@ -88,8 +88,8 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     """The plan run by the cost model, `cycles` cycles from an idle start. `durations`:
     instance (cycle * ops per cycle + listing id of CycleIndex) -> ms, in place of the
     profile's duration (a measured run's ops: `pfcompile inspect --against --profile`)."""
-    if len(profile.kfac_layers) != len(plan.layers) or any(
-            l.name != n for l, n in zip(profile.kfac_layers, plan.layers)):
+    if len(profile.covered_layers) != len(plan.layers) or any(
+            l.name != n for l, n in zip(profile.covered_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
     L = PlanLayout(plan)
     costs = plan_costs(plan, profile, L)

@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="fit a profile's entries to measured traces of plans made from it",
         description="Replace each profile entry (fwd/bwd/step per part, curvature/inversion/preconditioning "
-                    "per K-FAC layer, the runtime's overheads per op, per step, per send and per receive, "
+                    "per covered layer, the runtime's overheads per op, per step, per send and per receive, "
                     "point-to-point latency and bandwidth) by what the runtime measured "
                     "in the given traces (`torchrun -m runtime PLAN --trace T`); the traces must be runs of "
                     "plans made from PROFILE. Writes a new profile whose provenance names the traces.")

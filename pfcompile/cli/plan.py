@@ -194,19 +194,19 @@ def check_plan_bounds(args) -> None:
         raise InputError("--workers", None, f"must be a positive integer, got {args.workers}")
 
 
-def estimated_tasks(cfg: PipelineConfig, kfac_layers: int) -> int:
+def estimated_tasks(cfg: PipelineConfig, covered_layers: int) -> int:
     """Ops of one step: per (stage, micro-batch) a forward, a backward and up to four
     messages; per covered layer the optimizer's micro-batch ops (K-FAC's curvature: two per
     micro-batch), and per layer and replica its syncs, refreshes, broadcasts and per-step ops."""
     n = 6 * cfg.num_stages * cfg.micro_batches
     if cfg.optimizer_work:
         spec = cfg.optimizer_spec
-        n += len(spec.micro_batch_ops) * kfac_layers * cfg.micro_batches + 7 * kfac_layers * cfg.replicas
+        n += len(spec.micro_batch_ops) * covered_layers * cfg.micro_batches + 7 * covered_layers * cfg.replicas
     return n
 
 
-def check_task_bound(cfg: PipelineConfig, kfac_layers: int) -> None:
-    n = estimated_tasks(cfg, kfac_layers)
+def check_task_bound(cfg: PipelineConfig, covered_layers: int) -> None:
+    n = estimated_tasks(cfg, covered_layers)
     if n > MAX_TASKS:
         raise InputError("--micro-batches", None, f"{cfg.num_stages} stages x {cfg.micro_batches} micro-batches "
                          f"make about {n} tasks per step, over the limit of {MAX_TASKS} (the planner's task "
@@ -246,7 +246,7 @@ def _run(args) -> int:
     budget = Budget(args.time_limit, started=getattr(args, "started", None))
     profile = load_profile(args.profile)
     cfg = config_from_args(args, profile)
-    check_task_bound(cfg, len(profile.kfac_layers))
+    check_task_bound(cfg, len(profile.covered_layers))
     from pfcompile.place.upfront import check_before_planning
 
     check_before_planning(profile, cfg, args.method)  # no plan can: refused before the task graph

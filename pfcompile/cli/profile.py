@@ -9,6 +9,7 @@ import json
 import sys
 
 from pfcompile.formats.errors import InputError
+from pfcompile.formats.optimizers import NAMES, optimizer
 
 # The CPU demo's shape (runtime.train's default seq_len; a micro-batch of 8 sequences).
 DEFAULT_MICRO_BATCH, DEFAULT_SEQ_LEN = 8, 64
@@ -19,7 +20,7 @@ REFERENCE_MICRO_BATCH, REFERENCE_SEQ_LEN = 32, 128
 def register(sub) -> None:
     p = sub.add_parser(
         "profile", help="measure per-layer costs and memory into a profile JSON",
-        description="Time every part's forward/backward and every K-FAC layer's curvature, inversion "
+        description="Time every part's forward/backward and every covered layer's curvature, inversion "
                     "and preconditioning with the runtime's own code, measure message costs in a "
                     "2-rank process group, and write a versioned profile. With --reference, convert "
                     "PipeFisher's published per-block measurements instead.")
@@ -52,7 +53,9 @@ def register(sub) -> None:
                    help="skip the short 2-rank GPipe run that measures the runtime's own costs around the ops "
                         "(per-op dispatch, work between steps, sends, receives); costed from the message "
                         "benchmark alone")
-    p.add_argument("--optimizer", action="append", choices=("kfac", "shampoo", "muon"), default=None,
+    # every declared optimizer with per-layer costs to time (adamw has none)
+    timed = [name for name in NAMES if optimizer(name).cost_keys()]
+    p.add_argument("--optimizer", action="append", choices=timed, default=None,
                    help="whose per-layer ops to time (repeatable): K-FAC's always; shampoo and muon add theirs "
                         "(a reference profile estimates both from their FLOPs)")
     p.add_argument("--muon-ns-dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16",

@@ -47,7 +47,7 @@ def register(sub) -> None:
                    help="compute_comms keeps the plan's send/recv order (default); compute_only lets torch add them")
     p.add_argument("--ranks", metavar="LIST", help="graph: only these devices, e.g. 0,1 or 0-3")
     p.add_argument("--steps", metavar="LIST", help="graph: only these steps of the refresh cycle")
-    p.add_argument("--layers", metavar="LIST", help="graph: only these K-FAC layers (and their stages' pipeline work)")
+    p.add_argument("--layers", metavar="LIST", help="graph: only these covered layers (and their stages' pipeline work)")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--collapse", nargs="?", const="layer", default=None, choices=("layer", "stage"),
                    help="graph: one node per stage and micro-batch, K-FAC work grouped per layer (default) or "
@@ -72,7 +72,7 @@ def run(args) -> int:
     verify_plan(plan, args.plan)  # times finite and sane, ops where they belong: then drawable
     for flag, chosen, n, what in (("--ranks", flt.ranks, plan.world_size, "ranks"),
                                   ("--steps", flt.steps, plan.refresh_steps, "steps in its refresh cycle"),
-                                  ("--layers", flt.layers, len(plan.layers), "K-FAC layers")):
+                                  ("--layers", flt.layers, len(plan.layers), "covered layers")):
         if chosen and max(chosen) >= n:
             raise InputError(flag, None, f"{max(chosen)} is not in the plan, which has {n} {what} (0..{n - 1})")
     from rich.console import Console  # noqa: PLC0415

@@ -206,3 +206,17 @@ def _ancestors(spec: Optimizer, kind: str, factor: str | None, replicas: bool) -
         if not (p.is_pass or p.kind == GRADIENT):
             out |= _ancestors(spec, p.kind, p.factor, replicas)
     return out
+
+
+def reads_pass(decl: OpDecl) -> str | None:
+    """The pass (PASS_*) whose micro-batch tensor a micro-batch op reads, and so keeps from
+    that pass until it has run; None for any other op."""
+    if decl.when != MICRO_BATCH:
+        return None
+    return next((PIPELINE_WRITES[n][0] for n in decl.reads if PIPELINE_WRITES.get(n, (None, None))[1] == MICRO_BATCH),
+                None)
+
+
+def kept_passes(spec: Optimizer) -> tuple[str, ...]:
+    """The passes whose tensors the optimizer's micro-batch ops keep until they have run."""
+    return tuple(dict.fromkeys(p for p in map(reads_pass, spec.micro_batch_ops) if p is not None))

@@ -1,6 +1,6 @@
 """The optimizers a plan can place, as data: the extra work each adds per covered layer.
 
-A covered layer is one of the model's block `nn.Linear`s (the profile's `kfac_layers`, the
+A covered layer is one of the model's block `nn.Linear`s (the profile's `covered_layers`, the
 plan's `layers`). An optimizer declares, for every op of its work:
 
 - `when` it may run: per micro-batch of the refresh cycle's first step (after the pass
@@ -13,9 +13,18 @@ plan's `layers`). An optimizer declares, for every op of its work:
   statistics, a broadcast of a result from the replica that computed it);
 - whether the replicas of a stage may `divide` it (`--precond split|layers`: each layer's
   work on one replica, the results gathered);
+- what times it: its `cost` key in the profile's per-layer map of the optimizer's costs
+  (`covered_layers[].optimizer_ms.NAME`; `{factor}` stands for the op's factor, `{inverse}`
+  for the plan's inversion method, INVERSE_METHODS), or, for a collective, the `transfer`
+  it makes (an all-reduce or a broadcast of the tensor it writes, sized by `state`);
+- for a kind the renderer has no colour of its own for, `render`: its legend label and fill;
 
-and, for the layer as a whole, the `factors` it refreshes once per cycle (K-FAC's A and B,
-Shampoo's L and R) and the state it keeps (`state`, in pfcompile.graph.costs.Costs).
+and, for the optimizer as a whole, the `factors` it refreshes once per cycle (K-FAC's A and B,
+Shampoo's L and R), the `state` it keeps per covered layer (each tensor's shape from the
+layer's in/out features or a byte field of the profile, how many copies, whether only the
+replica doing the layer's divisible work keeps it), what its step keeps per covered
+parameter (`step_moments`) and whose profiled step its own falls back to (`step_like`).
+pfcompile.graph.costs.Costs reads all of it: durations and memory follow the declaration.
 
 The op kinds are shared by role (pfcompile.formats.ops): `inv` is K-FAC's damped inverse
 and Shampoo's inverse fourth root, `precond` either's preconditioning; the plan's
@@ -35,6 +44,7 @@ This module is the contract: torch-, networkx- and ortools-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MICRO_BATCH, STEP, CYCLE = "micro_batch", "step", "cycle"
@@ -43,6 +53,12 @@ MICRO_BATCH, STEP, CYCLE = "micro_batch", "step", "cycle"
 PASS_FWD, PASS_WGRAD = "fwd", "wgrad"
 # the prefixes of the names of a factor's statistics and of what the refresh computes from them
 STAT, ROOT = "stat:", "root:"
+# what a collective op does with the tensor it writes (OpDecl.transfer)
+ALLREDUCE, BROADCAST = "allreduce", "broadcast"
+# the methods a cost key's `{inverse}` is profiled for (K-FAC's damped inverse)
+INVERSE_METHODS = ("cholesky", "eigen")
+# a state tensor's dimensions, from its covered layer (StateDecl.shape)
+IN, IN_BIAS, OUT = "in", "in+bias", "out"
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,25 @@ class OpDecl:
     factor: str | None = None  # a micro-batch op: the factor whose statistics it adds to
     divide: bool = False  # the stage's replicas may divide it layer by layer
     collective: bool = False  # run together by every replica of the stage
+    cost: str | None = None  # its per-layer cost key in the profile (module doc)
+    transfer: str | None = None  # a collective: ALLREDUCE or BROADCAST of what it writes
+    # FLOPs on an out x in layer (m, n) for `factor`: reference profiles estimate its cost from them
+    flops: Callable[[int, int, str | None], float] | None = None
+    render: tuple[str, str] | None = None  # (legend label, fill colour) where the renderer has none
+
+
+@dataclass(frozen=True)
+class StateDecl:
+    """A tensor an optimizer keeps per covered layer, for the memory model. Its size: the
+    profile's per-layer byte field `bytes_field` where given (what the profiler measured),
+    else rows x cols of the state's element size."""
+
+    name: str  # as in reads/writes: "stat:A", "root:L", "momentum"
+    shape: tuple[str, str] = (OUT, IN)  # (rows, cols), each IN, IN_BIAS or OUT
+    copies: int = 1
+    owner_only: bool = False  # kept only where the layer's divisible work runs (its owner)
+    multi_step: bool = False  # kept only with a refresh cycle of k > 1 steps (a snapshot)
+    bytes_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +104,38 @@ class Optimizer:
     factors: tuple[str, ...] = ()
     update: str | None = None
     doc: str = ""
+    title: str = ""  # how pictures name its work ("" : the name)
+    state: tuple[StateDecl, ...] = ()
+    covers_bias: bool = False  # its update covers the layers' biases too (K-FAC's [W | b])
+    step_moments: int = 0  # tensors its step keeps per covered parameter (SGD's momentum: 1)
+    # the state whose element size, as profiled, the covered parameters are counted at (K-FAC:
+    # its factors', "stat:A"); None: the state element size (float32, float64 in a float64 run)
+    covered_element_of: str | None = None
+    step_like: str = "adamw"  # whose profiled per-part step entry its step uses where it has none
+
+    @property
+    def label(self) -> str:
+        return self.title or self.name
+
+    def cost_keys(self) -> tuple[str, ...]:
+        """Its per-layer cost entries in a profile, in the order its ops run: each op's `cost`
+        key, expanded over its factors and the inversion methods where the key names them."""
+        keys: list[str] = []
+        for d in self.ops:
+            if d.cost is None:
+                continue
+            for f in (self.factors if "{factor}" in d.cost else (None,)):
+                for m in (INVERSE_METHODS if "{inverse}" in d.cost else (None,)):
+                    keys.append(d.cost.format(factor=f, inverse=m))
+        return tuple(dict.fromkeys(keys))
+
+    def cost_key(self, kind: str, factor: str | None, inverse: str) -> str | None:
+        """The profile entry that times one op of `kind` (None: not a per-layer compute op)."""
+        d = self.op(kind)
+        return None if d is None or d.cost is None else d.cost.format(factor=factor, inverse=inverse)
+
+    def state_decl(self, name: str) -> StateDecl | None:
+        return next((t for t in self.state if t.name == name), None)
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -133,47 +200,104 @@ class Optimizer:
 
 KFAC = Optimizer(
     name="kfac",
+    title="K-FAC",
     factors=("A", "B"),
     update="precond",
+    covers_bias=True,
+    step_moments=1,
+    covered_element_of="stat:A",
+    step_like="kfac",
+    # accumulator and factor of A and B on every replica (each adds its micro-batches' curvature);
+    # the inverses in force and pending where it preconditions; sized as the profiler measured them
+    state=(
+        StateDecl("stat:A", (IN_BIAS, IN_BIAS), copies=2, bytes_field="factor_a_bytes"),
+        StateDecl("stat:B", (OUT, OUT), copies=2, bytes_field="factor_b_bytes"),
+        StateDecl("root:A", (IN_BIAS, IN_BIAS), copies=2, owner_only=True, bytes_field="inverse_a_bytes"),
+        StateDecl("root:B", (OUT, OUT), copies=2, owner_only=True, bytes_field="inverse_b_bytes"),
+    ),
     doc="K-FAC: Kronecker factors A (layer inputs) and B (output gradients) from the cycle's "
         "first step, inverted once per cycle; every step's gradient preconditioned B^-1 G A^-1",
     ops=(
-        OpDecl("curv_a", MICRO_BATCH, reads=("input",), writes=("stat:A",), factor="A"),
-        OpDecl("curv_b", MICRO_BATCH, reads=("output_grad",), writes=("stat:B",), factor="B"),
-        OpDecl("sync_curv", CYCLE, reads=("stat:F",), writes=("stat:F",), collective=True),
+        OpDecl("curv_a", MICRO_BATCH, reads=("input",), writes=("stat:A",), factor="A",
+               cost="curv_a"),
+        OpDecl("curv_b", MICRO_BATCH, reads=("output_grad",), writes=("stat:B",), factor="B",
+               cost="curv_b"),
+        OpDecl("sync_curv", CYCLE, reads=("stat:F",), writes=("stat:F",), collective=True, transfer=ALLREDUCE),
         # both factors: the pi-corrected damping splits the damping by their traces
-        OpDecl("inv", CYCLE, reads=("stat:A", "stat:B"), writes=("root:F",), divide=True),
-        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True),
-        OpDecl("precond", STEP, reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True),
+        OpDecl("inv", CYCLE, reads=("stat:A", "stat:B"), writes=("root:F",), divide=True,
+               cost="inv_{factor}.{inverse}"),
+        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        OpDecl("precond", STEP, reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True, cost="precond"),
     ),
 )
 
+def _two_sided_flops(m: int, n: int, factor: str | None) -> float:
+    """G G^T and G^T G (Shampoo's statistics), or L^-1/4 G R^-1/4 (its preconditioning)."""
+    return 2 * m * m * n + 2 * m * n * n
+
+
+# FLOPs of a symmetric eigendecomposition with eigenvectors (LAPACK syevd, about 9 d^3) and of
+# rebuilding the root from it (Q diag Q^T, 2 d^3)
+EIGH_FLOPS_PER_D3 = 9 + 2
+NS_STEPS = 5  # torch.optim.Muon's Newton-Schulz iterations
+
+
+def _root_flops(m: int, n: int, factor: str | None) -> float:
+    d = m if factor == "L" else n
+    return EIGH_FLOPS_PER_D3 * d ** 3
+
+
+def _newton_schulz_flops(m: int, n: int, factor: str | None) -> float:
+    """NS_STEPS iterations on the p x q update (p <= q): X X^T, a A + b A^2, (..) X."""
+    p, q = min(m, n), max(m, n)
+    return NS_STEPS * (4 * p * p * q + 2 * p ** 3)
+
+
 SHAMPOO = Optimizer(
     name="shampoo",
+    title="Shampoo",
     factors=("L", "R"),
     update="precond",
+    step_moments=1,
+    step_like="kfac",  # SGD-momentum on the covered weights, AdamW on the rest, as K-FAC's step
+    # where it preconditions: statistics, the cycle's snapshot (k > 1; with k = 1 the snapshot is
+    # the statistics themselves), the roots in force and pending
+    state=(
+        StateDecl("stat:L", (OUT, OUT), owner_only=True),
+        StateDecl("stat:L@0", (OUT, OUT), owner_only=True, multi_step=True),
+        StateDecl("root:L", (OUT, OUT), copies=2, owner_only=True),
+        StateDecl("stat:R", (IN, IN), owner_only=True),
+        StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
+        StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+    ),
     doc="Shampoo: L <- b L + (1-b) G G^T and R <- b R + (1-b) G^T G every step from the "
         "synchronised gradient; their inverse fourth roots once per cycle (from the cycle's "
         "first step's statistics); every step L^-1/4 G R^-1/4, grafted to the gradient's norm",
     ops=(
-        OpDecl("stats", STEP, reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True),
-        OpDecl("inv", CYCLE, reads=("stat:F@0",), writes=("root:F",), divide=True),
-        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True),
-        OpDecl("precond", STEP, reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True),
+        OpDecl("stats", STEP, reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
+               cost="stats", flops=_two_sided_flops),
+        OpDecl("inv", CYCLE, reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
+               flops=_root_flops),
+        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        OpDecl("precond", STEP, reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True, cost="precond",
+               flops=_two_sided_flops),
     ),
 )
 
 MUON = Optimizer(
     name="muon",
+    title="Muon",
     update="orth",
+    state=(StateDecl("momentum", (OUT, IN), owner_only=True),),  # where it orthogonalises
     doc="Muon: momentum, then five Newton-Schulz iterations orthogonalise each covered weight's "
         "update every step (torch.optim.Muon's); AdamW updates the rest",
     ops=(
-        OpDecl("orth", STEP, reads=("grad", "momentum"), writes=("momentum", "grad"), divide=True),
+        OpDecl("orth", STEP, reads=("grad", "momentum"), writes=("momentum", "grad"), divide=True, cost="orth",
+               flops=_newton_schulz_flops),
     ),
 )
 
-ADAMW = Optimizer(name="adamw", ops=(), doc="AdamW on every parameter: the first-order baseline, no extra work")
+ADAMW = Optimizer(name="adamw", title="AdamW", ops=(), doc="AdamW on every parameter: the first-order baseline, no extra work")
 
 OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (KFAC, SHAMPOO, MUON, ADAMW)}
 NAMES = tuple(OPTIMIZERS)

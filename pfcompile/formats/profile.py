@@ -1,11 +1,11 @@
-"""The profile format: per-part and per-K-FAC-layer costs of one model on one device.
+"""The profile format: per-part and per-covered-layer costs of one model on one device.
 
 A profile is measured by `pfcompile profile` (pfcompile.profiler) or converted from
 published numbers (pfcompile.profiler.reference). This module only reads, validates and writes it,
 and imports no torch, so the planner can use it anywhere.
 
 Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, precond);
-sizes in bytes. Every `*_ms` entry is the median of the op timed alone, and `spread[key] =
+sizes in bytes. Every `*_ms` entry (and every entry of `optimizer_ms`) is the median of the op timed alone, and `spread[key] =
 [p10, p90]` of those timings where measured, except where a run says more: in a measured
 profile with `provenance.run_tail`, the parts' fwd, bwd (B, W) and step entries are that
 median times the mean over median of their op kind in the profiler's run of the runtime (a
@@ -13,7 +13,7 @@ run's expected op time); in a calibrated one, every fitted entry is the calibrat
 statistic (`provenance.calibration.statistic`, the mean by default) of the measured runs.
 
     {
-      "schema": "pfcompile-profile", "schema_version": 3,
+      "schema": "pfcompile-profile", "schema_version": 4,
       "source": "measured" | "reference",
       "provenance": {...},                   # device, torch, dtype, host, date, repeats, ...
       "model": {"name", "kind", "layers", "hidden", "heads", "ffn", "vocab", "seq_len",
@@ -23,13 +23,13 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
                  "step_ms": {"kfac", "adamw"},          # version 2
                  "bwd_input_ms", "bwd_weight_ms",       # version 3 (number or null)
                  "wgrad_bytes"}],                        # version 3, optional (number or null)
-      "kfac_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
-                 "out_features", "bias", "curv_a_ms", "curv_b_ms",
-                 "inv_a_ms": {"cholesky", "eigen"}, "inv_b_ms": {"cholesky", "eigen"},
-                 "precond_ms", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
+      "covered_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
+                 "out_features", "bias", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
                  "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes",
-                 "optimizer_ms": {"shampoo": {"stats", "inv_L", "inv_R", "precond"},
-                                  "muon": {"orth"}}}],    # optional, per optimizer profiled
+                 "optimizer_ms": {"kfac": {"curv_a", "curv_b", "inv_A.cholesky", "inv_A.eigen",
+                                           "inv_B.cholesky", "inv_B.eigen", "precond"},
+                                  "shampoo": {"stats", "inv_L", "inv_R", "precond"},
+                                  "muon": {"orth"}}}],    # version 4; per optimizer profiled
       "comm": {"method": "measured-gloo"|"measured-nccl"|"model", "act_bytes",
                "p2p": {"latency_ms", "bytes_per_ms"},
                "allreduce": {"latency_ms", "bytes_per_ms"}},
@@ -38,6 +38,15 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
       "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
       "hash": "sha256:..."                   # of everything above, canonical JSON
     }
+
+`covered_layers` (version 4; LAYERS_KEY_V3 before) are the layers an optimizer's extra work
+covers (pfcompile.formats.optimizers). `optimizer_ms` maps each profiled optimizer to its
+ops' costs on the layer, one entry per cost key its declaration names
+(`Optimizer.cost_keys`: K-FAC's inversion once per factor and method); an optimizer a profile
+has no map for cannot be planned from it. Versions 1 to 3 kept K-FAC's costs in fields of
+their own (`curv_a_ms`, `curv_b_ms`, `inv_a_ms`/`inv_b_ms` per method, `precond_ms`) and the
+others' in `optimizer_ms`: they load converted (`kfac_layer_v3`), their hash computed over the
+file as written (`layer_json_v3`), so it stays verifiable and plans made from them name it.
 
 `step_ms` (version 2) is the optimizer update of the part's parameters, once per step:
 "kfac" the K-FAC optimizer (KL clip over its K-FAC layers, SGD-momentum on them, AdamW on
@@ -77,33 +86,35 @@ one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half o
 each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
 FLOPs, input gradient and weight gradient). `wgrad_bytes` (version 3, optional) is what the
 part's W keeps besides its activations from B until it runs: the output gradient of every
-nn.Linear of the part (K-FAC layer or not), as runtime.split_backward keeps them; absent or
-null: the K-FAC layers' `kept_b_bytes` (pfcompile.graph.costs.Costs.wgrad_bytes).
+nn.Linear of the part (covered layer or not), as runtime.split_backward keeps them; absent or
+null: the covered layers' `kept_b_bytes` (pfcompile.graph.costs.Costs.wgrad_bytes).
 
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
 part's output for one micro-batch: the point-to-point message when a stage ends there.
 `act_bytes` is what the forward saves for the backward (freed by the backward);
-`kept_a_bytes`/`kept_b_bytes` are the layer input / output gradient K-FAC keeps until
-its curvature op has run. `factor_*_bytes` is one factor; `inverse_*_bytes` one inverse.
+`kept_a_bytes`/`kept_b_bytes` are the layer input / output gradient an optimizer's
+micro-batch ops keep until they have run (K-FAC's curvature). `factor_*_bytes` is one factor; `inverse_*_bytes` one inverse.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pfcompile.formats.errors import echo
 from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
+from pfcompile.formats.optimizers import INVERSE_METHODS, OPTIMIZERS
 
 SCHEMA = "pfcompile-profile"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
 SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
-READS_VERSIONS = (1, 2, 3)
-INVERSE_METHODS = ("cholesky", "eigen")
+READS_VERSIONS = (1, 2, 3, 4)
 STEP_KINDS = ("kfac", "adamw")
 # The estimate for version-1 profiles (see the module doc): passes over the parameter bytes
 # and the streaming rate in bytes per ms.
@@ -143,29 +154,20 @@ class Part:
 
 
 @dataclass
-class KfacLayer:
+class CoveredLayer:
     name: str
     part: str
     in_features: int
     out_features: int
     bias: bool
-    curv_a_ms: float
-    curv_b_ms: float
-    inv_a_ms: dict[str, float]
-    inv_b_ms: dict[str, float]
-    precond_ms: float
     kept_a_bytes: int
     kept_b_bytes: int
     factor_a_bytes: int
     factor_b_bytes: int
     inverse_a_bytes: int
     inverse_b_bytes: int
-    # the other optimizers' ops on this layer (OPTIMIZER_COST_KEYS), where profiled or estimated
+    # optimizer -> cost key -> ms: its ops on this layer (Optimizer.cost_keys), where profiled or estimated
     optimizer_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def inv_ms(self, factor: str, method: str = "cholesky") -> float:
-        return (self.inv_a_ms if factor == "A" else self.inv_b_ms)[method]
-
 
     def factor_bytes(self, factor: str) -> int:
         return self.factor_a_bytes if factor == "A" else self.factor_b_bytes
@@ -173,7 +175,7 @@ class KfacLayer:
     def inverse_bytes(self, factor: str) -> int:
         return self.inverse_a_bytes if factor == "A" else self.inverse_b_bytes
 
-    def kept_bytes(self, factor: str) -> int:
+    def kept_bytes(self, factor: str) -> int:  # a K-FAC factor's kept tensor (A: input, B: output gradient)
         return self.kept_a_bytes if factor == "A" else self.kept_b_bytes
 
     @property
@@ -181,10 +183,37 @@ class KfacLayer:
         return self.in_features * self.out_features
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        if not d["optimizer_ms"]:
-            del d["optimizer_ms"]  # absent: profiles from before Shampoo and Muon keep their hash
-        return d
+        return asdict(self)
+
+
+LAYERS_KEY_V3 = "kfac_layers"  # the covered layers' key in schema 3 and older (K-FAC's name)
+# schema 3's K-FAC fields of a covered layer -> their cost keys in schema 4's optimizer_ms.kfac
+KFAC_FIELDS_V3 = {"curv_a_ms": "curv_a", "curv_b_ms": "curv_b", "precond_ms": "precond"}
+KFAC_INVERSE_FIELDS_V3 = {"inv_a_ms": "inv_A", "inv_b_ms": "inv_B"}
+
+
+def kfac_layer_v3(fields: dict[str, Any]) -> dict[str, float]:
+    """A schema-3 layer's K-FAC fields (read and checked) as schema 4's optimizer_ms.kfac."""
+    costs = {"curv_a": fields["curv_a_ms"], "curv_b": fields["curv_b_ms"]}
+    for f, key in KFAC_INVERSE_FIELDS_V3.items():
+        costs.update({f"{key}.{m}": fields[f][m] for m in INVERSE_METHODS})
+    costs["precond"] = fields["precond_ms"]  # in the order of Optimizer.cost_keys
+    return costs
+
+
+def layer_json_v3(layer: CoveredLayer) -> dict[str, Any]:
+    """The layer as a schema-3 file has it (its hash is over that form): K-FAC's costs in
+    fields of their own, the other optimizers' in optimizer_ms, absent where there are none."""
+    d = asdict(layer)
+    other = {o: c for o, c in d.pop("optimizer_ms").items() if o != "kfac"}
+    kfac = layer.optimizer_ms["kfac"]
+    for f, key in KFAC_FIELDS_V3.items():
+        d[f] = kfac[key]
+    for f, key in KFAC_INVERSE_FIELDS_V3.items():
+        d[f] = {m: kfac[f"{key}.{m}"] for m in INVERSE_METHODS}
+    if other:
+        d["optimizer_ms"] = other
+    return d
 
 
 @dataclass
@@ -198,10 +227,10 @@ class LinkModel:
         return self.latency_ms + nbytes / self.bytes_per_ms
 
 
-# the cost entries of the optimizers other than K-FAC, per covered layer (pfcompile.formats.optimizers):
-# Shampoo's per-step statistics, each factor's inverse root and the preconditioning; Muon's
-# momentum and orthogonalisation
-OPTIMIZER_COST_KEYS = {"shampoo": ("stats", "inv_L", "inv_R", "precond"), "muon": ("orth",)}
+def cost_keys() -> dict[str, tuple[str, ...]]:
+    """Optimizer -> its per-layer cost keys, for every declared optimizer with any (read at call
+    time: an optimizer declared after import counts)."""
+    return {name: o.cost_keys() for name, o in OPTIMIZERS.items() if o.cost_keys()}
 
 
 def fit_link(points: list[tuple[int, float]]) -> LinkModel:
@@ -299,7 +328,7 @@ class Profile:
     provenance: dict[str, Any]
     model: dict[str, Any]
     parts: list[Part]
-    kfac_layers: list[KfacLayer]
+    covered_layers: list[CoveredLayer]
     comm: Comm
     spread: dict[str, list[float]] = field(default_factory=dict)
     runtime: RuntimeOverheads = field(default_factory=RuntimeOverheads)
@@ -314,8 +343,8 @@ class Profile:
         raise KeyError(name)
 
     def layers_of(self, part_name: str) -> list[int]:
-        """Indices (into kfac_layers) of the K-FAC layers inside one part, in order."""
-        return [i for i, l in enumerate(self.kfac_layers) if l.part == part_name]
+        """Indices (into covered_layers) of the covered layers inside one part, in order."""
+        return [i for i, l in enumerate(self.covered_layers) if l.part == part_name]
 
     @property
     def name(self) -> str:
@@ -330,7 +359,9 @@ class Profile:
             "provenance": self.provenance,
             "model": self.model,
             "parts": [self._part_json(p) for p in self.parts],
-            "kfac_layers": [l.to_json() for l in self.kfac_layers],
+            # as written: a version-3 file (or older) keeps its layers' form, and so its hash
+            **({"covered_layers": [l.to_json() for l in self.covered_layers]} if self.schema_version >= 4
+               else {LAYERS_KEY_V3: [layer_json_v3(l) for l in self.covered_layers]}),
             "comm": asdict(self.comm),
             **({"runtime": self.runtime.to_json()} if self.runtime.any() else {}),  # absent: as before
             "spread": self.spread,
@@ -372,8 +403,8 @@ def estimated_step_ms(profile: Profile, part: Part) -> dict[str, float]:
     """The documented estimate of a part's optimizer step for profiles that did not measure it:
     bytes streamed (passes over the parameter bytes) at the device's rate (module doc)."""
     rate = STEP_BYTES_PER_MS["cpu" if profile.provenance.get("device_type") == "cpu" else "gpu"]
-    covered = 0  # parameter bytes of the part's K-FAC layers (SGD-momentum); the rest is AdamW
-    for l in profile.kfac_layers:
+    covered = 0  # parameter bytes of the part's covered layers (K-FAC's SGD-momentum); the rest is AdamW
+    for l in profile.covered_layers:
         if l.part == part.name:
             d_a = l.in_features + (1 if l.bias else 0)
             covered += d_a * l.out_features * round(l.factor_a_bytes / (d_a * d_a))
@@ -429,40 +460,9 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
     if len(set(names)) != len(names):
         raise top.fail("parts", "part names must be unique")
 
-    layers = []
-    for i, l in enumerate(top.req("kfac_layers", list)):
-        f = Fields(l, where, f"kfac_layers[{i}]")
-        part = f.req("part", str)
-        if part not in names:
-            raise f.fail("part", f"names no part of this profile: {echo(part)}")
-        invs = {}
-        for key in ("inv_a_ms", "inv_b_ms"):
-            sub = f.sub(key)
-            invs[key] = {m: sub.req(m, float, check=_pos, why="must be a finite number >= 0") for m in INVERSE_METHODS}
-        other = {}
-        if isinstance(l, dict) and l.get("optimizer_ms") is not None:
-            om = f.sub("optimizer_ms")
-            if not isinstance(om.obj, dict):
-                raise f.fail("optimizer_ms", "must be an object")
-            for opt, keys in OPTIMIZER_COST_KEYS.items():
-                if opt in om.obj:
-                    of = om.sub(opt)
-                    other[opt] = {k: of.req(k, float, check=_pos, why="must be a finite number >= 0") for k in keys}
-            unknown = sorted(set(om.obj) - set(OPTIMIZER_COST_KEYS))
-            if unknown:
-                raise om.fail(None, f"unknown optimizer {unknown[0]!r:.40} (known: {', '.join(OPTIMIZER_COST_KEYS)})")
-        layers.append(KfacLayer(
-            name=f.req("name", str), part=part, optimizer_ms=other,
-            in_features=f.req("in_features", int, check=lambda v: v > 0, why="must be positive"),
-            out_features=f.req("out_features", int, check=lambda v: v > 0, why="must be positive"),
-            bias=f.req("bias", bool),
-            **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0")
-               for k in ("curv_a_ms", "curv_b_ms", "precond_ms")},
-            **invs,
-            **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
-               for k in ("kept_a_bytes", "kept_b_bytes", "factor_a_bytes", "factor_b_bytes",
-                         "inverse_a_bytes", "inverse_b_bytes")},
-        ))
+    layers_key = "covered_layers" if version >= 4 else LAYERS_KEY_V3
+    layers = [_covered_layer(Fields(l, where, f"{layers_key}[{i}]"), l, version, names)
+              for i, l in enumerate(top.req(layers_key, list))]
 
     cf = top.sub("comm")
     links = {}
@@ -493,7 +493,7 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
                 runtime.op_spread[kind] = [float(m) for m in mult]
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
-                   kfac_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
+                   covered_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
     missing, estimates = [], []
     if version < 2:
         for p in parts:
@@ -512,6 +512,67 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         raise top.fail("hash", "does not match the content (the file was edited or truncated)")
     prof.hash = actual
     return prof
+
+
+_SPREAD_V3 = re.compile(re.escape(LAYERS_KEY_V3) + r"\.(?P<layer>.+?)\.(?:(?P<own>curv_a_ms|curv_b_ms|precond_ms)"
+                        r"|(?P<inv>inv_a_ms|inv_b_ms)\.(?P<method>\w+)|optimizer_ms\.(?P<other>.+))")
+
+
+def upgraded(profile: Profile) -> Profile:
+    """A copy of a version-3 (or older) profile in the current schema, as `pfcompile profile`
+    writes it now: its covered layers' costs in optimizer_ms, and the spread's and the
+    provenance's names of layer entries renamed to match (LAYERS_KEY_V3 + `.L.curv_a_ms` ->
+    `covered_layers.L.optimizer_ms.kfac.curv_a`). The costs are the same; the hash is new."""
+    def rename(key: str) -> str:
+        m = _SPREAD_V3.fullmatch(key)
+        if m is None:
+            return key.replace(LAYERS_KEY_V3, "covered_layers", 1) if key.startswith(LAYERS_KEY_V3) else key
+        entry = (KFAC_FIELDS_V3.get(m["own"]) if m["own"] else
+                 f"{KFAC_INVERSE_FIELDS_V3[m['inv']]}.{m['method']}" if m["inv"] else None)
+        return f"covered_layers.{m['layer']}.optimizer_ms." + (f"kfac.{entry}" if entry else m["other"])
+
+    new = copy.deepcopy(profile)
+    new.schema_version = SCHEMA_VERSION
+    new.spread = {rename(k): v for k, v in profile.spread.items()}
+    if isinstance(new.provenance.get("estimated"), list):
+        new.provenance["estimated"] = [rename(e) if isinstance(e, str) else e for e in new.provenance["estimated"]]
+    new.to_json()
+    return new
+
+
+def _covered_layer(f: Fields, raw: Any, version: int, parts: list[str]) -> CoveredLayer:
+    """One covered layer of a version-`version` file: every optimizer's costs into optimizer_ms
+    (version 3 and older: K-FAC's from its own fields, kfac_layer_v3)."""
+    part = f.req("part", str)
+    if part not in parts:
+        raise f.fail("part", f"names no part of this profile: {echo(part)}")
+    ms = dict(check=_pos, why="must be a finite number >= 0")
+    costs: dict[str, dict[str, float]] = {}
+    if version < 4:
+        v3 = {k: f.req(k, float, **ms) for k in ("curv_a_ms", "curv_b_ms", "precond_ms")}
+        for key in KFAC_INVERSE_FIELDS_V3:
+            sub = f.sub(key)
+            v3[key] = {m: sub.req(m, float, **ms) for m in INVERSE_METHODS}
+        costs["kfac"] = kfac_layer_v3(v3)
+    known = cost_keys()
+    if version >= 4 or (isinstance(raw, dict) and raw.get("optimizer_ms") is not None):
+        om = f.sub("optimizer_ms")
+        if not isinstance(om.obj, dict):
+            raise f.fail("optimizer_ms", "must be an object")
+        for opt in om.obj:
+            if opt not in known or (version < 4 and opt == "kfac"):
+                raise om.fail(None, f"unknown optimizer {opt!r:.40} (known: {', '.join(known)})")
+            of = om.sub(opt)
+            costs[opt] = {k: of.req(k, float, **ms) for k in known[opt]}
+    positive = dict(check=lambda v: v > 0, why="must be positive")
+    return CoveredLayer(
+        name=f.req("name", str), part=part, optimizer_ms=costs,
+        in_features=f.req("in_features", int, **positive), out_features=f.req("out_features", int, **positive),
+        bias=f.req("bias", bool),
+        **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
+           for k in ("kept_a_bytes", "kept_b_bytes", "factor_a_bytes", "factor_b_bytes",
+                     "inverse_a_bytes", "inverse_b_bytes")},
+    )
 
 
 # --- the table `pfcompile inspect PROFILE` prints ---------------------------------------------
@@ -533,13 +594,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.3f}"
 
 
-# the order of the other optimizers' per-layer costs in `inspect`'s table: as a step runs them
-OTHER_OPTIMIZER_ORDER = ("stats", "inv_L", "inv_R", "precond", "orth")
-
-
 def format_profile(profile: Profile) -> str:
-    """Human-readable summary: provenance, per-part and per-covered-layer costs (K-FAC's, and
-    Shampoo's and Muon's where the profile has them), communication."""
+    """Human-readable summary: provenance, per-part costs, the covered layers' sizes and each
+    profiled optimizer's costs on them, communication."""
     m, pv = profile.model, profile.provenance
     shape = ", ".join(f"{k} {m[k]}" for k in ("layers", "hidden", "heads", "ffn", "vocab",
                                                "micro_batch", "seq_len", "dtype") if k in m)
@@ -558,7 +615,7 @@ def format_profile(profile: Profile) -> str:
 
     parts = _table(
         ["part", "fwd ms", "bwd ms", "B ms", "W ms", "step ms K-FAC", "step ms AdamW", "act MiB", "param MiB",
-         "grad MiB", "out MiB", "K-FAC layers"],
+         "grad MiB", "out MiB", "covered layers"],
         [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), split(p, 0), split(p, 1),
           _ms(p.step_ms.get("kfac", 0.0)), _ms(p.step_ms.get("adamw", 0.0)),
           _mib(p.act_bytes), _mib(p.param_bytes), _mib(p.grad_bytes), _mib(p.out_bytes),
@@ -569,28 +626,25 @@ def format_profile(profile: Profile) -> str:
             _ms(sum(p.step_ms.get("kfac", 0.0) for p in profile.parts)),
             _ms(sum(p.step_ms.get("adamw", 0.0) for p in profile.parts)),
             _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
-            _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.kfac_layers))]],
+            _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.covered_layers))]],
     )
     layers = _table(
-        ["K-FAC layer", "in", "out", "curv A", "curv B", "inv A chol", "inv A eig", "inv B chol",
-         "inv B eig", "precond", "kept A MiB", "kept B MiB", "factors MiB", "inverses MiB"],
-        [[l.name, str(l.in_features), str(l.out_features), _ms(l.curv_a_ms), _ms(l.curv_b_ms),
-          _ms(l.inv_a_ms["cholesky"]), _ms(l.inv_a_ms["eigen"]), _ms(l.inv_b_ms["cholesky"]),
-          _ms(l.inv_b_ms["eigen"]), _ms(l.precond_ms), _mib(l.kept_a_bytes), _mib(l.kept_b_bytes),
+        ["covered layer", "in", "out", "kept A MiB", "kept B MiB", "factors MiB", "inverses MiB"],
+        [[l.name, str(l.in_features), str(l.out_features), _mib(l.kept_a_bytes), _mib(l.kept_b_bytes),
           _mib(l.factor_a_bytes + l.factor_b_bytes), _mib(l.inverse_a_bytes + l.inverse_b_bytes)]
-         for l in profile.kfac_layers],
+         for l in profile.covered_layers],
     )
     sections = [layers]
-    costed = [o for o in ("shampoo", "muon") if any(o in l.optimizer_ms for l in profile.kfac_layers)]
-    if costed:
-        keys = [(o, k) for o in costed for k in sorted({k for l in profile.kfac_layers for k in l.optimizer_ms.get(o, {})},
-                                                       key=OTHER_OPTIMIZER_ORDER.index)]
+    # one table per optimizer the profile has costs for, its entries in its declaration's order
+    for name, keys in cost_keys().items():
+        if not any(name in l.optimizer_ms for l in profile.covered_layers):
+            continue
         sections.append(
-            "other optimizers per layer (ms per step; inverse roots once per refresh)"
-            + (f"\n{pv['optimizer_note']}" if pv.get("optimizer_note") else "") + "\n"
-            + _table(["layer", *(f"{o} {k}" for o, k in keys)],
-                     [[l.name, *(_ms(l.optimizer_ms[o][k]) if k in l.optimizer_ms.get(o, {}) else "-" for o, k in keys)]
-                      for l in profile.kfac_layers]))
+            f"{OPTIMIZERS[name].label} per layer (ms per micro-batch or step; inversions and roots once per refresh)\n"
+            + _table(["layer", *keys], [[l.name, *(_ms(l.optimizer_ms[name][k]) if name in l.optimizer_ms else "-"
+                                                   for k in keys)] for l in profile.covered_layers]))
+    if pv.get("optimizer_note") and len(sections) > 1:
+        sections[1] = f"{pv['optimizer_note']}\n{sections[1]}"
     c = profile.comm
     comm = (f"communication ({c.method}): message {_mib(c.act_bytes)} MiB; "
             f"p2p {c.p2p.latency_ms:.4f} ms + {c.p2p.bytes_per_ms / 1e6:.3f} GB/s "
@@ -609,5 +663,4 @@ def format_profile(profile: Profile) -> str:
               else "spread: none recorded")
     if not all(p.split_measured for p in profile.parts):
         parts += "\n(B, W in parentheses: not measured, estimated as half the backward each)"
-    sections[0] = "times in ms per micro-batch (inversion, preconditioning: once)\n" + sections[0]
     return "\n\n".join(["\n".join(head), parts, *sections, comm + "\n" + spread])

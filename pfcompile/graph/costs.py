@@ -2,17 +2,22 @@
 
 The task graph (what a planner places) and the replay (what checks a plan) must agree
 on what an op costs, so both ask a `Costs`. It knows the partition (parts of each model
-stage), the K-FAC layers of each stage, the number of replicas and the inversion method.
+stage), the covered layers of each stage, the number of replicas and the inversion method.
+What an optimizer's op costs and what it keeps come from its declaration
+(pfcompile.formats.optimizers): an op's `cost` key in the profile's per-layer map, a
+collective's `transfer` of the state it writes, the `state` per covered layer, the step's.
 
 Memory model (docs/design.md §5.4):
 - resident per rank: parameters + gradients + optimizer state of the stages it holds
-  (runtime.optim: SGD momentum on the K-FAC layers' weights and biases, AdamW's two moments
-  on the rest; AdamW on everything without K-FAC), and per K-FAC layer held: accumulators
-  A, B, factors A, B, inverses in force A, B, pending inverses A, B;
+  (runtime.optim: the declared `step_moments` per covered parameter, e.g. K-FAC's SGD
+  momentum on the covered layers' weights and biases, and AdamW's two moments on the rest;
+  AdamW on everything without extra work), and per covered layer held its declared `state`
+  (K-FAC: accumulators A, B, factors A, B, inverses in force A, B, pending inverses A, B);
 - dynamic: `fwd(s, m)` allocates the activations it saves at its start; `bwd(s, m)` frees
-  them at its end. On the refresh step (step 0 of the cycle) `fwd` also allocates each
-  layer's kept input (freed at the end of its `curv_a`) and `bwd` each layer's kept output
-  gradient (freed at the end of its `curv_b`).
+  them at its end. On the refresh step (step 0 of the cycle), with an optimizer whose
+  micro-batch ops keep the forward's input (PASS_FWD) or the output gradient (PASS_WGRAD),
+  `fwd` also allocates each layer's kept input (freed at the end of the op that reads it,
+  K-FAC's `curv_a`) and `bwd` each layer's kept output gradient (K-FAC's `curv_b`).
 - split backward (zero-bubble families): `bwd_input(s, m)` keeps the output gradients the
   weight pass needs (`wgrad_bytes`) from its start, and the activations stay: both are
   freed at the end of `bwd_weight(s, m)`. On the refresh step with K-FAC, the kept output
@@ -34,19 +39,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pfcompile.formats.dataflow import kept_passes, reads_pass
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
+from pfcompile.formats.optimizers import ALLREDUCE, IN, IN_BIAS, OUT, PASS_FWD, PASS_WGRAD, StateDecl
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
-from pfcompile.formats.profile import OPTIMIZER_COST_KEYS, Cluster, Profile
+from pfcompile.formats.profile import Cluster, Profile
 from pfcompile.graph.partition import stage_partition
 
 if TYPE_CHECKING:
     from pfcompile.graph.schedules import PipelineConfig
 
-# the profiled optimizer-step entry a part's step falls back to where it has none of its own:
-# Shampoo steps like K-FAC (SGD-momentum on the covered weights, AdamW on the rest), Muon like
-# AdamW (a scaled add on the covered weights)
-STEP_LIKE = {"shampoo": "kfac", "muon": "adamw"}
+# the buffer a micro-batch op's kept tensor is named by, per pass it reads (module doc)
+KEPT_BUFFER = {PASS_FWD: "kept_a", PASS_WGRAD: "kept_b"}
 
 
 @dataclass
@@ -67,14 +72,14 @@ class Costs:
     def __post_init__(self):
         self.spec = optimizer_spec(self.optimizer)
         self.work = self.spec.has_work
-        if self.optimizer in OPTIMIZER_COST_KEYS:  # its ops' costs must be in the profile
-            for i, layer in enumerate(self.profile.kfac_layers):
+        if self.spec.cost_keys():  # its ops' costs must be in the profile
+            for i, layer in enumerate(self.profile.covered_layers):
                 if self.optimizer not in layer.optimizer_ms:
-                    raise InputError(f"profile {self.profile.name}", f"kfac_layers[{i}].optimizer_ms.{self.optimizer}",
+                    raise InputError(f"profile {self.profile.name}", f"covered_layers[{i}].optimizer_ms.{self.optimizer}",
                                      f"missing: the profile has no {self.optimizer} costs (profile with "
                                      f"`pfcompile profile --optimizer {self.optimizer}`)")
         part_stage = {p: s for s, group in enumerate(self.partition) for p in group}
-        self.layer_stage = [part_stage[l.part] for l in self.profile.kfac_layers]
+        self.layer_stage = [part_stage[l.part] for l in self.profile.covered_layers]
         self.stage_layers = [[i for i, s in enumerate(self.layer_stage) if s == st] for st in range(len(self.partition))]
         self._parts = [[self.profile.part(p) for p in group] for group in self.partition]
         # the runtime's per-step work is once per rank: shared by the `step` ops of the stages it holds
@@ -104,13 +109,13 @@ class Costs:
     def wgrad_bytes(self, stage: int) -> int:
         """What a weight pass keeps besides the activations: the output gradients of the
         stage's nn.Linear layers, as profiled per part (`Part.wgrad_bytes`); where a part's
-        were not measured, its K-FAC layers' kept_b (or the stage's output gradient when
+        were not measured, its covered layers' kept_b (or the stage's output gradient when
         the stage has none)."""
         if all(p.wgrad_bytes is not None for p in self._parts[stage]):
             return sum(p.wgrad_bytes for p in self._parts[stage])
         layers = self.stage_layers[stage]
         if layers:
-            return sum(self.profile.kfac_layers[l].kept_b_bytes for l in layers)
+            return sum(self.profile.covered_layers[l].kept_b_bytes for l in layers)
         return self.out_bytes(stage)
 
     def act_bytes(self, stage: int) -> int:
@@ -126,10 +131,11 @@ class Costs:
 
     def step_ms(self, stage: int) -> float:
         """The stage's optimizer update, as profiled per optimizer; where a part has no entry of
-        its own, Shampoo's is K-FAC's (SGD-momentum on the covered weights, AdamW on the
-        rest) and Muon's AdamW's (a scaled add on the covered weights, AdamW on the rest)."""
-        kind = self.optimizer if self.optimizer in ("kfac", "adamw") else STEP_LIKE[self.optimizer]
-        return sum(p.step_ms.get(self.optimizer, p.step_ms.get(kind, 0.0)) for p in self._parts[stage])
+        its own, that of the optimizer its declaration steps like (`step_like`: Shampoo's is
+        K-FAC's, SGD-momentum on the covered weights and AdamW on the rest; Muon's AdamW's, a
+        scaled add on the covered weights)."""
+        like = self.spec.step_like
+        return sum(p.step_ms.get(self.optimizer, p.step_ms.get(like, 0.0)) for p in self._parts[stage])
 
     def param_bytes(self, stage: int) -> int:
         return sum(p.param_bytes for p in self._parts[stage])
@@ -138,11 +144,11 @@ class Costs:
         return sum(p.grad_bytes for p in self._parts[stage])
 
     def owned_grad_bytes(self, stage: int) -> int:
-        """Gradient bytes of the stage's K-FAC layers that one replica owns under split
+        """Gradient bytes of the stage's covered layers that one replica owns under split
         preconditioning (replica_share), all replicas' shares together."""
         owner = self.precond_owner if self.precond_owner is not None else replica_share(self, self.replicas)
         elem = {"float64": 8, "float16": 2, "bfloat16": 2}.get(str(self.profile.model.get("dtype", "float32")), 4)
-        layers = self.profile.kfac_layers
+        layers = self.profile.covered_layers
         n = sum((layers[l].in_features + int(layers[l].bias)) * layers[l].out_features
                 for l in self.stage_layers[stage] if owner[l] is not None)
         return min(n * elem, self.grad_bytes(stage))
@@ -158,7 +164,6 @@ class Costs:
 
     def work_ms(self, op: Op) -> float:
         k = op.kind
-        layers = self.profile.kfac_layers
         if k == "fwd":
             return self.fwd_ms(op.stage)
         if k == "bwd":
@@ -171,12 +176,13 @@ class Costs:
             return self.profile.runtime.send_ms
         if k in ("recv_act", "recv_grad"):
             return self.profile.runtime.recv_ms
-        if k in ("curv_a", "curv_b", "inv", "precond", "stats", "orth"):
+        decl = self.spec.op(k)
+        if decl is not None and decl.cost is not None:
             return self.optimizer_op_ms(op)
-        if k == "sync_curv":
-            return self._allreduce_ms(layers[op.layer].factor_bytes(op.factor), self.layer_stage[op.layer])
-        if k == "bcast_inv":
-            nbytes = self.root_bytes(op.layer, op.factor)
+        if decl is not None and decl.transfer is not None:  # a collective of the state it writes
+            nbytes = self.written_bytes(decl, op.layer, op.factor)
+            if decl.transfer == ALLREDUCE:
+                return self._allreduce_ms(nbytes, self.layer_stage[op.layer])
             if self.cluster is not None and self.replicas > 1:
                 return self._group_link(self.layer_stage[op.layer]).time_ms(nbytes)
             return self.profile.comm.bcast_ms(nbytes, self.replicas)
@@ -196,29 +202,47 @@ class Costs:
         raise ValueError(f"no cost for {op}")
 
     def optimizer_op_ms(self, op: Op) -> float:
-        """An optimizer op's own work on its layer, as the profile has it for this optimizer."""
-        layer = self.profile.kfac_layers[op.layer]
-        if self.optimizer == "kfac":
-            k = op.kind
-            if k == "inv":
-                return layer.inv_ms(op.factor, self.inverse)
-            return {"curv_a": layer.curv_a_ms, "curv_b": layer.curv_b_ms, "precond": layer.precond_ms}[k]
-        key = f"inv_{op.factor}" if op.kind == "inv" else op.kind
-        return layer.optimizer_ms[self.optimizer][key]
+        """An optimizer op's own work on its layer: the profile's entry of the op's declared cost
+        key for this optimizer (its factor and the plan's inversion method filled in)."""
+        key = self.spec.cost_key(op.kind, op.factor, self.inverse)
+        if key is None:
+            raise ValueError(f"no cost for {op}: {self.optimizer} declares no cost key for {op.kind!r}")
+        return self.profile.covered_layers[op.layer].optimizer_ms[self.optimizer][key]
 
     def element_bytes(self) -> int:
         """The optimizer state's element size: float32 in every precision the runtime runs
         (bfloat16 keeps float32 state), float64 in a float64 run."""
         return 8 if str(self.profile.model.get("dtype", "float32")) == "float64" else 4
 
+    def state_bytes(self, decl: StateDecl, layer: int) -> int:
+        """One copy of a declared state tensor of a layer: the profile's byte field where the
+        declaration names one (what the profiler measured), else rows x cols of the element size."""
+        if decl.bytes_field is not None:
+            return int(getattr(self.profile.covered_layers[layer], decl.bytes_field))
+        return self.state_elements(decl, layer) * self.element_bytes()
+
+    def state_elements(self, decl: StateDecl, layer: int) -> int:
+        """rows x cols of a declared state tensor of a layer."""
+        L = self.profile.covered_layers[layer]
+        dims = {IN: L.in_features, IN_BIAS: L.in_features + int(L.bias), OUT: L.out_features}
+        rows, cols = decl.shape
+        return dims[rows] * dims[cols]
+
+    def _state(self, name: str, factor: str | None) -> StateDecl:
+        """The declared state `name` ("root:F": F is the op's factor)."""
+        decl = self.spec.state_decl(name.replace(":F", f":{factor}") if factor is not None else name)
+        if decl is None:
+            raise ValueError(f"{self.optimizer} declares no state {name!r} (factor {factor})")
+        return decl
+
+    def written_bytes(self, op_decl, layer: int, factor: str | None) -> int:
+        """What a collective moves: the state its op writes (one copy)."""
+        return self.state_bytes(self._state(op_decl.writes[0], factor), layer)
+
     def root_bytes(self, layer: int, factor: str) -> int:
-        """One refreshed matrix of a layer: K-FAC's inverse of A or B (A is augmented by the
-        bias), Shampoo's inverse root of L (out x out) or R (in x in)."""
-        L = self.profile.kfac_layers[layer]
-        if factor in ("A", "B"):
-            return L.inverse_bytes(factor)
-        n = L.out_features if factor == "L" else L.in_features
-        return n * n * self.element_bytes()
+        """One refreshed matrix of a layer (the declared state root:F): K-FAC's inverse of A or
+        B (A is augmented by the bias), Shampoo's inverse root of L (out x out) or R (in x in)."""
+        return self.state_bytes(self._state("root:F", factor), layer)
 
     def between_steps_ms(self, op: Op) -> float:
         """The runtime's work between steps that a `step` op carries: its share, one per stage
@@ -260,13 +284,13 @@ class Costs:
     def allocates(self, op: Op, refresh: bool) -> list[tuple[tuple, int]]:
         """Buffers the op allocates at its start: [(key, bytes)]. `refresh`: step 0 of the cycle."""
         out: list[tuple[tuple, int]] = []
-        layers = self.profile.kfac_layers
-        kfac = self.optimizer == "kfac"  # the only optimizer that keeps micro-batch tensors
+        layers = self.profile.covered_layers
+        kept = kept_passes(self.spec)  # what the optimizer's micro-batch ops keep (module doc)
         if op.kind == "fwd":
             out.append((("act", op.stage, op.mb), self.act_bytes(op.stage)))
-            if refresh and kfac and not self.split_backward:
+            if refresh and PASS_FWD in kept and not self.split_backward:
                 out += [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
-        elif op.kind in ("bwd", "bwd_input") and refresh and kfac:
+        elif op.kind in ("bwd", "bwd_input") and refresh and PASS_WGRAD in kept:
             out += [(("kept_b", l, op.mb), layers[l].kept_b_bytes) for l in self.stage_layers[op.stage]]
         if op.kind == "bwd_input":
             shared = sum(n for key, n in out if key[0] == "kept_b")
@@ -276,10 +300,10 @@ class Costs:
     def allocates_at_end(self, op: Op, refresh: bool) -> list[tuple[tuple, int]]:
         """Buffers the op allocates at its END, each only if the op that frees it has not
         ended by then (held over [this end, max(this end, the freeing op's end)]): with a
-        split backward, the K-FAC layers' inputs W kept inside the activations, which
-        outlive W until their curv_a."""
-        if op.kind == "bwd_weight" and refresh and self.optimizer == "kfac" and self.split_backward:
-            layers = self.profile.kfac_layers
+        split backward, the covered layers' inputs W kept inside the activations, which
+        outlive W until the op that reads them (K-FAC's curv_a)."""
+        if op.kind == "bwd_weight" and refresh and PASS_FWD in kept_passes(self.spec) and self.split_backward:
+            layers = self.profile.covered_layers
             return [(("kept_a", l, op.mb), layers[l].kept_a_bytes) for l in self.stage_layers[op.stage]]
         return []
 
@@ -289,56 +313,46 @@ class Costs:
             return [("act", op.stage, op.mb)]
         if op.kind == "bwd_weight":
             return [("act", op.stage, op.mb), ("wgrad", op.stage, op.mb)]
-        if op.kind == "curv_a":
-            return [("kept_a", op.layer, op.mb)]
-        if op.kind == "curv_b":
-            return [("kept_b", op.layer, op.mb)]
+        decl = self.spec.op(op.kind) if op.layer is not None else None
+        kept = reads_pass(decl) if decl is not None else None
+        if kept in KEPT_BUFFER:  # a micro-batch op: what it kept
+            return [(KEPT_BUFFER[kept], op.layer, op.mb)]
         return []
 
     def covered_param_bytes(self, stage: int) -> int:
         """The stage's parameters the optimizer's own update covers: the covered layers'
-        weights, and with K-FAC their biases too (K-FAC preconditions [W | b]); the rest is
-        AdamW's."""
+        weights, and their biases too where it declares `covers_bias` (K-FAC preconditions
+        [W | b]), at the element size it declares (`covered_element_of`: K-FAC's, its
+        factors' as profiled); the rest is AdamW's."""
         n = 0
+        of = self.spec.covered_element_of
         for l in self.stage_layers[stage]:
-            L = self.profile.kfac_layers[l]
-            if self.optimizer == "kfac":  # [W | b], at the factors' element size
-                d_a = L.in_features + (1 if L.bias else 0)
-                n += d_a * L.out_features * round(L.factor_a_bytes / (d_a * d_a))
-            else:
-                n += L.weight_elements * self.element_bytes()
+            L = self.profile.covered_layers[l]
+            elem = self.element_bytes()
+            if of is not None:  # the declared state's size over its elements
+                decl = self.spec.state_decl(of)
+                elem = round(self.state_bytes(decl, l) / self.state_elements(decl, l))
+            n += (L.in_features + int(L.bias and self.spec.covers_bias)) * L.out_features * elem
         return n
 
     def optimizer_state_bytes(self, stage: int) -> int:
-        """runtime.optim's state for a stage on every replica: SGD's momentum per covered
-        parameter (K-FAC, Shampoo), none for Muon's covered weights (its momentum is the
-        orth op's, `layer_state_bytes`), and AdamW's two moments per other parameter."""
+        """runtime.optim's state for a stage on every replica: the declared `step_moments` per
+        covered parameter (SGD's momentum: K-FAC, Shampoo; none for Muon, whose momentum is
+        its declared layer state, `layer_state_bytes`), and AdamW's two moments per other
+        parameter."""
         if not self.work:
             return 2 * self.param_bytes(stage)
         covered = self.covered_param_bytes(stage)
-        sgd = covered if self.optimizer in ("kfac", "shampoo") else 0
-        return sgd + 2 * max(0, self.param_bytes(stage) - covered)
+        return self.spec.step_moments * covered + 2 * max(0, self.param_bytes(stage) - covered)
 
     def layer_state_bytes(self, layer: int, does_its_work: bool) -> int:
-        """What one replica keeps of a covered layer's optimizer state. `does_its_work`: the
-        replica does the layer's divisible work (every replica, unless the work is divided
-        and another replica owns the layer). K-FAC: accumulator and factor of A and B on
-        every replica (each adds its micro-batches' curvature), inverses in force and pending
-        where it preconditions. Shampoo: statistics and the cycle's snapshot of L and R, and
-        the roots in force and pending, where it preconditions. Muon: the momentum, where it
-        orthogonalises. With k = 1 Shampoo keeps no separate snapshot (runtime.shampoo)."""
-        L = self.profile.kfac_layers[layer]
-        if self.optimizer == "kfac":
-            inverses = 2 * (L.inverse_a_bytes + L.inverse_b_bytes) if does_its_work else 0
-            return 2 * (L.factor_a_bytes + L.factor_b_bytes) + inverses
-        if not does_its_work:
-            return 0
-        if self.optimizer == "shampoo":  # statistics, the cycle's snapshot (k > 1), roots in force and pending
-            copies = 4 if self.refresh_steps > 1 else 3
-            return copies * (self.root_bytes(layer, "L") + self.root_bytes(layer, "R"))
-        if self.optimizer == "muon":
-            return L.weight_elements * self.element_bytes()
-        return 0
+        """What one replica keeps of a covered layer's optimizer state: its declared `state`
+        (copies x size each), the owner-only tensors where `does_its_work` (the replica does
+        the layer's divisible work: every replica, unless the work is divided and another
+        replica owns the layer), and the multi-step ones only with k > 1 (with k = 1 Shampoo's
+        snapshot is its statistics themselves, runtime.shampoo)."""
+        return sum(t.copies * self.state_bytes(t, layer) for t in self.spec.state
+                   if (does_its_work or not t.owner_only) and (self.refresh_steps > 1 or not t.multi_step))
 
     def resident_bytes(self, held) -> int:
         """Parameters, gradients, optimizer state and the covered layers' state, always held by
@@ -355,12 +369,12 @@ class Costs:
 
 
 def replica_share(costs: Costs, replicas: int) -> list[int | None]:
-    """PipeFisher's division of a stage's K-FAC layers between its replicas (pipe-fisher
-    main_bert.py, `module_partitions`): the stage's B blocks (its parts that hold K-FAC
+    """PipeFisher's division of a stage's covered layers between its replicas (pipe-fisher
+    main_bert.py, `module_partitions`): the stage's B blocks (its parts that hold covered
     layers, in model order) give floor(B/R) consecutive blocks to each replica in turn;
-    the B mod R blocks left over belong to every replica (None). Per K-FAC layer: the
+    the B mod R blocks left over belong to every replica (None). Per covered layer: the
     replica that owns it, or None."""
-    layers = costs.profile.kfac_layers
+    layers = costs.profile.covered_layers
     owner: list[int | None] = [None] * len(layers)
     for ls in costs.stage_layers:
         blocks = list(dict.fromkeys(layers[l].part for l in ls))
@@ -383,14 +397,14 @@ def _divisible_work_ms(costs: Costs, spec, layer: int) -> float:
 
 
 def precond_share(costs: Costs, replicas: int, mode: str) -> list[int | None]:
-    """Who preconditions (and inverts) each K-FAC layer under split preconditioning:
+    """Who preconditions (and inverts) each covered layer under split preconditioning:
     "split" is PipeFisher's block division (replica_share: left-over blocks on every
     replica); "layers" divides each stage's layers one by one, longest preconditioning and
     inversion first, to the replica with the least such work so far (LPT): every layer has
     one owner and the replicas' shares differ by at most one layer's work."""
     if mode == "split":
         return replica_share(costs, replicas)
-    layers = costs.profile.kfac_layers
+    layers = costs.profile.covered_layers
     owner: list[int | None] = [None] * len(layers)
     spec = costs.spec
     for ls in costs.stage_layers:

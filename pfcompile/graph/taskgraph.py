@@ -387,7 +387,7 @@ def _add_refresh(tg: TaskGraph, inverters: dict | None) -> None:
 def _add_micro_batch_ops(tg: TaskGraph, l: int, s: int) -> None:
     """The optimizer's micro-batch ops (K-FAC's curvature): per micro-batch of step 0, one
     op after the pass whose tensor it reads, with the kept tensor's buffer."""
-    cfg, layers = tg.cfg, tg.costs.profile.kfac_layers
+    cfg, layers = tg.cfg, tg.costs.profile.covered_layers
     rep = cfg.micro_batch_replica()
     O = tg.interned.op
     spec = cfg.optimizer_spec

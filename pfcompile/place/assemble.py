@@ -36,7 +36,7 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
     ranks = [[[PlannedOp(op, 0.0, 0.0) for op in steps[q][t]] for t in range(k)] for q in range(cfg.world_size)]
     return Plan(
         config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],
-        layers=[l.name for l in profile.kfac_layers], layer_stage=list(tg.layer_stage),
+        layers=[l.name for l in profile.covered_layers], layer_stage=list(tg.layer_stage),
         placement=cfg.placement(), micro_batch_replica=cfg.micro_batch_replica(), ranks=ranks,
         profile={"name": profile.name, "hash": profile.hash, "source": profile.source,
                  # the runtime's default device (and so its backend) is the profiled one

@@ -161,7 +161,7 @@ def _contract(tg: TaskGraph, refresh: bool, group_curvature: bool):
 
 def curvature_ops(profile: Profile, cfg: PipelineConfig) -> int:
     """The optimizer's micro-batch ops of a cycle (K-FAC's curvature: two per layer and micro-batch)."""
-    return len(cfg.optimizer_spec.micro_batch_ops) * len(profile.kfac_layers) * cfg.micro_batches
+    return len(cfg.optimizer_spec.micro_batch_ops) * len(profile.covered_layers) * cfg.micro_batches
 
 
 def _model_us(ms: float) -> int:

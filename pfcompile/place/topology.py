@@ -51,7 +51,7 @@ def traffic(profile: Profile, cfg: PipelineConfig) -> dict[tuple[int, int], floa
         # the optimizer's reduced statistics and broadcast refreshes once per cycle: counted
         # as if every step (an upper bound)
         spec = cfg.optimizer_spec
-        nbytes += sum((profile.kfac_layers[l].factor_bytes(f) if spec.reduces else 0) + costs.root_bytes(l, f)
+        nbytes += sum((profile.covered_layers[l].factor_bytes(f) if spec.reduces else 0) + costs.root_bytes(l, f)
                       for l in costs.stage_layers[s] for f in spec.factors)
         share = 2 * (len(ranks) - 1) / len(ranks) * nbytes
         for a, b in zip(ranks, ranks[1:] + ranks[:1]):

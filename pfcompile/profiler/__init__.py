@@ -6,7 +6,7 @@
   optionally from a cold cache), `Timing` its median and [p10, p90];
 - parts: `PartBench` builds one part as the runtime builds a stage; its forward, backward,
   split backward (B and W) and optimizer step timed, with the bytes each keeps;
-- kfac_layers: each K-FAC layer's curvature, inversions and preconditioning timed;
+- kfac_ops: each K-FAC layer's curvature, inversions and preconditioning timed;
 - optimizer_layers: the other optimizers' per-layer ops (Shampoo's, Muon's) timed, or
   estimated from their FLOPs for reference profiles;
 - messages: the two-rank message benchmark (p2p and all-reduce link fits, send/receive costs);
@@ -38,7 +38,7 @@ from pfcompile import __version__
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import Comm, Profile, RuntimeOverheads
 from pfcompile.profiler.clocks import Clock
-from pfcompile.profiler.kfac_layers import capture_layer_tensors, measure_kfac_layer
+from pfcompile.profiler.kfac_ops import capture_layer_tensors, measure_kfac_layer
 from pfcompile.profiler.messages import measure_comm
 from pfcompile.profiler.neighbours import Neighbours
 from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
@@ -111,7 +111,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                     x, gy = captured[layer.name]
                     entry, t = guard_unsupported_op(dtype, dev, lambda layer=layer, name=name, x=x, gy=gy: measure_kfac_layer(layer, name, x, gy, timer))
                     layers.append(entry)
-                    spread.update({f"kfac_layers.{layer.name}.{k}": [v.p10, v.p90] for k, v in t.items()})
+                    spread.update({f"covered_layers.{layer.name}.optimizer_ms.kfac.{k}": [v.p10, v.p90] for k, v in t.items()})
                     for opt in optimizers:
                         if opt == "kfac":
                             continue
@@ -119,7 +119,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                         entry.optimizer_ms[opt], t = guard_unsupported_op(
                             dtype, dev, lambda opt=opt, layer=layer: measure_optimizer_layer(
                                 opt, layer.name, layer.module, timer, muon_ns_dtype))
-                        spread.update({f"kfac_layers.{layer.name}.optimizer_ms.{opt}.{k}": [v.p10, v.p90]
+                        spread.update({f"covered_layers.{layer.name}.optimizer_ms.{opt}.{k}": [v.p10, v.p90]
                                        for k, v in t.items()})
                     bar.advance(task)
         act_bytes = micro_batch * seq_len * cfg.hidden * DTYPES[dtype].itemsize
@@ -130,7 +130,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
             if probe:
                 bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
                 draft = Profile(source="measured", provenance={}, model=model_json(model, cfg, micro_batch, seq_len, dtype),
-                                parts=parts, kfac_layers=layers, comm=link)
+                                parts=parts, covered_layers=layers, comm=link)
                 measured_rt, probe_link, tail, note = measure_runtime(draft, dev)
                 comm_prov.update(note)
                 if tail:
@@ -170,7 +170,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
         **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
-                 "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; precond_ms with Cholesky inverses; inverse_*_bytes the larger of "
+                 "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
                  "parameters excluded"),
         **comm_prov,
@@ -178,5 +178,5 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     return Profile(
         source="measured", provenance=provenance,
         model=model_json(model, cfg, micro_batch, seq_len, dtype),
-        parts=parts, kfac_layers=layers, comm=link, spread=spread, runtime=runtime,
+        parts=parts, covered_layers=layers, comm=link, spread=spread, runtime=runtime,
     )

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import SCHEMA_VERSION, Profile, load_profile
+from pfcompile.formats.profile import Profile, load_profile, upgraded
 from pfcompile.profiler.clocks import Clock
 from pfcompile.profiler.parts import PartBench, measure_split_backward, weight_pass_kept_bytes
 from pfcompile.profiler.provenance import load_average
@@ -70,15 +70,13 @@ def add_split(prof: Profile, where: str) -> Profile:
         prof.provenance = {**pv, "wgrad_note": (
             f"wgrad_bytes added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
             f"pfcompile.profiler.add_split: the nn.Linear output gradients W keeps, after one B")}
-        prof.schema_version = SCHEMA_VERSION
-        return prof
+        return upgraded(prof)  # in the current schema, its layers' names with it
     prof.provenance = {**pv, "split_note": (
         f"bwd_input_ms/bwd_weight_ms added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
         f"pfcompile.profiler.add_split (load_avg {[load_before, load_average()]}): B and W timed as "
         f"runtime.split_backward runs them, next to the whole backward in the same sitting, and scaled to this "
         f"profile's bwd_ms; (B + W) / whole backward per part: {ratios}")}
-    prof.schema_version = SCHEMA_VERSION
-    return prof
+    return upgraded(prof)
 
 
 def main(argv: list[str]) -> int:

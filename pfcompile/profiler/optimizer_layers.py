@@ -6,8 +6,9 @@ and `precondition` (runtime.shampoo), Muon's `orthogonalize` (runtime.muon), eac
 layer's real gradient of one step of the profiled micro-batch.
 
 Estimated (`estimated_optimizer_ms`, for reference profiles, which have nothing to time):
-each op's floating-point operations at the profile's own GEMM rate, the forward FLOPs of a
-block over its published forward time. With m = out_features, n = in_features:
+each op's floating-point operations, as its declaration gives them (`OpDecl.flops`,
+pfcompile.formats.optimizers), at the profile's own GEMM rate, the forward FLOPs of a block
+over its published forward time. With m = out_features, n = in_features:
 
 | op | FLOPs |
 |---|---|
@@ -23,12 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from pfcompile.formats.optimizers import OPTIMIZERS, optimizer
 from pfcompile.profiler.clocks import Clock, Timing
-
-# FLOPs of a symmetric eigendecomposition with eigenvectors (LAPACK syevd, about 9 d^3) and of
-# rebuilding the root from it (Q diag Q^T, 2 d^3)
-EIGH_FLOPS_PER_D3 = 9 + 2
-NS_STEPS = 5  # torch.optim.Muon's default
 
 
 def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, clock: Clock,
@@ -73,14 +70,26 @@ def gemm_rate_flops_per_ms(model: dict, fwd_ms: float) -> float:
     return flops / fwd_ms
 
 
-def estimated_optimizer_ms(optimizer: str, in_features: int, out_features: int, rate: float) -> dict[str, float]:
-    """The module docstring's FLOP model of one covered layer's ops at `rate` (FLOPs per ms)."""
+def estimable_optimizers() -> tuple[str, ...]:
+    """The declared optimizers whose every costed op declares its FLOPs, bar K-FAC (whose
+    reference costs are published): those a reference profile estimates."""
+    return tuple(name for name, o in OPTIMIZERS.items() if name != "kfac" and o.cost_keys()
+                 and all(d.flops is not None for d in o.ops if d.cost is not None))
+
+
+def estimated_optimizer_ms(name: str, in_features: int, out_features: int, rate: float) -> dict[str, float]:
+    """The declared FLOPs (module docstring) of one covered layer's ops of optimizer `name` at
+    `rate` (FLOPs per ms), one entry per cost key."""
+    spec = optimizer(name)
     m, n = out_features, in_features
-    if optimizer == "shampoo":
-        two_sided = 2 * m * m * n + 2 * m * n * n
-        return {"stats": two_sided / rate, "inv_L": EIGH_FLOPS_PER_D3 * m ** 3 / rate,
-                "inv_R": EIGH_FLOPS_PER_D3 * n ** 3 / rate, "precond": two_sided / rate}
-    if optimizer == "muon":
-        p, q = min(m, n), max(m, n)
-        return {"orth": NS_STEPS * (4 * p * p * q + 2 * p ** 3) / rate}
-    raise ValueError(f"no per-layer ops to estimate for {optimizer!r}")
+    out: dict[str, float] = {}
+    for d in spec.ops:
+        if d.cost is None:
+            continue
+        if d.flops is None:
+            raise ValueError(f"no per-layer ops to estimate for {name!r}: {d.kind} declares no FLOPs")
+        for f in (spec.factors if "{factor}" in d.cost else (None,)):
+            out[d.cost.format(factor=f, inverse=None)] = d.flops(m, n, f) / rate
+    if not out:
+        raise ValueError(f"no per-layer ops to estimate for {name!r}")
+    return out

@@ -25,8 +25,8 @@ from importlib import resources
 from pathlib import Path
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.profile import Comm, KfacLayer, LinkModel, Part, Profile, estimated_step_ms
-from pfcompile.profiler.optimizer_layers import estimated_optimizer_ms, gemm_rate_flops_per_ms
+from pfcompile.formats.profile import Comm, CoveredLayer, LinkModel, Part, Profile, estimated_step_ms
+from pfcompile.profiler.optimizer_layers import estimable_optimizers, estimated_optimizer_ms, gemm_rate_flops_per_ms
 
 MIB = 1024 * 1024
 SOURCE = "kazukiosawa/pipe-fisher, folder prof/, commit 753fdf0d (2023-04-29)"
@@ -98,13 +98,13 @@ def reference_profile(model: str = "bert-large", gpu: str = "p100", micro_batch:
             grad_bytes=round(row["mem_param"] * MIB), out_bytes=tokens * hidden * 4,
         ))
         for j, (name, i, o) in enumerate(linears):
-            layers.append(KfacLayer(
+            layers.append(CoveredLayer(
                 name=f"block{b}.{name}", part=f"block{b}", in_features=i, out_features=o, bias=True,
-                curv_a_ms=curv[2 * j], curv_b_ms=curv[2 * j + 1],
                 # the CSV publishes one inversion time; eigen is not measured there
-                inv_a_ms={"cholesky": inv[2 * j], "eigen": inv[2 * j]},
-                inv_b_ms={"cholesky": inv[2 * j + 1], "eigen": inv[2 * j + 1]},
-                precond_ms=prec[j],
+                optimizer_ms={"kfac": {"curv_a": curv[2 * j], "curv_b": curv[2 * j + 1],
+                                       "inv_A.cholesky": inv[2 * j], "inv_A.eigen": inv[2 * j],
+                                       "inv_B.cholesky": inv[2 * j + 1], "inv_B.eigen": inv[2 * j + 1],
+                                       "precond": prec[j]}},
                 kept_a_bytes=tokens * i * 4, kept_b_bytes=tokens * o * 4,
                 factor_a_bytes=i * i * 4, factor_b_bytes=o * o * 4,
                 inverse_a_bytes=i * i * 4, inverse_b_bytes=o * o * 4,
@@ -128,7 +128,7 @@ def reference_profile(model: str = "bert-large", gpu: str = "p100", micro_batch:
         model={"name": model, "kind": "bert", "layers": n_blocks, "hidden": hidden, "heads": heads,
                "ffn": ffn, "vocab": vocab, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": "float32"},
         parts=parts,
-        kfac_layers=layers,
+        covered_layers=layers,
         comm=Comm(method="model", act_bytes=tokens * hidden * 4, p2p=LINK, allreduce=LINK),
     )
     # the CSV has no optimizer-step time: the documented estimate (parameter bytes streamed)
@@ -137,13 +137,14 @@ def reference_profile(model: str = "bert-large", gpu: str = "p100", micro_batch:
     prof.provenance["step_note"] = "optimizer step not published: estimated_step_ms (parameter bytes streamed at 200 GB/s)"
     # nor Shampoo's or Muon's ops: their FLOPs at the block forward's own GEMM rate (estimated)
     rate = gemm_rate_flops_per_ms(prof.model, row["time_f"])
-    for layer in prof.kfac_layers:
-        for opt in ("shampoo", "muon"):
+    estimated = estimable_optimizers()
+    for layer in prof.covered_layers:
+        for opt in estimated:
             layer.optimizer_ms[opt] = estimated_optimizer_ms(opt, layer.in_features, layer.out_features, rate)
     prof.provenance["optimizer_note"] = (
-        f"shampoo and muon costs estimated, not measured: each op's FLOPs (pfcompile.profiler.optimizer_layers) "
+        f"{' and '.join(estimated)} costs estimated, not measured: each op's FLOPs (pfcompile.profiler.optimizer_layers) "
         f"at {rate / 1e9:.2f} TFLOP/s, a block's forward FLOPs over its published forward time")
-    prof.provenance["estimated"] = ["kfac_layers[].optimizer_ms.shampoo", "kfac_layers[].optimizer_ms.muon"]
+    prof.provenance["estimated"] = [f"covered_layers[].optimizer_ms.{opt}" for opt in estimated]
     # nor a split backward: B and W stay null, the documented 50/50 estimate (Part.split_backward_ms)
     prof.provenance["split_note"] = ("split backward not published: bwd_input_ms/bwd_weight_ms null, estimated as "
                                      "half the backward each (pfcompile.formats.profile.WEIGHT_SHARE)")
@@ -157,4 +158,4 @@ if __name__ == "__main__":  # regenerate the committed reference profiles
     for m in BERT_SHAPES:
         p = reference_profile(m, "p100", 32, 128)
         p.save(str(out / f"{m}-p100-ref.json"))
-        print(f"wrote {out / f'{m}-p100-ref.json'}: {len(p.parts)} parts, {len(p.kfac_layers)} K-FAC layers")
+        print(f"wrote {out / f'{m}-p100-ref.json'}: {len(p.parts)} parts, {len(p.covered_layers)} covered layers")

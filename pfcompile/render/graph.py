@@ -28,7 +28,7 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import stage_served
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.plan import Plan, Task
-from pfcompile.render.style import GROUPS, OPTIMIZER_TITLES, color_of, group_of, label_of
+from pfcompile.render.style import GROUPS, color_of, group_of, label_of, legend_groups, optimizer_title, style_of
 
 AUTO_COLLAPSE_ABOVE = 300  # tasks: beyond this `dot` output stops being readable
 AUTO_STAGE_ABOVE = 400  # nodes after grouping per layer: beyond this, group the refresh work per stage
@@ -94,7 +94,7 @@ def _collapsed_label(key: tuple, plan: Plan) -> tuple[str, str]:
         return f"B{key[1]}.{key[2]}", GROUPS["bwd"][1]
     if kind == "W":
         return f"W{key[1]}.{key[2]}", GROUPS["bwd_weight"][1]
-    title = OPTIMIZER_TITLES[plan.config.optimizer]
+    title = optimizer_title(plan.config.optimizer)
     if kind == "K":
         return f"{title} {plan.layers[key[1]]}", GROUPS["curv"][1]
     if kind == "KS":
@@ -205,7 +205,7 @@ def graph_source(plan: Plan, flt: TaskFilter | None = None, collapse: str | bool
 
     cfg = plan.config
     title = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches} "
-             f"method={cfg.method}" + (f" (collapsed, {OPTIMIZER_TITLES[cfg.optimizer]} refresh per {collapse})"
+             f"method={cfg.method}" + (f" (collapsed, {optimizer_title(cfg.optimizer)} refresh per {collapse})"
                                        if collapse and optimizer_spec(cfg.optimizer).refreshes
                                        else " (collapsed)" if collapse else ""))
     g = graphviz.Digraph("plan", graph_attr={"rankdir": "LR", "label": title, "labelloc": "t",
@@ -277,11 +277,11 @@ def _legend(g, plan: Plan, groups: set[str], collapse: str | None, stubs: bool) 
         per_step = [label_of(group_of(k)).split(" (")[0] for k in spec.step_kinds]
         rows = [("forward (+ its send/recv)", GROUPS["fwd"][1]), ("backward (+ its send/recv)", GROUPS["bwd"][1]),
                 *([(label_of("bwd_weight"), GROUPS["bwd_weight"][1])] if "bwd_weight" in groups else []),
-                *([(f"{OPTIMIZER_TITLES[plan.config.optimizer]} refresh work of one {collapse}", GROUPS["curv"][1])]
+                *([(f"{optimizer_title(plan.config.optimizer)} refresh work of one {collapse}", GROUPS["curv"][1])]
                   if spec.refreshes else []),
                 ("update: " + ", ".join(["gradient sync", *per_step, "optimizer step"]), GROUPS["step"][1])]
     else:
-        rows = [(label_of(gr), GROUPS[gr][1]) for gr in GROUPS if gr in groups]
+        rows = [style_of(gr) for gr in legend_groups(groups)]
     cells = "".join(f'<TR><TD BGCOLOR="{c}" WIDTH="14"> </TD><TD ALIGN="LEFT">{lbl}</TD></TR>' for lbl, c in rows)
     cells += '<TR><TD><FONT COLOR="#c0392b">&#8594;</FONT></TD><TD ALIGN="LEFT">between devices</TD></TR>'
     if stubs:

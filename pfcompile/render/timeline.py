@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 
 from pfcompile.formats.plan import Plan
-from pfcompile.render.style import GROUPS, OPTIMIZER_TITLES, color_of, group_of, label_of
+from pfcompile.render.style import color_of, group_of, label_of, legend_groups, optimizer_title, style_of
 
 # Within a device's row (height 1): compute on top, communication as a strip beneath it,
 # so a transfer that overlaps compute never hides it.
@@ -64,7 +64,7 @@ def render_timeline(plan: Plan, fmt: str, width_in: float = 16.0) -> bytes:
     ax.set_xlabel("time (ms)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     ax.set_title(_title(plan), fontsize=10)
-    legend = [Patch(facecolor=GROUPS[g][1], label=label_of(g)) for g in GROUPS if g in present]
+    legend = [Patch(facecolor=style_of(g)[1], label=label_of(g)) for g in legend_groups(present)]
     height = fig.get_size_inches()[1]
     fig.legend(handles=legend, loc="lower center", ncol=min(len(legend), 9), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # leave a strip at the bottom for the legend
@@ -82,7 +82,7 @@ def _lighter(hex_colour: str, towards_white: float = 0.4) -> str:
 def _title(plan: Plan) -> str:
     cfg, st = plan.config, plan.stats
     head = (f"{plan.model.get('name', 'model')}: {cfg.schedule} D={cfg.stages} N={cfg.micro_batches}, "
-            f"method={cfg.method}" + (f", {OPTIMIZER_TITLES[cfg.optimizer]}" if cfg.optimizer_work else ", first-order")
+            f"method={cfg.method}" + (f", {optimizer_title(cfg.optimizer)}" if cfg.optimizer_work else ", first-order")
             + f", {plan.refresh_steps} step(s) per refresh")
     facts = []
     if isinstance(st.get("step_time_ms"), (int, float)):

@@ -28,7 +28,7 @@ from pathlib import Path
 from pfcompile.formats.jsonio import write_atomic
 from pfcompile.formats.ops import PASS_KINDS, PIPELINE_KINDS, Op, stage_served
 from pfcompile.formats.plan import Plan
-from pfcompile.render.style import OPTIMIZER_TITLES
+from pfcompile.render.style import optimizer_title
 
 FORMATS = ("compute_comms", "compute_only")
 
@@ -92,7 +92,7 @@ def export(plan: Plan, path: str | os.PathLike, fmt: str = "compute_comms") -> t
         write_atomic(out, buf.getvalue())
     left_out = []
     if plan.config.optimizer_work:
-        left_out.append(f"{OPTIMIZER_TITLES[plan.config.optimizer]} ops")
+        left_out.append(f"{optimizer_title(plan.config.optimizer)} ops")
     left_out.append("gradient all-reduce and optimizer step")
     if plan.refresh_steps > 1:
         left_out.append(f"steps 1..{plan.refresh_steps - 1} of the refresh cycle (same pipeline order)")

@@ -82,9 +82,9 @@ class KfacOptimizer:
     """SGD-momentum for K-FAC-covered parameters + AdamW for the rest, stepped together.
     Also Shampoo's optimizer: SGD-momentum on the covered weights, AdamW on the rest."""
 
-    def __init__(self, module: nn.Module, kfac_layers, cfg: OptimConfig):
+    def __init__(self, module: nn.Module, covered_layers, cfg: OptimConfig):
         self.cfg = cfg
-        covered = {id(p) for l in kfac_layers for p in covered_parameters(l)}
+        covered = {id(p) for l in covered_layers for p in covered_parameters(l)}
         kfac_params = [p for p in module.parameters() if id(p) in covered and p.requires_grad]
         other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
         self.sgd = torch.optim.SGD(kfac_params, lr=cfg.lr, momentum=cfg.momentum,
@@ -196,15 +196,15 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def raw_grad_norm_sq(module: nn.Module, kfac_layers) -> torch.Tensor:
+def raw_grad_norm_sq(module: nn.Module, covered_layers) -> torch.Tensor:
     """Σ g² over the module's gradient as back-propagated, before K-FAC preconditioning:
     a K-FAC layer reports its own (its precondition() replaced the gradient), the other
     parameters are read from .grad. Each gradient's norm in its own dtype, all of them in
     one multi-tensor kernel (torch._foreach_norm, as clip_grad_norm_ computes them), their
     squares summed in float64, one device->host copy: a norm per tensor in float64 would
     convert every gradient, every step, for a difference of ~1e-6 relative in the norm."""
-    covered = {id(p) for l in kfac_layers for p in covered_parameters(l)}
-    parts = [l.raw_grad_sq.detach().double().reshape(()) for l in kfac_layers if l.raw_grad_sq is not None]
+    covered = {id(p) for l in covered_layers for p in covered_parameters(l)}
+    parts = [l.raw_grad_sq.detach().double().reshape(()) for l in covered_layers if l.raw_grad_sq is not None]
     grads = [p.grad.detach() for p in module.parameters() if id(p) not in covered and p.grad is not None]
     if grads:
         parts += [n.double().square() for n in torch._foreach_norm(grads)]
@@ -213,7 +213,7 @@ def raw_grad_norm_sq(module: nn.Module, kfac_layers) -> torch.Tensor:
     return torch.stack([t.to(parts[0].device) for t in parts]).sum().cpu()
 
 
-def scale_all_grads(module: nn.Module, kfac_layers, c: float) -> None:
+def scale_all_grads(module: nn.Module, covered_layers, c: float) -> None:
     """Multiply every gradient of the module by c. Preconditioning is linear, so scaling the
     preconditioned gradient equals preconditioning the scaled one; the KL-clip term
     <g̃, g> scales by c²."""
@@ -222,7 +222,7 @@ def scale_all_grads(module: nn.Module, kfac_layers, c: float) -> None:
     for p in module.parameters():
         if p.grad is not None:
             p.grad.mul_(c)
-    for l in kfac_layers:
+    for l in covered_layers:
         if l.kl_term is not None:
             l.kl_term = l.kl_term * (c * c)
 

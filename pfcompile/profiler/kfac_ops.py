@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pfcompile.formats.profile import KfacLayer
+from pfcompile.formats.optimizers import KFAC
+from pfcompile.formats.profile import CoveredLayer
 from pfcompile.profiler.clocks import Clock, Timing
 from pfcompile.profiler.parts import PartBench
 from runtime.observe.memory import nbytes
@@ -30,12 +31,12 @@ def capture_layer_tensors(bench: PartBench) -> dict[str, tuple[torch.Tensor, tor
 
 
 def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
-                       clock: Clock) -> tuple[KfacLayer, dict[str, Timing]]:
+                       clock: Clock) -> tuple[CoveredLayer, dict[str, Timing]]:
     from runtime.optimizers.kfac import KfacConfig
 
     t: dict[str, Timing] = {}
-    t["curv_a_ms"] = clock.time(lambda: layer.curv_a(0), setup=lambda: layer.save_input(0, x))
-    t["curv_b_ms"] = clock.time(lambda: layer.curv_b(0), setup=lambda: layer.save_grad(0, gy))
+    t["curv_a"] = clock.time(lambda: layer.curv_a(0), setup=lambda: layer.save_input(0, x))
+    t["curv_b"] = clock.time(lambda: layer.curv_b(0), setup=lambda: layer.save_grad(0, gy))
     # An inversion EMA-updates its own factor first (runtime.kfac: once per cycle): timed
     # with it, in the steady state (a previous cycle's factor exists, updated in place).
     layer.update_factors()
@@ -43,7 +44,7 @@ def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
     for method in ("cholesky", "eigen"):
         layer.cfg = KfacConfig(inverse=method)
         for f in ("A", "B"):
-            t[f"inv_{f.lower()}_ms.{method}"] = clock.time(lambda f=f: layer.invert(f),
+            t[f"inv_{f}.{method}"] = clock.time(lambda f=f: layer.invert(f),
                                                             setup=lambda f=f: layer.undo_update_mark(f))
             # the larger of the two methods' inverses (eigen packs [Q | eigenvalues]):
             # the memory a plan needs whichever method it picks
@@ -62,16 +63,14 @@ def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
         if b is not None:
             b.grad = b_grad.clone()
 
-    t["precond_ms"] = clock.time(layer.precondition, setup=fresh_grads)
+    t["precond"] = clock.time(layer.precondition, setup=fresh_grads)
     fresh_grads()
     lin = layer.module
-    entry = KfacLayer(
+    entry = CoveredLayer(
         name=layer.name, part=part, in_features=lin.in_features, out_features=lin.out_features,
         bias=lin.bias is not None,
-        curv_a_ms=t["curv_a_ms"].median, curv_b_ms=t["curv_b_ms"].median,
-        inv_a_ms={m: t[f"inv_a_ms.{m}"].median for m in ("cholesky", "eigen")},
-        inv_b_ms={m: t[f"inv_b_ms.{m}"].median for m in ("cholesky", "eigen")},
-        precond_ms=t["precond_ms"].median,
+        # K-FAC's cost keys (pfcompile.formats.optimizers.KFAC.cost_keys), in their order
+        optimizer_ms={"kfac": {k: t[k].median for k in KFAC.cost_keys()}},
         kept_a_bytes=nbytes(x), kept_b_bytes=nbytes(gy),
         factor_a_bytes=nbytes(layer.factors["A"]), factor_b_bytes=nbytes(layer.factors["B"]),
         inverse_a_bytes=inverse_bytes["A"], inverse_b_bytes=inverse_bytes["B"],
