@@ -55,9 +55,10 @@ def register(sub) -> None:
     p.add_argument("--method", default="cpsat", choices=METHODS,
                    help="none: the family's order (K-FAC after each step's work); greedy: PipeFisher's "
                         "first-fit bubble filling; cpsat: the CP-SAT planner (default)")
-    p.add_argument("--optimizer", default="kfac", choices=OPTIMIZER_NAMES,
-                   help="whose extra work to place into the bubbles: kfac (default), shampoo, muon, or adamw "
-                        "(the first-order baseline: no extra work)")
+    p.add_argument("--optimizer", default="kfac", metavar="NAME",
+                   help="whose extra work to place into the bubbles: " + ", ".join(OPTIMIZER_NAMES) +
+                        " (kfac the default; adamw the first-order baseline: no extra work), or a plugin's "
+                        "package.module:name")
     p.add_argument("--no-kfac", action="store_true", help="the first-order baseline (= --optimizer adamw)")
     p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
     p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,

@@ -57,10 +57,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pfcompile.formats.errors import echo
-from pfcompile.formats.optimizers import ALL_FACTORS, OPTIMIZER_COLLECTIVE_KINDS, OPTIMIZER_KINDS
+from pfcompile.formats.optimizers import (
+    ALL_FACTORS,
+    ON_REGISTER,
+    OPTIMIZER_COLLECTIVE_KINDS,
+    OPTIMIZER_KINDS,
+    OPTIMIZERS,
+)
 from pfcompile.formats.optimizers import FLOATING_KINDS as FLOATING_KINDS  # re-exported: the op vocabulary's
 
-# kind -> (text prefix, fields that must be set)
+# kind -> (text prefix, fields that must be set): the pipeline's here, each optimizer op's
+# from its declaration (added as the optimizer is registered, below)
 OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fwd": ("F", ("stage", "mb")),
     "bwd": ("B", ("stage", "mb")),
@@ -70,17 +77,9 @@ OP_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "recv_act": ("RA", ("stage", "mb", "peer")),
     "send_grad": ("SG", ("stage", "mb", "peer")),
     "recv_grad": ("RG", ("stage", "mb", "peer")),
-    "curv_a": ("CA", ("layer", "mb")),
-    "curv_b": ("CB", ("layer", "mb")),
-    "sync_curv": ("YC", ("layer", "factor")),
-    "inv": ("I", ("layer", "factor")),
-    "bcast_inv": ("BI", ("layer", "factor", "peer")),
     "sync_grad": ("YG", ("stage",)),
     "rs_grad": ("YR", ("stage",)),
     "ag_grad": ("YA", ("stage",)),
-    "precond": ("P", ("layer",)),
-    "stats": ("ST", ("layer",)),
-    "orth": ("O", ("layer",)),
     "step": ("U", ("stage",)),
 }
 PIPELINE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "send_act", "recv_act", "send_grad", "recv_grad"})
@@ -105,14 +104,13 @@ def weight_grad_kind(schedule: str) -> str:
 
 P2P_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 # the pipeline's collectives and those the optimizers declare (pfcompile.formats.optimizers)
-COLLECTIVE_KINDS = frozenset({"sync_grad", "rs_grad", "ag_grad"}) | OPTIMIZER_COLLECTIVE_KINDS
+COLLECTIVE_KINDS = {"sync_grad", "rs_grad", "ag_grad"} | OPTIMIZER_COLLECTIVE_KINDS
 # An optimizer's work (pfcompile.formats.optimizers). FLOATING_KINDS, from there: the
 # refresh's work, which a plan may put in any step of the cycle (it is named without a
 # step: listed once per cycle on its rank); every other op is listed once per step.
-assert OPTIMIZER_KINDS <= set(OP_KINDS), "every declared optimizer op is in the vocabulary"
 # Ops whose time counts as the device being busy (communication is waiting).
 # The optimizers' ops are compute unless they are declared collective.
-COMPUTE_KINDS = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight", "step"}) | (OPTIMIZER_KINDS - COLLECTIVE_KINDS)
+COMPUTE_KINDS = {"fwd", "bwd", "bwd_input", "bwd_weight", "step"} | (OPTIMIZER_KINDS - COLLECTIVE_KINDS)
 FACTORS = ALL_FACTORS
 STREAMS = ("compute", "p2p", "collective")  # display order too (pfcompile.formats.trace)
 
@@ -200,23 +198,15 @@ class Op:
 
     # --- text form -------------------------------------------------------------------
     def __str__(self) -> str:
-        prefix = OP_KINDS[self.kind][0]
-        k = self.kind
-        if k in PASS_KINDS:
-            return f"{prefix}{self.stage}.{self.mb}"
-        if k in ("send_act", "send_grad"):
-            return f"{prefix}{self.stage}.{self.mb}>{self.peer}"
-        if k in ("recv_act", "recv_grad"):
-            return f"{prefix}{self.stage}.{self.mb}<{self.peer}"
-        if k in ("curv_a", "curv_b"):
-            return f"{prefix}{self.layer}.{self.mb}"
-        if k in ("sync_curv", "inv"):
-            return f"{prefix}{self.layer}.{self.factor}"
-        if k == "bcast_inv":
-            return f"{prefix}{self.layer}.{self.factor}<{self.peer}"
-        if k in ("sync_grad", "rs_grad", "ag_grad", "step"):
-            return f"{prefix}{self.stage}"
-        return f"{prefix}{self.layer}"  # precond, stats, orth
+        prefix, fields = OP_KINDS[self.kind]
+        if fields[0] == "stage":
+            head = f"{prefix}{self.stage}" + (f".{self.mb}" if self.mb is not None else "")
+        else:
+            head = f"{prefix}{self.layer}" + (f".{self.mb}" if self.mb is not None else "") + (
+                f".{self.factor}" if self.factor is not None else "")
+        if self.peer is None:
+            return head
+        return head + (">" if self.kind.startswith("send") else "<") + str(self.peer)
 
     @property
     def text(self) -> str:
@@ -260,34 +250,61 @@ class Op:
         return ("act" if self.kind.endswith("act") else "grad", self.stage, self.mb)
 
 
-_TEXT = re.compile(r"^(SA|RA|SG|RG|CA|CB|YC|BI|YG|YR|YA|IB|ST|F|B|I|W|P|O|U)(\d+)"
-                   r"(?:\.(\d+|" + "|".join(ALL_FACTORS) + r"))?(?:([<>])(\d+))?$")
 _BY_PREFIX = {prefix: kind for kind, (prefix, _) in OP_KINDS.items()}
+_TEXT: dict[tuple[int, int], re.Pattern] = {}  # by (kinds, factors) known: a plugin may add either
+
+
+def _text_pattern() -> re.Pattern:
+    key = (len(_BY_PREFIX), len(FACTORS))
+    if key not in _TEXT:
+        prefixes = "|".join(sorted(_BY_PREFIX, key=lambda p: (-len(p), p)))  # longest first: "IB" before "I"
+        factors = "|".join(re.escape(f) for f in FACTORS)
+        _TEXT[key] = re.compile(rf"^({prefixes})(\d+)(?:\.(\d+|{factors}))?(?:([<>])(\d+))?$")
+    return _TEXT[key]
 
 
 def parse_op(text: str) -> Op:
     """Inverse of str(op). Raises ValueError on anything else."""
-    m = _TEXT.match(text.strip())
+    m = _text_pattern().match(text.strip())
     if not m:
         raise ValueError(f"not an op: {echo(text)}")
     prefix, a, b, arrow, peer = m.groups()
     kind = _BY_PREFIX[prefix]
-    a = int(a)
-    peer_i = int(peer) if peer is not None else None
-    if kind in PIPELINE_KINDS:
+    fields = OP_KINDS[kind][1]
+    values = {fields[0]: int(a)}
+    if "mb" in fields:
         if b is None or not b.isdigit():
             raise ValueError(f"not an op: {echo(text)}")
-        if (kind.startswith("send") and arrow != ">") or (kind.startswith("recv") and arrow != "<"):
-            raise ValueError(f"not an op: {echo(text)}")
-        return Op(kind, stage=a, mb=int(b), peer=peer_i)
-    if kind in ("curv_a", "curv_b"):
-        if b is None or not b.isdigit():
-            raise ValueError(f"not an op: {echo(text)}")
-        return Op(kind, layer=a, mb=int(b))
-    if kind in ("sync_curv", "inv", "bcast_inv"):
+        values["mb"] = int(b)
+    elif "factor" in fields:
         if b not in FACTORS:
             raise ValueError(f"not an op: {echo(text)}")
-        return Op(kind, layer=a, factor=b, peer=peer_i)
-    if kind in ("sync_grad", "rs_grad", "ag_grad", "step"):
-        return Op(kind, stage=a)
-    return Op(kind, layer=a)
+        values["factor"] = b
+    elif b is not None:
+        raise ValueError(f"not an op: {echo(text)}")
+    if "peer" in fields:
+        if peer is None or arrow != (">" if kind.startswith("send") else "<"):
+            raise ValueError(f"not an op: {echo(text)}")
+        values["peer"] = int(peer)
+    elif peer is not None:
+        raise ValueError(f"not an op: {echo(text)}")
+    return Op(kind, **values)
+
+
+def _learn(decl, check_only: bool = False) -> None:
+    """A registered optimizer's new op kind joins the vocabulary (its text prefix, fields,
+    stream and whether it is compute), checked first against the prefixes in use."""
+    if decl.text in _BY_PREFIX:
+        raise ValueError(f"op {decl.kind!r}: text prefix {decl.text!r} is {_BY_PREFIX[decl.text]!r}'s already")
+    if check_only:
+        return
+    OP_KINDS[decl.kind] = (decl.text, decl.fields)
+    _NEED[decl.kind] = tuple(f in decl.fields for f in _FIELDS)
+    _BY_PREFIX[decl.text] = decl.kind
+    (COLLECTIVE_KINDS if decl.collective else COMPUTE_KINDS).add(decl.kind)
+
+
+# the built-in optimizers' kinds, then every one registered later
+for _decl in {d.kind: d for o in OPTIMIZERS.values() for d in o.ops}.values():
+    _learn(_decl)
+ON_REGISTER.append(_learn)

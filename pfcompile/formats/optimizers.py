@@ -44,6 +44,8 @@ This module is the contract: torch-, networkx- and ortools-free.
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,6 +79,18 @@ class OpDecl:
     # FLOPs on an out x in layer (m, n) for `factor`: reference profiles estimate its cost from them
     flops: Callable[[int, int, str | None], float] | None = None
     render: tuple[str, str] | None = None  # (legend label, fill colour) where the renderer has none
+    text: str = ""  # the prefix of its compact text form (pfcompile.formats.ops: "CA7.5", "I3.L")
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The op's fields (pfcompile.formats.ops.Op): a micro-batch op names its layer and
+        micro-batch, a per-cycle op its layer and factor (and a broadcast its source rank),
+        a per-step op its layer."""
+        if self.when == MICRO_BATCH:
+            return ("layer", "mb")
+        if self.when == CYCLE:
+            return ("layer", "factor", "peer") if self.transfer == BROADCAST else ("layer", "factor")
+        return ("layer",)
 
 
 @dataclass(frozen=True)
@@ -218,16 +232,16 @@ KFAC = Optimizer(
     doc="K-FAC: Kronecker factors A (layer inputs) and B (output gradients) from the cycle's "
         "first step, inverted once per cycle; every step's gradient preconditioned B^-1 G A^-1",
     ops=(
-        OpDecl("curv_a", MICRO_BATCH, reads=("input",), writes=("stat:A",), factor="A",
+        OpDecl("curv_a", MICRO_BATCH, text="CA", reads=("input",), writes=("stat:A",), factor="A",
                cost="curv_a"),
-        OpDecl("curv_b", MICRO_BATCH, reads=("output_grad",), writes=("stat:B",), factor="B",
+        OpDecl("curv_b", MICRO_BATCH, text="CB", reads=("output_grad",), writes=("stat:B",), factor="B",
                cost="curv_b"),
-        OpDecl("sync_curv", CYCLE, reads=("stat:F",), writes=("stat:F",), collective=True, transfer=ALLREDUCE),
+        OpDecl("sync_curv", CYCLE, text="YC", reads=("stat:F",), writes=("stat:F",), collective=True, transfer=ALLREDUCE),
         # both factors: the pi-corrected damping splits the damping by their traces
-        OpDecl("inv", CYCLE, reads=("stat:A", "stat:B"), writes=("root:F",), divide=True,
+        OpDecl("inv", CYCLE, text="I", reads=("stat:A", "stat:B"), writes=("root:F",), divide=True,
                cost="inv_{factor}.{inverse}"),
-        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
-        OpDecl("precond", STEP, reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True, cost="precond"),
+        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        OpDecl("precond", STEP, text="P", reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True, cost="precond"),
     ),
 )
 
@@ -274,12 +288,12 @@ SHAMPOO = Optimizer(
         "synchronised gradient; their inverse fourth roots once per cycle (from the cycle's "
         "first step's statistics); every step L^-1/4 G R^-1/4, grafted to the gradient's norm",
     ops=(
-        OpDecl("stats", STEP, reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
+        OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
                cost="stats", flops=_two_sided_flops),
-        OpDecl("inv", CYCLE, reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
+        OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
                flops=_root_flops),
-        OpDecl("bcast_inv", CYCLE, reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
-        OpDecl("precond", STEP, reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True, cost="precond",
+        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True, cost="precond",
                flops=_two_sided_flops),
     ),
 )
@@ -292,27 +306,81 @@ MUON = Optimizer(
     doc="Muon: momentum, then five Newton-Schulz iterations orthogonalise each covered weight's "
         "update every step (torch.optim.Muon's); AdamW updates the rest",
     ops=(
-        OpDecl("orth", STEP, reads=("grad", "momentum"), writes=("momentum", "grad"), divide=True, cost="orth",
+        OpDecl("orth", STEP, text="O", reads=("grad", "momentum"), writes=("momentum", "grad"), divide=True, cost="orth",
                flops=_newton_schulz_flops),
     ),
 )
 
 ADAMW = Optimizer(name="adamw", title="AdamW", ops=(), doc="AdamW on every parameter: the first-order baseline, no extra work")
 
-OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (KFAC, SHAMPOO, MUON, ADAMW)}
-NAMES = tuple(OPTIMIZERS)
-# every kind some optimizer uses, and the factor letters any of them refreshes
-OPTIMIZER_KINDS = frozenset().union(*(o.kinds for o in OPTIMIZERS.values()))
-ALL_FACTORS = tuple(dict.fromkeys(f for o in OPTIMIZERS.values() for f in o.factors))
+OPTIMIZERS: dict[str, Optimizer] = {}
+NAMES = ("kfac", "shampoo", "muon", "adamw")  # the built-in ones; a plugin is named "package.module:name"
+# every kind some optimizer uses, and the factor letters any of them refreshes (grown by register)
+OPTIMIZER_KINDS: set[str] = set()
+ALL_FACTORS: list[str] = []
 # ops that may run anywhere in the refresh cycle (listed once per cycle, on some step)
-FLOATING_KINDS = frozenset(d.kind for o in OPTIMIZERS.values() for d in o.ops if d.when in (MICRO_BATCH, CYCLE))
+FLOATING_KINDS: set[str] = set()
 # the optimizer ops that every replica of a stage runs together
-OPTIMIZER_COLLECTIVE_KINDS = frozenset(d.kind for o in OPTIMIZERS.values() for d in o.ops if d.collective)
+OPTIMIZER_COLLECTIVE_KINDS: set[str] = set()
+# what the op vocabulary learns of each new kind (pfcompile.formats.ops adds itself)
+ON_REGISTER: list[Callable[..., None]] = []  # listener(decl, check_only=...)
+
+
+def register(spec: Optimizer) -> Optimizer:
+    """Make an optimizer known to the compiler (and, through pfcompile.formats.ops, its op
+    kinds to the vocabulary). A kind another optimizer declares already must have the same
+    text form; a new kind needs a text prefix of its own. Registering the same declaration
+    again (a module imported twice) changes nothing."""
+    old = OPTIMIZERS.get(spec.name)
+    if old is not None:
+        if old == spec:
+            return old
+        raise ValueError(f"optimizer {spec.name!r} is registered already, with another declaration")
+    known = {d.kind: d for o in OPTIMIZERS.values() for d in o.ops}
+    for d in spec.ops:
+        if d.kind in known:
+            if (known[d.kind].text, known[d.kind].fields) != (d.text, d.fields):
+                raise ValueError(f"optimizer {spec.name!r}: op {d.kind!r} is declared with another text form "
+                                 f"or fields than {known[d.kind].text!r}, {known[d.kind].fields}")
+        elif not re.fullmatch(r"[A-Z]{1,3}", d.text):
+            raise ValueError(f"optimizer {spec.name!r}: op {d.kind!r} needs a text prefix of 1-3 capitals (text=...)")
+    if spec.update is not None and spec.op(spec.update) is None:
+        raise ValueError(f"optimizer {spec.name!r}: its update {spec.update!r} is not one of its ops")
+    for listener in ON_REGISTER:  # the vocabulary checks prefixes before anything is changed
+        for d in spec.ops:
+            if d.kind not in known:
+                listener(d, check_only=True)
+    OPTIMIZERS[spec.name] = spec
+    ALL_FACTORS.extend(f for f in spec.factors if f not in ALL_FACTORS)
+    for d in spec.ops:
+        OPTIMIZER_KINDS.add(d.kind)
+        if d.when in (MICRO_BATCH, CYCLE):
+            FLOATING_KINDS.add(d.kind)
+        if d.collective:
+            OPTIMIZER_COLLECTIVE_KINDS.add(d.kind)
+        if d.kind not in known:
+            for listener in ON_REGISTER:
+                listener(d, check_only=False)
+    return spec
+
+
+for _builtin in (KFAC, SHAMPOO, MUON, ADAMW):
+    register(_builtin)
 
 
 def optimizer(name: str) -> Optimizer:
-    """The declaration of `name`; a ValueError lists the known ones."""
+    """The declaration of `name`. A name "package.module:name" imports the module first, which
+    registers its optimizer under that name (as a plugin: the declaration and its math in
+    one module). A ValueError lists the known ones."""
+    if name not in OPTIMIZERS and isinstance(name, str) and ":" in name:
+        module = name.partition(":")[0]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure is the plugin's: one line
+            raise ValueError(f"optimizer {name!r}: cannot import {module!r} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
     try:
         return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(NAMES)})") from None
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)}, "
+                         "or package.module:name for a plugin)") from None

@@ -56,6 +56,7 @@ from pfcompile.formats.jsonio import Fields, read_json, write_json
 from pfcompile.formats.ops import FLOATING_KINDS, Op
 from pfcompile.formats.optimizers import NAMES as OPTIMIZER_NAMES
 from pfcompile.formats.optimizers import optimizer as optimizer_decl
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import Cluster, LinkModel
 
 SCHEMA = "pfcompile-plan"
@@ -270,7 +271,8 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
     virtual_stages = cfg.opt("virtual_stages", int, 1, **positive)
     # plans before Shampoo and Muon said only whether they held K-FAC's work ("kfac": bool)
     if "optimizer" in cfg.obj or "kfac" not in cfg.obj:
-        optimizer = cfg.req("optimizer", str, **one_of(OPTIMIZER_NAMES))
+        optimizer = cfg.req("optimizer", str, check=_known_optimizer,
+                            why=f"must be one of {', '.join(OPTIMIZER_NAMES)} or a plugin's package.module:name")
     else:
         optimizer = "kfac" if cfg.req("kfac", bool) else "adamw"
     inverse = cfg.opt("inverse", str, "cholesky", **one_of(INVERSES))
@@ -309,6 +311,14 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
 def load_plan(path: str) -> Plan:
     """Read and validate a plan file; any problem is an InputError naming the file and field."""
     return plan_from_json(read_json(path), str(path))
+
+
+def _known_optimizer(name: str) -> bool:
+    try:
+        optimizer_spec(name)
+    except ValueError:
+        return False
+    return True
 
 
 def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:

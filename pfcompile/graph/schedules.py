@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import SPLIT_BACKWARD_SCHEDULES, Op
-from pfcompile.formats.optimizers import OPTIMIZERS, Optimizer
+from pfcompile.formats.optimizers import Optimizer, optimizer
 from pfcompile.formats.plan import INVERSION_POLICIES, PRECOND_DIVISIONS, SCHEDULES, Layout
 from pfcompile.formats.profile import Cluster
 
@@ -73,8 +73,10 @@ class PipelineConfig:
 
     def validate(self) -> None:
         D, N, R, v = self.stages, self.micro_batches, self.replicas, self.virtual_stages
-        if self.optimizer not in OPTIMIZERS:
-            raise InputError("--optimizer", None, f"unknown optimizer {self.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
+        try:
+            optimizer(self.optimizer)
+        except ValueError as e:
+            raise InputError("--optimizer", None, str(e)) from None
         if self.schedule not in SCHEDULES:
             raise InputError("--schedule", None, f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         for flag, val in (("--stages", D), ("--micro-batches", N), ("--replicas", R), ("--virtual-stages", v)):
@@ -117,7 +119,7 @@ class PipelineConfig:
     @property
     def optimizer_spec(self) -> Optimizer:
         """The optimizer's declaration."""
-        return OPTIMIZERS[self.optimizer]
+        return optimizer(self.optimizer)
 
     @property
     def optimizer_work(self) -> bool:
