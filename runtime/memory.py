@@ -7,7 +7,8 @@ planner's memory model holds (pfcompile.graph.costs), from its own tensors:
 - resident: parameters, gradients (while they exist), optimizer state, and per K-FAC layer
   its accumulators, factors, inverses in force and pending (with their spare slot);
 - saved activations: what autograd saves for the backward in a stage's forward (storages
-  counted once, parameters excluded — the profiler's rule), held from the `fwd` until the
+  counted once, parameters excluded, a micro-batch's tokens and targets — views of the
+  step's batch — at their own size: the profiler's rule), held from the `fwd` until the
   end of its `bwd`. Shapes are fixed, so each stage is counted on its first forward and
   that count is reused (counting every forward would add a hook call per saved tensor);
 - kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`;
