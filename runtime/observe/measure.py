@@ -142,6 +142,7 @@ class Summary:
     # the last stage starts a step while the first still finishes the previous one): over
     # n steps that is 1/n of a backward pass more.
     period_ms: float | None = None
+    refresh_steps: int | None = None  # the plan's k (memory_lines: the run's steady state)
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -160,6 +161,13 @@ class Summary:
             ratio = f"{b / p:.3f}" if p else "n/a"
             out.append(f"{q:>4}  {b / 2**20:>10.2f} MiB  " + (f"{p / 2**20:>11.2f} MiB" if p else f"{'n/a':>15}")
                        + f"  {ratio:>18}")
+        if self.refresh_steps and not self.resumed_at and self.steps < 3 * self.refresh_steps:
+            # the optimizer's state is allocated as it is first computed (K-FAC: the factors and
+            # inverses in the first cycle, the second inverse slot in the second), and the plan's
+            # peak is the steady state's, which a run holds only from its third cycle on
+            out.append(f"runtime: {self.steps} steps are under 3 refresh cycles ({3 * self.refresh_steps}): "
+                       f"not all the optimizer state the plan counts is allocated yet, so the measured peak "
+                       f"can be below the prediction")
         return out + self.limit_lines()
 
     def limit_lines(self) -> list[str]:
@@ -195,7 +203,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
               warmup_steps: int, total_steps: int, resumed_at: int = 0,
               losses: list[float] | None = None, predicted_ops=None,
               predicted_peaks: list[int] | None = None, memory_limit: int | None = None,
-              expected_ms: float | None = None) -> Summary:
+              expected_ms: float | None = None, refresh_steps: int | None = None) -> Summary:
     """Step time and bubble over the steps after warm-up (the first cycle pays for lazy
     allocations and, on CUDA, kernel loading)."""
     all_steps = sorted({s for tl in timelines for s, _, _ in tl.steps})
@@ -213,7 +221,7 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
                    op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit,
                    expected_ms, [tl.cpus for tl in sorted(timelines, key=lambda t: t.rank)],
-                   step_period(timelines, kept))
+                   step_period(timelines, kept), refresh_steps)
 
 
 def step_period(timelines: list[Timeline], kept: list[int]) -> float | None:

@@ -7,7 +7,8 @@ planner's memory model holds (pfcompile.graph.costs), from its own tensors:
 - resident: parameters, gradients (while they exist), optimizer state, and per K-FAC layer
   its accumulators, factors, inverses in force and pending (with their spare slot);
 - saved activations: what autograd saves for the backward in a stage's forward (storages
-  counted once, parameters excluded — the profiler's rule), held from the `fwd` until the
+  counted once, parameters excluded, a micro-batch's tokens and targets — views of the
+  step's batch — at their own size: the profiler's rule), held from the `fwd` until the
   end of its `bwd`. Shapes are fixed, so each stage is counted on its first forward and
   that count is reused (counting every forward would add a hook call per saved tensor);
 - kept K-FAC tensors: each layer's saved inputs / output gradients, until their `curv_*`;
@@ -34,15 +35,19 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def saved_activation_bytes(fn: Callable[[], object], exclude: set[int]):
+def saved_activation_bytes(fn: Callable[[], object], exclude: set[int], inputs=()):
     """Run fn and sum the storages autograd saves for the backward, each storage once;
-    storages in `exclude` (the parameters: resident anyway) do not count. -> (result, bytes)"""
+    storages in `exclude` (the parameters: resident anyway) do not count. A saved tensor in
+    the storage of one of `inputs` counts that input's own bytes: a micro-batch's tokens and
+    targets are views of the whole step's batch, which the profile counts one micro-batch's
+    worth of (its inputs are their own tensors). -> (result, bytes)"""
     seen: dict[int, int] = {}
+    own = {x.untyped_storage().data_ptr(): nbytes(x) for x in inputs}
 
     def pack(t: torch.Tensor):
         s = t.untyped_storage()
         if s.data_ptr() not in exclude:
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s.data_ptr()] = own.get(s.data_ptr(), s.nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -122,12 +127,13 @@ class MemoryMeter:
         return self.peak
 
     # --- ops ------------------------------------------------------------------------------------
-    def forward(self, stage: int, mb: int, fn: Callable[[], object]):
-        """Run a stage's forward, counting its saved activations the first time."""
+    def forward(self, stage: int, mb: int, fn: Callable[[], object], inputs=()):
+        """Run a stage's forward, counting its saved activations the first time. `inputs`:
+        the micro-batch's tokens / targets (saved_activation_bytes)."""
         if self.cuda:
             return fn()
         if stage not in self.act_bytes:
-            out, self.act_bytes[stage] = saved_activation_bytes(fn, self._params[stage])
+            out, self.act_bytes[stage] = saved_activation_bytes(fn, self._params[stage], inputs)
         else:
             out = fn()
         self.acts[(stage, mb)] = self.act_bytes[stage]

@@ -224,7 +224,8 @@ class Interpreter:
         else:
             x = self._take(("act", op.stage - 1, m)).requires_grad_(True)
         with kfac.capturing(self.capture[op.stage], m, on=self.capturing), self._recording(op.stage, m):
-            out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m))
+            batch_views = ([x] if sr.is_first else []) + ([self.targets[m]] if sr.is_last else [])
+            out = self.memory.forward(op.stage, m, lambda: self._stage_forward(sr, x, m), batch_views)
         if sr.is_last:  # a tensor sum, read after the step: no host wait on CUDA here
             self.loss_sum = self.loss_sum + out.detach()
         # a flag tensor per stage, read once after the step (no host wait per op)

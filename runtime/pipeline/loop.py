@@ -241,7 +241,7 @@ def _summary(job, timelines: list[measure.Timeline], losses: torch.Tensor, first
                                     for steps_ in plan.ranks],
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
                                 memory_limit=plan.config.memory_limit_bytes,
-                                expected_ms=plan.stats.get("expected_step_time_ms"))
+                                expected_ms=plan.stats.get("expected_step_time_ms"), refresh_steps=k)
     if rt.trace:
         measure.write_measured_trace(rt.trace, timelines, {
             "plan": os.path.abspath(job.plan_path), "steps": steps, "summary": summary.line(),
