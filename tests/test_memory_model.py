@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_runtime import ROOT, torchrun
+from helpers import ROOT, torchrun
 
 from pfcompile.cli import main as pfcompile
-from runtime.measure import Summary
+from runtime.observe.measure import Summary
 
 pytestmark = pytest.mark.e2e
 
