@@ -6,8 +6,8 @@ planner — so that the runtime is tested on its own; the demo runs `pfcompile p
 
 from __future__ import annotations
 
-from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.profile import load_profile
+from pfcompile.formats.verify import model_hash
 
 
 # --- hand-made plans --------------------------------------------------------------------
@@ -144,7 +144,7 @@ def hand_plan(schedule: str, D: int, N: int, R: int, k: int, model: dict, partit
         "ranks": [{"rank": q, "steps": steps[q]} for q in range(W)],
         "stats": {"step_time_ms": max(t.values()) / k},
         "profile": {"name": "hand-made", "hash": "", "source": "test",
-                    "model_hash": canonical_hash(model)},  # the spec the plan was made for
+                    "model_hash": model_hash(model, "")},  # the spec the plan was made for
     }
 
 
@@ -371,7 +371,7 @@ def test_bad_plans_fail_with_one_line(tmp_path):
     # A user model is imported only when the command line names the same code.
     obj = json.loads(text)
     obj["model"]["name"] = "os:getcwd"
-    obj["profile"]["model_hash"] = canonical_hash(obj["model"])  # a plan made for that model
+    obj["profile"]["model_hash"] = model_hash(obj["model"], obj["profile"]["hash"])  # a plan made for that model
     user = tmp_path / "user-model.json"
     user.write_text(json.dumps(obj))
     r = run_single(str(user), "--steps", "1", world_size=2)
