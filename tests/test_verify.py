@@ -497,11 +497,13 @@ def test_a_synthetic_profile_plans_and_verifies():
     verify_plan(plan_from_json(plan.to_json()), profile_model=prof.model, profile_hash=prof.hash)
 
 
-def test_a_spec_edited_after_planning_is_refused_naming_the_field(plan_obj):
+def test_a_spec_edited_after_planning_is_refused_naming_the_field(plan_obj, tmp_path, capsys):
     """The plan binds its spec to the hash of the profile it was costed from: a micro-batch
     edited with the spec's own hash recomputed is refused from the file alone; edited
-    with the binding recomputed too, by a reader that holds the profile (pfcompile plan),
-    naming the field; and a plan that names another profile, naming its hash."""
+    with the binding recomputed too, by a reader that holds the profile (pfcompile plan,
+    `pfcompile inspect PLAN --profile PROFILE`), naming the field; and a plan that names
+    another profile, naming its hash."""
+    from pfcompile.cli import main as pfcompile_main
     from pfcompile.formats.jsonio import canonical_hash
     from pfcompile.formats.rules import PlanError
 
@@ -518,6 +520,14 @@ def test_a_spec_edited_after_planning_is_refused_naming_the_field(plan_obj):
     with pytest.raises(PlanError) as e:
         verify_plan(plan_from_json(obj, "p.json"), "p.json", profile_model=tiny.model, profile_hash=tiny.hash)
     assert str(e.value).startswith("p.json: model.micro_batch: 3 but the profile's is 8"), str(e.value)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(obj))
+    assert pfcompile_main(["inspect", str(path)]) == 0
+    capsys.readouterr()
+    assert pfcompile_main(["inspect", str(path), "--profile", str(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pfcompile inspect: error: {path}: model.micro_batch: 3 but the profile's is 8")
+    assert err.count("\n") == 1
     other = copy.deepcopy(plan_obj)
     other["profile"]["hash"] = "sha256:" + "0" * 64
     _rehash(other)
