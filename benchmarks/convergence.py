@@ -14,6 +14,7 @@ and same batches for both optimizers. Not a test: it prints a table.
    K-FAC until its validation loss (evaluated every --eval-every steps) reaches the target.
 
     python benchmarks/convergence.py [--seeds 0 1 2] [--steps 1000] [--tune-steps 400] [--jobs 2]
+    python benchmarks/convergence.py --smoke    # one point of each grid, 2 steps: the script runs (tests)
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=12)
     ap.add_argument("--jobs", type=int, default=2, help="worker processes, one thread each")
     ap.add_argument("--json", metavar="PATH", help="also write all curves and the table as JSON")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest run: one point of each grid, seed 0, 2 steps, 1 job (tests/test_benchmarks_smoke.py)")
     args = ap.parse_args(argv)
+    adamw_grid, kfac_grid = ADAMW_GRID, KFAC_GRID
+    if args.smoke:
+        adamw_grid, kfac_grid = ADAMW_GRID[:1], {k: v[:1] for k, v in KFAC_GRID.items()}
+        args.seeds, args.steps, args.tune_steps, args.eval_every, args.eval_batches, args.jobs = [0], 2, 2, 1, 1, 1
     base = dict(eval_every=args.eval_every, eval_batches=args.eval_batches, damping=None, kl_clip=None)
     t_start = time.perf_counter()
 
@@ -100,10 +107,10 @@ def main(argv=None) -> int:
         return [(c, [r["val"][-1][1] for r in runs[i * n:(i + 1) * n]]) for i, c in enumerate(configs)]
 
     score = lambda item: sum(item[1]) / len(item[1])  # noqa: E731
-    tuned_adam = tune("adamw", args.steps, [{"adam_lr": lr} for lr in ADAMW_GRID], "tune adamw")
+    tuned_adam = tune("adamw", args.steps, [{"adam_lr": lr} for lr in adamw_grid], "tune adamw")
     adam_lr = min(tuned_adam, key=score)[0]["adam_lr"]
     tuned_kfac = tune("kfac", args.tune_steps, [{"adam_lr": adam_lr, "damping": d, "kl_clip": c} for d, c in
-                                                itertools.product(KFAC_GRID["damping"], KFAC_GRID["kl_clip"])], "tune kfac")
+                                                itertools.product(kfac_grid["damping"], kfac_grid["kl_clip"])], "tune kfac")
     best_kfac = min(tuned_kfac, key=score)[0]
 
     print(f"\nTuning (seeds {', '.join(map(str, TUNE_SEEDS))}; validation loss after {args.steps} steps for "

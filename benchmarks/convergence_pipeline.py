@@ -11,6 +11,7 @@ summed step times) to reach it. Corpora: the pydoc corpus, and any text file thr
 `python -m runtime.prepare_data` (--text; e.g. Debian's /usr/share/vim/vim90/doc/options.txt).
 
     python benchmarks/convergence_pipeline.py [--seeds 0 1 2] [--steps 1000] [--text FILE [--no-pydoc]] [--json OUT]
+    python benchmarks/convergence_pipeline.py --smoke    # seed 0, 2 steps, CP-SAT 1 s: the script runs (tests)
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"  # micro-batch 8 x 64 tokens
 
 
-def make_plans(out: Path) -> dict[str, Path]:
+def make_plans(out: Path, time_limit: float = 10.0) -> dict[str, Path]:
     plans = {}
     # A fixed k is CP-SAT's (the greedy's k is what its first fit needs).
-    for name, extra in (("kfac", ["--method", "cpsat", "--refresh-steps", "5", "--time-limit", "10", "--workers", "1"]),
+    for name, extra in (("kfac", ["--method", "cpsat", "--refresh-steps", "5", "--time-limit", str(time_limit),
+                                  "--workers", "1"]),
                         ("adamw", ["--method", "greedy", "--no-kfac"])):
         plans[name] = out / f"{name}.json"
         subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(PROFILE), "--schedule", "1f1b", "--stages", "2",
@@ -65,9 +67,13 @@ def main(argv=None) -> int:
     ap.add_argument("--text", default=None, help="a second corpus: a text file (character level)")
     ap.add_argument("--no-pydoc", action="store_true", help="only the --text corpus")
     ap.add_argument("--json", metavar="PATH", help="also write the curves and the table as JSON")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest run: seed 0, 2 steps, CP-SAT 1 s (tests/test_benchmarks_smoke.py)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.seeds, args.steps, args.eval_every, args.eval_batches = [0], 2, 1, 1
     work = Path(tempfile.mkdtemp(prefix="convergence-pipeline-"))
-    plans = make_plans(work)
+    plans = make_plans(work, 1.0 if args.smoke else 10.0)
     corpora = {} if args.no_pydoc else {"pydoc": []}
     if args.text:
         subprocess.run([sys.executable, "-m", "runtime.prepare_data", args.text, "-o", str(work / "text.bin"),

@@ -291,7 +291,7 @@ def scaling(quick: bool, instance_limit: float, big: bool, sizes: list[tuple[int
             t0 = time.perf_counter()
             plan = solve_plan(prof, cfg, PlanOptions(total_time_limit=instance_limit), Planning(budget=budget))
             t_verify = time.perf_counter()  # what `pfcompile plan` does before writing: verify the file's form
-            verify_plan(plan_from_json(plan.to_json(), "<plan>"), "<plan>", profile_model=prof.model)
+            verify_plan(plan_from_json(plan.to_json(), "<plan>"), "<plan>", profile_model=prof.model, profile_hash=prof.hash)
             t = time.perf_counter() - t0
             st = plan.stats
             stage = {**st.get("stage_seconds", {}), "verify": time.perf_counter() - t_verify}

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.profile import (
     Comm,
     CoveredLayer,
@@ -21,6 +20,7 @@ from pfcompile.formats.profile import (
     Part,
     Profile,
 )
+from pfcompile.formats.verify import model_hash
 from runtime.config.job import JobConfig
 from runtime.io.data import make_stream
 from runtime.models import (
@@ -279,7 +279,7 @@ def hand_plan(schedule: str, D: int, N: int, R: int, k: int, model: dict, partit
         "ranks": [{"rank": q, "steps": steps[q]} for q in range(W)],
         "stats": {"step_time_ms": max(t.values()) / k},
         "profile": {"name": "hand-made", "hash": "", "source": "test",
-                    "model_hash": canonical_hash(model)},  # the spec the plan was made for
+                    "model_hash": model_hash(model, "")},  # the spec the plan was made for
     }
 
 

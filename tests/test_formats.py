@@ -85,7 +85,8 @@ def test_committed_reference_profile_loads_with_valid_hash():
     (lambda d: d.__setitem__("schema_version", 99), "schema_version"),
     (lambda d: d.__setitem__("schema", "pfcompile-plan"), "schema"),
     (lambda d: d["comm"]["p2p"].__setitem__("bytes_per_ms", 0), "comm.p2p.bytes_per_ms"),
-    (lambda d: d["parts"][1].__setitem__("fwd_ms", 1e9), "hash"),  # edited by hand
+    (lambda d: d["parts"][1].__setitem__("fwd_ms", 1e6), "hash"),  # edited by hand (a valid time)
+    (lambda d: d["parts"][1].__setitem__("fwd_ms", 1e9), "parts[1].fwd_ms"),  # more than a day: refused first
 ])
 def test_profile_loader_names_the_field(mutate, field):
     d = read_json(PROFILE)

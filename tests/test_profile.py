@@ -332,6 +332,103 @@ def test_committed_optimizers_profile_has_every_optimizers_costs():
         assert set(layer.optimizer_ms) == {"kfac", "shampoo", "muon"}
         assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
 
+# --- every field checked on load: a mutated profile whose hash was recomputed ---------------------
+
+def _rehashed(obj: dict) -> dict:
+    """The profile as its writer would hash it (Profile.to_json: everything but the hash),
+    so the hash check cannot mask the field check."""
+    from pfcompile.formats.jsonio import canonical_hash
+
+    return {**obj, "hash": canonical_hash({k: v for k, v in obj.items() if k != "hash"})}
+
+
+def _set(path: tuple, value):
+    def mutate(obj):
+        node = obj
+        for k in path[:-1]:
+            node = node[k]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return mutate
+
+
+_DELETE = object()
+FWD = "parts.block0.fwd_ms"
+PROFILE_FIELD_MUTATIONS = [
+    # spread: [p10, p90] per measured op time
+    (("spread", FWD), [], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), [1.0], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), {}, "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), "7", "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), ["0.1", "0.2"], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), [True, 1.0], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), [2**64 + 1, 2**64 + 1], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), [-1e12, 1.0], "spread.parts.block0.fwd_ms"),
+    (("spread", FWD), [0.5, 0.4], "spread.parts.block0.fwd_ms"),  # p10 above p90
+    (("spread", "parts.block9.fwd_ms"), [0.1, 0.2], "spread.parts.block9.fwd_ms"),  # no such part
+    # a map of times, not one time
+    (("spread", "covered_layers.block0.attn.q.optimizer_ms.kfac"), [0.1, 0.2],
+     "spread.covered_layers.block0.attn.q.optimizer_ms.kfac"),
+    (("spread",), [], "spread"),
+    (("spread",), "7", "spread"),
+    # times at most a day, sizes at most an exbibyte, wherever they lie
+    (("parts", 1, "fwd_ms"), 2**64 + 1, "parts[1].fwd_ms"),
+    (("parts", 1, "bwd_input_ms"), -1e12, "parts[1].bwd_input_ms"),
+    (("parts", 1, "step_ms", "kfac"), 1e12, "parts[1].step_ms.kfac"),
+    (("parts", 1, "act_bytes"), 2**64 + 1, "parts[1].act_bytes"),
+    (("parts", 1, "wgrad_bytes"), -1, "parts[1].wgrad_bytes"),
+    (("covered_layers", 3, "optimizer_ms", "kfac", "inv_A.cholesky"), 1e12,
+     "covered_layers[3].optimizer_ms.kfac.inv_A.cholesky"),
+    (("covered_layers", 3, "factor_b_bytes"), 2**64 + 1, "covered_layers[3].factor_b_bytes"),
+    (("comm", "p2p", "latency_ms"), 1e12, "comm.p2p.latency_ms"),
+    (("comm", "allreduce", "bytes_per_ms"), "fast", "comm.allreduce.bytes_per_ms"),
+    (("runtime", "step_ms"), 1e12, "runtime.step_ms"),
+    (("runtime", "recv_ms"), -1.0, "runtime.recv_ms"),
+    # the model spec, the device, the layers' names
+    (("model", "name"), "", "model.name"),
+    (("model", "hidden"), 0, "model.hidden"),
+    (("model", "layers"), "2", "model.layers"),
+    (("model", "vocab"), 2.5, "model.vocab"),
+    (("model", "dtype"), "float16", "model.dtype"),
+    (("model", "seq_len"), _DELETE, "model.seq_len"),
+    (("provenance", "device_type"), "tpu", "provenance.device_type"),
+    (("covered_layers", 1, "name"), "block0.attn.q", "covered_layers[1].name"),  # listed twice
+    (("covered_layers", 0, "name"), "block1.attn.q", "covered_layers[0].name"),  # not of its part block0
+    (("covered_layers", 0, "bias"), 1, "covered_layers[0].bias"),
+    (("source",), "guessed", "source"),
+]
+
+
+def test_an_unmutated_rehashed_profile_loads_as_it_was():
+    obj = json.loads((ROOT / "profiles" / "bert-tiny-cpu.json").read_text())
+    assert _rehashed(obj)["hash"] == obj["hash"]
+    prof = profile_from_json(_rehashed(obj), "p.json")
+    assert prof.spread == obj["spread"] and len(prof.spread) == 108
+
+
+@pytest.mark.parametrize("path,value,field", PROFILE_FIELD_MUTATIONS,
+                         ids=[f"{'.'.join(map(str, p))}={v!r:.20}" for p, v, _ in PROFILE_FIELD_MUTATIONS])
+def test_every_profile_field_is_checked_on_load(path, value, field):
+    obj = json.loads((ROOT / "profiles" / "bert-tiny-cpu.json").read_text())
+    assert obj["covered_layers"][0]["name"] == "block0.attn.q" and obj["covered_layers"][0]["part"] == "block0"
+    _set(path, value)(obj)
+    with pytest.raises(InputError) as e:
+        profile_from_json(_rehashed(obj), "p.json")
+    msg = str(e.value)
+    assert msg.startswith(f"p.json: {field}: ") and "\n" not in msg, msg
+
+
+@pytest.mark.e2e
+def test_a_garbled_spread_is_one_line_from_inspect(tmp_path):
+    obj = json.loads((ROOT / "profiles" / "bert-tiny-cpu.json").read_text())
+    obj["spread"][FWD] = [-1e12, 2**64 + 1]
+    path = tmp_path / "spread.json"
+    path.write_text(json.dumps(_rehashed(obj)))
+    one_line_error(cli("inspect", str(path)), f"{path}: spread.{FWD}: must be two finite times")
+
+
 # --- bad input through the CLI ----------------------------------------------------------------------
 
 

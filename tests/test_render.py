@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import torch_runtime
 
-from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.plan import load_plan, plan_from_json
+from pfcompile.formats.verify import model_hash
 from pfcompile.render import plan_events, render_files
 from pfcompile.render.graph import TaskFilter
 
@@ -114,7 +114,7 @@ def build_plan(schedule="1f1b", D=2, M=4, v=1, kfac=True, layers_per_stage=2) ->
         "micro_batch_replica": [0] * M,
         "ranks": [{"rank": q, "steps": [programs[q]]} for q in range(D)],
         "stats": {"step_time_ms": max(clock)},
-        "profile": {"model_hash": canonical_hash({"name": "tests:toy", "micro_batch": 1, "seq_len": 1})},
+        "profile": {"hash": "", "model_hash": model_hash({"name": "tests:toy", "micro_batch": 1, "seq_len": 1}, "")},
     }
 
 

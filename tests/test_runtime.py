@@ -29,8 +29,8 @@ from helpers import (
     torchrun,
 )
 
-from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.profile import load_profile
+from pfcompile.formats.verify import model_hash
 from runtime.pipeline.comm import free_port
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
@@ -130,7 +130,7 @@ def test_bad_plans_fail_with_one_line(tmp_path):
     # A user model is imported only when the command line names the same code.
     obj = json.loads(text)
     obj["model"]["name"] = "os:getcwd"
-    obj["profile"]["model_hash"] = canonical_hash(obj["model"])  # a plan made for that model
+    obj["profile"]["model_hash"] = model_hash(obj["model"], obj["profile"]["hash"])  # a plan made for that model
     user = tmp_path / "user-model.json"
     user.write_text(json.dumps(obj))
     r = run_single(str(user), "--steps", "1", world_size=2)

@@ -369,9 +369,9 @@ def test_each_optimizer_mutation_is_refused_by_the_verifier_and_the_runtime(tmp_
 # --- one definition of a valid plan: what the runtime refuses, inspect refuses ----------------
 
 def _rehash(o):
-    from pfcompile.formats.jsonio import canonical_hash
+    from pfcompile.formats.verify import model_hash
 
-    o["profile"]["model_hash"] = canonical_hash(o["model"])  # a plan made for the edited spec
+    o["profile"]["model_hash"] = model_hash(o["model"], o["profile"]["hash"])  # a plan made for the edited spec
 
 
 def part_not_in_model(o):
@@ -398,11 +398,6 @@ def layer_twice(o):
     o["layers"][1] = o["layers"][0]
 
 
-def unknown_built_in(o):
-    o["model"]["name"] = "bert-huge"
-    _rehash(o)
-
-
 def built_in_resized(o):
     o["model"]["layers"] = 3
     _rehash(o)
@@ -420,7 +415,7 @@ def user_model_parts_differ(o):
 
 
 AGREE = [part_not_in_model, parts_out_of_order, part_missing, layer_on_a_stage_without_its_part, layer_not_covered,
-         layer_twice, unknown_built_in, built_in_resized, dtype_not_run, user_model_parts_differ]
+         layer_twice, built_in_resized, dtype_not_run, user_model_parts_differ]
 
 
 @pytest.mark.parametrize("mutate", AGREE, ids=[m.__name__ for m in AGREE])
@@ -454,6 +449,92 @@ def test_the_runtime_refuses_user_code_whose_parts_are_not_the_plans(plan_obj, m
     msg = str(e.value)
     assert msg.startswith("plan.json: partition: ") and "does not cut the model's parts" in msg and "\n" not in msg
     assert "'block2'" in msg
+
+
+def test_a_plan_of_a_model_without_code_is_checked_against_its_profiles_parts(tmp_path, plan_obj, capsys):
+    """Planning needs no model code: a plan of a model that is neither built in nor user
+    code (a reference or synthetic profile) passes the verifier and inspect, its partition
+    and layers checked against the parts its profile recorded; the runtime alone refuses
+    it, in one line, as a model it cannot build."""
+    from pfcompile.cli import main as pfcompile_main
+    from pfcompile.formats.rules import PlanError
+
+    obj = copy.deepcopy(plan_obj)
+    obj["model"]["name"] = "bert-tiny-synthetic"
+    _rehash(obj)
+    path = tmp_path / "synthetic.json"
+    path.write_text(json.dumps(obj))
+    verify_plan(plan_from_json(obj, str(path)), str(path))
+    assert pfcompile_main(["inspect", str(path)]) == 0
+    assert "bert-tiny-synthetic" in capsys.readouterr().out
+    with pytest.raises(InputError) as e:
+        _prepare(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: model.name: unknown model 'bert-tiny-synthetic'") and "\n" not in msg, msg
+
+    def refused(edit, field: str) -> str:
+        bad = copy.deepcopy(obj)
+        edit(bad)
+        with pytest.raises(PlanError) as e:
+            verify_plan(plan_from_json(bad, str(path)), str(path))
+        msg = str(e.value)
+        assert msg.startswith(f"{path}: {field}: ") and "rule: model" in msg and "\n" not in msg, msg
+        return msg
+
+    assert "'block1'" in refused(lambda o: o["partition"][1].__setitem__(0, "block7"), "partition[1][0]")
+    refused(lambda o: o["layer_stage"].__setitem__(0, 1), "layers[0]")  # block0's layer on block1's stage
+    assert "lies past the model's last part 'block1'" in refused(lambda o: o["profile"]["parts"].pop(), "partition[1][1]")
+    refused(lambda o: o["profile"].pop("parts"), "profile.parts")  # nothing to check it against
+    refused(lambda o: o["profile"].__setitem__("parts", "embed"), "profile.parts")
+
+
+def test_a_synthetic_profile_plans_and_verifies():
+    """A profile of a model without code, as benchmarks/planner.py's scaling makes one
+    (BERT-Large's block costs, more blocks, its own name), plans and verifies."""
+    prof = uniform_profile(blocks=4)
+    prof.model = {**prof.model, "name": "uniform-4-blocks"}
+    prof.to_json()
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", 4, 4), PlanOptions("greedy"))
+    verify_plan(plan_from_json(plan.to_json()), profile_model=prof.model, profile_hash=prof.hash)
+
+
+def test_a_spec_edited_after_planning_is_refused_naming_the_field(plan_obj, tmp_path, capsys):
+    """The plan binds its spec to the hash of the profile it was costed from: a micro-batch
+    edited with the spec's own hash recomputed is refused from the file alone; edited
+    with the binding recomputed too, by a reader that holds the profile (pfcompile plan,
+    `pfcompile inspect PLAN --profile PROFILE`), naming the field; and a plan that names
+    another profile, naming its hash."""
+    from pfcompile.cli import main as pfcompile_main
+    from pfcompile.formats.jsonio import canonical_hash
+    from pfcompile.formats.rules import PlanError
+
+    tiny = load_profile(str(TINY))
+    obj = copy.deepcopy(plan_obj)
+    verify_plan(plan_from_json(obj), profile_model=tiny.model, profile_hash=tiny.hash)  # as made
+    obj["model"]["micro_batch"] = 3
+    obj["profile"]["model_hash"] = canonical_hash(obj["model"])
+    with pytest.raises(PlanError) as e:
+        verify_plan(plan_from_json(obj, "p.json"), "p.json")
+    assert str(e.value).startswith("p.json: model: differs from the spec") and "rule: model" in str(e.value)
+    _rehash(obj)
+    verify_plan(plan_from_json(obj, "p.json"), "p.json")  # consistent in itself: the profile tells
+    with pytest.raises(PlanError) as e:
+        verify_plan(plan_from_json(obj, "p.json"), "p.json", profile_model=tiny.model, profile_hash=tiny.hash)
+    assert str(e.value).startswith("p.json: model.micro_batch: 3 but the profile's is 8"), str(e.value)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(obj))
+    assert pfcompile_main(["inspect", str(path)]) == 0
+    capsys.readouterr()
+    assert pfcompile_main(["inspect", str(path), "--profile", str(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pfcompile inspect: error: {path}: model.micro_batch: 3 but the profile's is 8")
+    assert err.count("\n") == 1
+    other = copy.deepcopy(plan_obj)
+    other["profile"]["hash"] = "sha256:" + "0" * 64
+    _rehash(other)
+    with pytest.raises(PlanError) as e:
+        verify_plan(plan_from_json(other, "p.json"), "p.json", profile_model=tiny.model, profile_hash=tiny.hash)
+    assert str(e.value).startswith("p.json: profile.hash: 'sha256:000") and "another profile" in str(e.value)
 
 
 def test_a_plan_records_its_profiles_parts():

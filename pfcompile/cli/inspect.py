@@ -25,15 +25,14 @@ def register(sub) -> None:
                    help="FILE is a measured trace (torchrun -m runtime --trace): per op kind, predicted against "
                         "measured (median, p90) and the step-time error each kind explains")
     p.add_argument("--profile", default=None, metavar="PROFILE",
-                   help="with --against: the profile the plan was made from; adds the plan replayed with the "
+                   help="the profile the plan was made from: a plan FILE is checked against it (the profile's "
+                        "hash, each field of the model spec); with --against, adds the plan replayed with the "
                         "run's own op times, splitting the step-time error into the op times' level, their "
                         "spread from step to step, and the messages")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    if args.profile and not args.against:
-        raise InputError("--profile", None, "needs --against PLAN (FILE a measured trace)")
     if args.against:
         return _against(args)
     obj = read_json(args.file)
@@ -41,6 +40,8 @@ def run(args) -> int:
     if schema == "pfcompile-profile":
         from pfcompile.formats.profile import format_profile, profile_from_json
 
+        if args.profile:
+            raise InputError("--profile", None, "is for a plan FILE, or a measured trace with --against PLAN")
         prof = profile_from_json(obj, args.file)
         if args.json:
             print(json.dumps(prof.to_json()))
@@ -53,7 +54,13 @@ def run(args) -> int:
         from pfcompile.render.text import format_plan
 
         plan = plan_from_json(obj, args.file)
-        verify_plan(plan, args.file)
+        if args.profile:  # the plan against the costs it says it was made from
+            from pfcompile.formats.profile import load_profile
+
+            prof = load_profile(args.profile)
+            verify_plan(plan, args.file, profile_model=prof.model, profile_hash=prof.hash)
+        else:
+            verify_plan(plan, args.file)
         if args.json:
             print(json.dumps(plan.stats))
         else:

@@ -280,7 +280,7 @@ def _run(args) -> int:
     # what is written is what every reader will verify: check the file's form, not the object
     with budget.stage("verify"):
         verify_plan(plan_from_json(plan.to_json(), args.output or "<plan>"), args.output or "<plan>",
-                    profile_model=profile.model)
+                    profile_model=profile.model, profile_hash=profile.hash)
         if args.output:
             plan.save(args.output)
     # where the command's time went (the plan's own stats stop at its replay) and its memory
@@ -328,7 +328,7 @@ def _run_pareto(args, profile, cfg, options, planning) -> int:
     else:
         picked = [min(plans, key=lambda p: (round(p.stats["step_time_ms"], 3), p.refresh_steps))]
     verify_plan(plan_from_json(picked[0].to_json(), args.output or "<plan>"), args.output or "<plan>",
-                profile_model=profile.model)
+                profile_model=profile.model, profile_hash=profile.hash)
     if args.output:
         picked[0].save(args.output)
     rows = [{k: p.stats.get(k) for k in PARETO_KEYS} for p in plans]

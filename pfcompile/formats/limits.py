@@ -30,5 +30,9 @@ MAX_REFRESH_STEPS = 64
 # is assumed to spare. A plan file lists as many ops.
 MAX_TASKS = 1_000_000
 
-# Predicted times: a cycle longer than a day is a corrupt number, not a schedule.
+# Predicted times: a cycle longer than a day is a corrupt number, not a schedule; so is a
+# profile's op (or message, or overhead) timed at more than a day.
 MAX_TIME_MS = 86_400_000.0
+# A profile's sizes: an exbibyte is far beyond any device's memory, far below what the
+# reader's 20-digit integers allow (2**64 and up).
+MAX_BYTES = 1 << 60

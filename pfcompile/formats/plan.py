@@ -37,7 +37,8 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
                 "step_overhead_tight", "refresh_steps",
                 "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
                 "tasks", "peak_memory_bytes": [per rank], ...},
-      "profile": {"name", "hash", "source", "device_type", "model_hash",
+      "profile": {"name", "hash", "source", "device_type",
+                  "model_hash",              # of the model spec and "hash" (pfcompile.formats.verify.model_hash)
                   "parts": [the profile's part names, in order]}
     }
 

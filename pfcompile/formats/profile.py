@@ -108,6 +108,8 @@ from typing import Any
 
 from pfcompile.formats.errors import echo
 from pfcompile.formats.jsonio import Fields, canonical_hash, read_json, write_json
+from pfcompile.formats.limits import MAX_BYTES, MAX_TIME_MS
+from pfcompile.formats.models import DEVICE_TYPES, DTYPES, MODEL_INTS
 from pfcompile.formats.optimizers import INVERSE_METHODS, OPTIMIZERS
 
 SCHEMA = "pfcompile-profile"
@@ -417,6 +419,117 @@ def _pos(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
 
 
+# --- the checks of what the reader above takes as typed: each field's meaning, in its own
+# function (the format's layout changes, these rules stay) --------------------------------------
+
+# the sections of a profile whose entries (objects with a "name") hold op times, as `spread`
+# names them: the parts and the covered layers (under their schema's key)
+def _spread_sections(version: int) -> tuple[str, str]:
+    return ("parts", "covered_layers" if version >= 4 else LAYERS_KEY_V3)
+
+
+def _check_provenance(pf: Fields) -> None:
+    """Provenance is the record of how a profile was made, free-form but for what the
+    planner reads of it: the device type (the runtime's device and backend follow it)."""
+    device = pf.opt("device_type", str)
+    if device is not None and device not in DEVICE_TYPES:
+        raise pf.fail("device_type", f"{echo(device)} is not one the runtime runs ({', '.join(DEVICE_TYPES)})")
+
+
+def _check_model(mf: Fields) -> None:
+    """The model spec the profile's costs are of: a name, positive sizes, a dtype the runtime runs."""
+    mf.req("name", str, check=lambda v: v != "", why="must be a non-empty string")
+    for key in MODEL_INTS:
+        mf.opt(key, int, check=lambda v: v > 0, why="must be a positive integer")
+    mf.opt("kind", str)
+    mf.opt("dtype", str, check=lambda v: v in DTYPES, why=f"must be one the runtime runs ({', '.join(DTYPES)})")
+
+
+def _check_layer_names(top: Fields, layers: list[CoveredLayer], layers_key: str) -> None:
+    """Each covered layer once, named `<part>.<module>` after its part (the plan's layers
+    are found in their stage's parts by that prefix)."""
+    seen: set[str] = set()
+    for i, l in enumerate(layers):
+        if l.name in seen:
+            raise top.fail(f"{layers_key}[{i}].name", f"{echo(l.name)} is listed twice")
+        seen.add(l.name)
+        if l.name.split(".", 1)[0] != l.part or "." not in l.name:
+            raise top.fail(f"{layers_key}[{i}].name", f"{echo(l.name)} is not a layer of its part {echo(l.part)} "
+                           f"(named {echo(l.part + '.<module>')})")
+
+
+def _magnitude_error(key: str, v) -> str | None:
+    if key.endswith("_bytes") and key != "bytes_per_ms" and v > MAX_BYTES:
+        return f"{echo(v)} bytes is more than any device holds (at most 2**60)"
+    if key.endswith("_ms") and key != "bytes_per_ms" and v > MAX_TIME_MS:
+        return f"{echo(v)} ms is more than a day (at most {MAX_TIME_MS:g}): not a time this profile measured"
+    return None
+
+
+def _check_magnitudes(top: Fields) -> None:
+    """Every time (`*_ms`) at most a day and every size (`*_bytes`) at most an exbibyte,
+    wherever it lies: the reader has checked their types and signs, these bound them (a
+    time of 2**64 ms would make every plan's predicted times refused, or overflow a
+    replay's sums)."""
+    stack = [(key, v, key) for key, v in top.obj.items() if key not in ("provenance", "model", "spread")]
+    while stack:
+        key, v, path = stack.pop()
+        if isinstance(v, dict):
+            inner = key if key.endswith("_ms") else None  # a map of times: {"cholesky": ms, ...}
+            stack.extend((inner or k, x, f"{path}.{k}") for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((key, x, f"{path}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            why = _magnitude_error(key, v)
+            if why is not None:
+                raise top.fail(path, why)
+
+
+def _time_entries(top: Fields, version: int) -> set[str]:
+    """The names `spread` gives the profile's op times: "parts.<part>.fwd_ms",
+    "covered_layers.<layer>.optimizer_ms.kfac.inv_A.cholesky", ...: every measured
+    (non-null) time of an entry of the parts and covered layers, maps of times by their keys."""
+    names: set[str] = set()
+
+    def add(prefix: str, key: str, v) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                add(f"{prefix}.{key}", k, x)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            names.add(f"{prefix}.{key}")
+
+    for section in _spread_sections(version):
+        for entry in top.obj.get(section) or ():
+            for key, v in entry.items():
+                if key.endswith("_ms"):
+                    add(f"{section}.{entry['name']}", key, v)
+    return names
+
+
+def _spread_from_json(top: Fields, version: int) -> dict[str, list[float]]:
+    """`spread`: for an op time of this profile, [p10, p90] of its timings: two finite
+    times, 0 <= p10 <= p90 <= a day, under the name of a measured time (_time_entries)."""
+    if top.opt("spread", dict) is None:
+        return {}
+    sf = top.sub("spread")
+    entries = _time_entries(top, version)
+    spread = {}
+    for key, pair in sf.obj.items():
+        if key not in entries:
+            raise sf.fail(key, "names no measured time of this profile (parts.<part>.<key>_ms, "
+                               "covered_layers.<layer>.optimizer_ms.<optimizer>.<key>, a map's times by their key)")
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair)):
+            raise sf.fail(key, f"must be [p10, p90], two times in ms, got {echo(pair)}")
+        p10, p90 = pair
+        if not all(math.isfinite(v) and 0 <= v <= MAX_TIME_MS for v in pair):
+            raise sf.fail(key, f"must be two finite times in 0..{MAX_TIME_MS:g} ms, got {echo(pair)}")
+        if p10 > p90:
+            raise sf.fail(key, f"p10 {p10!r} is above p90 {p90!r}")
+        spread[key] = [p10, p90]
+    return spread
+
+
 def load_profile(path: str, *, check_hash: bool = True) -> Profile:
     """Read and validate a profile; any problem is an InputError naming the file and field."""
     return profile_from_json(read_json(path), str(path), check_hash=check_hash)
@@ -427,11 +540,13 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
     version = _schema_version(top)
     source = top.req("source", str, check=lambda s: s in ("measured", "reference"), why="must be 'measured' or 'reference'")
     provenance = top.req("provenance", dict)
+    _check_provenance(top.sub("provenance"))
     model = top.req("model", dict)
     mf = top.sub("model")
     mf.req("name", str)
     for k in ("micro_batch", "seq_len"):
         mf.req(k, int, check=lambda v: v > 0, why="must be a positive integer")
+    _check_model(mf)
 
     parts_raw = top.req("parts", list, check=lambda v: len(v) > 0, why="must list at least one part")
     parts = []
@@ -464,6 +579,8 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
     layers = [_covered_layer(Fields(l, where, f"{layers_key}[{i}]"), l, version, names)
               for i, l in enumerate(top.req(layers_key, list))]
 
+    _check_layer_names(top, layers, layers_key)
+
     cf = top.sub("comm")
     links = {}
     for key in ("p2p", "allreduce"):
@@ -473,7 +590,8 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
             bytes_per_ms=lf.req("bytes_per_ms", float, check=lambda v: _pos(v) and v > 0, why="must be positive"),
         )
     comm = Comm(method=cf.req("method", str), act_bytes=cf.req("act_bytes", int, check=_pos, why="must be >= 0"), **links)
-    spread = top.opt("spread", dict, {})
+    _check_magnitudes(top)
+    spread = _spread_from_json(top, version)
     runtime = RuntimeOverheads()
     if top.opt("runtime", dict) is not None:
         rf = top.sub("runtime")

@@ -10,13 +10,18 @@ the other; what the runtime checks besides depends on the job, not the file (wor
 
 - config: the configuration, placement and micro-batch split agree with each other;
 - model: the model spec is the one the plan was made for (`profile.model_hash`, written
-  by the planner: a changed micro-batch, width or depth would train something the plan's
-  times and memory were not computed for), with the micro-batch, sequence length, dtype
-  and device the runtime needs;
+  by the planner, binds the spec to the hash of the profile it was costed from: a changed
+  micro-batch, width or depth would train something the plan's times and memory were not
+  computed for), with the micro-batch, sequence length, dtype and device the runtime
+  needs; given the profile (`pfcompile plan`), the plan's profile hash and each field of
+  its spec must be the profile's;
 - parts: the partition cuts the model's parts in order and each K-FAC layer lies in a part
-  of its stage (pfcompile.formats.models: a built-in model's parts and layers follow from
-  its name; a user model's parts are those the plan recorded from its profile,
-  `profile.parts`, and the runtime checks them once more against the code);
+  of its stage, the parts being those the plan recorded from its profile (`profile.parts`),
+  whatever the model's name: planning needs no model code (a reference or synthetic
+  profile plans as well as a measured one), and the runtime alone refuses a model it
+  cannot build. A built-in model's sizes, parts and layers must also be the built-in's
+  (pfcompile.formats.models); a user model's parts are checked once more by the runtime
+  against its code;
 - times: every predicted start/end finite and within a day of the cycle's start (checked
   first), and in each rank's execution order (checked last: any reordering breaks it,
   and the rules before it name what the reordering broke);
@@ -39,22 +44,33 @@ from collections import defaultdict
 from pfcompile.formats.errors import cut, echo
 from pfcompile.formats.jsonio import canonical_hash
 from pfcompile.formats.limits import MAX_TIME_MS
-from pfcompile.formats.models import BLOCK_LINEARS, BUILTIN_MODELS, DTYPES, is_user_model, kfac_layer_names, part_names
+from pfcompile.formats.models import (
+    BLOCK_LINEARS,
+    BUILTIN_MODELS,
+    DEVICE_TYPES,
+    DTYPES,
+    MODEL_INTS,
+    is_user_model,
+    kfac_layer_names,
+    part_names,
+)
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops, op_field, op_name
 
 # The planner rounds times to 1e-6 ms; consecutive ops may touch within that.
 _TIME_TOLERANCE_MS = 1e-5
-MODEL_INTS = ("micro_batch", "seq_len", "hidden", "heads", "ffn", "layers", "vocab")
 MODEL_REQUIRED = ("micro_batch", "seq_len")  # the runtime's batches are made of them
-DEVICE_TYPES = ("cpu", "cuda")
 
 
 def verify_plan(plan: Plan, where: str = "<plan>", *, profile_model: dict | None = None,
-                cycles: int = 2) -> PlanLayout:
-    """Raise PlanError on the first rule the plan breaks; returns the plan's PlanLayout."""
+                profile_hash: str | None = None, cycles: int = 2) -> PlanLayout:
+    """Raise PlanError on the first rule the plan breaks; returns the plan's PlanLayout.
+    `profile_model`, `profile_hash`: the spec and content hash of the profile the plan is
+    said to be made from, where the reader has it."""
     check_config(plan, where)
     check_model(plan, where, profile_model)
+    if profile_hash is not None:
+        check_profile_hash(plan, where, profile_hash)
     check_parts(plan, where)
     check_time_values(plan, where)
     L = PlanLayout(plan)
@@ -100,8 +116,11 @@ def check_config(plan: Plan, where: str) -> None:
 
 # --- model ----------------------------------------------------------------------------------------
 
-def model_hash(model: dict) -> str:
-    return canonical_hash(model)
+def model_hash(model: dict, profile_hash: str) -> str:
+    """The plan's `profile.model_hash`: its model spec bound to the content hash of the
+    profile its times were costed from (which covers the profile's own spec), so a spec
+    edited after planning fails even where only the spec's own hash was recomputed."""
+    return canonical_hash({"model": model, "profile_hash": profile_hash})
 
 
 def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> None:
@@ -126,38 +145,58 @@ def check_model(plan: Plan, where: str, profile_model: dict | None = None) -> No
     if want is None:
         raise PlanError(where, "profile.model_hash", "missing: the plan does not say which model spec it was "
                         "made for (remake it with this pfcompile) (rule: model)")
-    if model_hash(m) != want:
+    profile_hash = plan.profile.get("hash")
+    if not isinstance(profile_hash, str):
+        raise PlanError(where, "profile.hash", f"must be the profile's content hash, got {echo(profile_hash)} "
+                        "(rule: model)")
+    if model_hash(m, profile_hash) != want:
         raise PlanError(where, "model", "differs from the spec the plan's times and memory were computed for "
-                        "(profile.model_hash); remake the plan from a profile of this model (rule: model)")
+                        "(profile.model_hash, of the spec and profile.hash); remake the plan from a profile of "
+                        "this model (rule: model)")
     if profile_model is not None and m != profile_model:
         diff = sorted(k for k in set(m) | set(profile_model) if m.get(k) != profile_model.get(k))
         raise PlanError(where, f"model.{diff[0]}", f"{echo(m.get(diff[0]))} but the profile's is "
                         f"{echo(profile_model.get(diff[0]))} (rule: model)")
 
 
+def check_profile_hash(plan: Plan, where: str, profile_hash: str) -> None:
+    """The plan names the profile the reader holds (its times were costed from that one)."""
+    got = plan.profile.get("hash") if isinstance(plan.profile, dict) else None
+    if got != profile_hash:
+        raise PlanError(where, "profile.hash", f"{echo(got)} is not the hash of the profile given "
+                        f"({echo(profile_hash)}): the plan was made from another profile (rule: model)")
+
+
 # --- parts ----------------------------------------------------------------------------------------
 
 def model_parts(plan: Plan, where: str) -> list[str] | None:
-    """The parts of the plan's model, in order: a built-in model's from its name (whose
-    sizes the plan's spec must then have), a user model's as its profile recorded them
-    (None for a plan made before plans recorded them: the runtime alone checks those)."""
+    """The parts of the plan's model, in order, as its profile recorded them
+    (`profile.parts`), for any model name: planning needs no model code, and a plan made
+    from a reference or synthetic profile is as checkable as one of a built-in model. A
+    built-in model's spec must also have the built-in's sizes, and its recorded parts be
+    the built-in's (a plan that records none is checked against the built-in's). None: a
+    user model's plan made before plans recorded parts (the runtime alone checks those)."""
     m, name = plan.model, plan.model["name"]
-    if is_user_model(name):
-        recorded = plan.profile.get("parts") if isinstance(plan.profile, dict) else None
-        if recorded is None:
-            return None
-        if not isinstance(recorded, list) or not recorded or not all(isinstance(p, str) for p in recorded):
-            raise PlanError(where, "profile.parts", "must be a non-empty list of part names (rule: model)")
-        return recorded
+    recorded = plan.profile.get("parts") if isinstance(plan.profile, dict) else None
+    if recorded is not None and (not isinstance(recorded, list) or not recorded
+                                 or not all(isinstance(p, str) for p in recorded)):
+        raise PlanError(where, "profile.parts", "must be a non-empty list of part names (rule: model)")
     sizes = BUILTIN_MODELS.get(name)
     if sizes is None:
-        raise PlanError(where, "model.name", f"unknown model {echo(name)}: neither a built-in model "
-                        f"({', '.join(BUILTIN_MODELS)}) nor package.module:function (rule: model)")
+        if recorded is None and not is_user_model(name):
+            raise PlanError(where, "profile.parts", f"missing: {echo(name)} is not a built-in model "
+                            f"({', '.join(BUILTIN_MODELS)}), so the plan must record its profile's parts "
+                            "(remake it with this pfcompile) (rule: model)")
+        return recorded
     for key in ("kind", "layers", "hidden", "heads", "ffn"):
         if key in m and m[key] != sizes[key]:
             raise PlanError(where, f"model.{key}", f"{echo(m[key])} but the built-in model {name!r} has "
                             f"{sizes[key]!r} (rule: model)")
-    return part_names(sizes["layers"])
+    built_in = part_names(sizes["layers"])
+    if recorded is not None and recorded != built_in:
+        raise PlanError(where, "profile.parts", f"{echo(recorded)} are not the parts of the built-in model "
+                        f"{name!r} (embed, block0..block{sizes['layers'] - 1}, head) (rule: model)")
+    return built_in
 
 
 def check_parts(plan: Plan, where: str) -> None:
@@ -171,16 +210,16 @@ def check_parts(plan: Plan, where: str) -> None:
         for s, stage in enumerate(plan.partition):
             for j, part in enumerate(stage):
                 if i >= len(parts) or part != parts[i]:
-                    want = f"the model's next part {echo(parts[i])}" if i < len(parts) else "past the model's last part"
-                    raise PlanError(where, f"partition[{s}][{j}]", f"{echo(part)} is not {want} (the partition cuts the parts "
+                    is_not = (f"is not the model's next part {echo(parts[i])}" if i < len(parts)
+                              else f"lies past the model's last part {echo(parts[-1])}")
+                    raise PlanError(where, f"partition[{s}][{j}]", f"{echo(part)} {is_not} (the partition cuts the parts "
                                     f"of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
                 i += 1
         if i < len(parts):
             raise PlanError(where, "partition", f"ends before the model's part {echo(parts[i])} (the partition cuts "
                             f"the parts of {echo(plan.model['name'])}, {shown}, into stages in order) (rule: model)")
-    built_in = not is_user_model(plan.model["name"])
-    sizes = BUILTIN_MODELS[plan.model["name"]] if built_in else None
-    covered = set(kfac_layer_names(sizes["layers"], sizes.get("arch", "gpt2"))) if built_in else None
+    sizes = BUILTIN_MODELS.get(plan.model["name"])  # another model's layers: those its profile listed
+    covered = set(kfac_layer_names(sizes["layers"], sizes.get("arch", "gpt2"))) if sizes is not None else None
     seen: set[str] = set()
     for i, (name, s) in enumerate(zip(plan.layers, plan.layer_stage)):
         if name in seen:

@@ -41,7 +41,7 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
         profile={"name": profile.name, "hash": profile.hash, "source": profile.source,
                  # the runtime's default device (and so its backend) is the profiled one
                  "device_type": profile.provenance.get("device_type", "cpu"),
-                 "model_hash": model_hash(profile.model),
+                 "model_hash": model_hash(profile.model, profile.hash),
                  # a user model's parts, for the verifier (which cannot import its code)
                  "parts": [p.name for p in profile.parts]},
     )

@@ -1,0 +1,126 @@
+"""Every script of benchmarks/ runs at its smallest size and prints its table with rows.
+
+A benchmark no test runs rots unseen: benchmarks/planner.py's scaling crashed on every size
+for a round before anyone ran it. Nothing about the figures is asserted (they are
+measurements, not properties), only that each script runs to its end and prints the table
+it exists for, with rows. Each runs as a user runs it, a subprocess of this Python, at the
+smallest setting a flag of its own gives (`--smoke` where none existed). A script not run
+here is in EXCUSED with the reason (test_every_benchmark_is_smoked_or_excused: every
+script is in one list or the other).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+# script -> why this module does not run it
+EXCUSED = {
+    "gpu_check.sh": "run by tests/test_gpu_ready.py::test_gpu_check_script_runs_on_cpu (--device cpu), which checks "
+                    "its tables",
+    "gpu_check.py": "the numerical half of gpu_check.sh, run and checked by the same test",
+}
+
+
+def markdown_rows(out: str) -> list[str]:
+    """The data rows of every markdown table printed: the lines after a |---| separator."""
+    rows, in_table = [], False
+    for line in out.splitlines():
+        if re.match(r"^\|[-:|]+\|$", line.strip()):
+            in_table = True
+        elif in_table and line.startswith("|"):
+            rows.append(line)
+        else:
+            in_table = False
+    return rows
+
+
+def lines_matching(out: str, pattern: str) -> list[str]:
+    """The rows of an aligned-column table: the lines that match its row's pattern."""
+    return [line for line in out.splitlines() if re.match(pattern, line)]
+
+
+def check_planner(out: str) -> None:
+    rows = markdown_rows(out)
+    assert [r.split("|")[1].strip() for r in rows] == ["1f1b", "chimera"], out
+
+
+def check_partition(out: str) -> None:
+    families = [r.split("|")[2].strip() for r in markdown_rows(out)]
+    assert families == ["1f1b", "chimera"], out
+
+
+def check_convergence(out: str) -> None:
+    assert len(lines_matching(out, r"\s+0\s+\d+\.\d{4}\s")) == 1, out  # seed 0's comparison
+    tuned = lines_matching(out, r"(adamw|kfac)\s+\S+\s+\S+\s+\S+\s+\d+\.\d{3} \d+\.\d{3}\s+\d+\.\d{4} \*$")
+    assert [t.split()[0] for t in tuned] == ["adamw", "kfac"], out  # one point of each grid, chosen
+
+
+def check_convergence_pipeline(out: str) -> None:
+    assert len(lines_matching(out, r"\s+pydoc\s+0\s+\d+\.\d{4}\s")) == 1, out
+
+
+def check_compare_commits(out: str) -> None:
+    same = [line for line in out.splitlines() if line.startswith("- HEAD against HEAD: ")]
+    assert len(same) == 2 and all("ops identical: True; statistics that differ: none" in s for s in same), out
+
+
+def check_race(out: str) -> None:
+    cells = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    for optimizer in ("adamw", "kfac"):  # a row in the plans' table, the race's and its medians'
+        assert sum(optimizer in row for row in cells) == 3, out
+
+
+def check_runtime(out: str) -> None:
+    rows = markdown_rows(out)
+    assert len(rows) == 5 and rows[0].startswith("| torch ScheduleGPipe |"), out
+
+
+def check_split_backward(out: str) -> None:
+    rows = markdown_rows(out)
+    assert [r.split("|")[1].strip().split(":")[0] for r in rows] == ["whole backward", "ours", "torch"], out
+
+
+# script -> (its smallest run's arguments; {tmp}: a fresh folder), the check of its output
+SMOKE = {
+    "planner.py": (["--only", "scaling", "--sizes", "4x4", "--instance-limit", "5"], check_planner),
+    "partition.py": (["--profiles", "profiles/bert-tiny-cpu.json", "--stages", "2", "--micro-batches", "2",
+                      "--time-limit", "1", "--out", "{tmp}"], check_partition),
+    "compare_commits.py": (["--smoke"], check_compare_commits),
+    "convergence.py": (["--smoke"], check_convergence),
+    "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
+    "race.py": (["--only", "race", "--corpus", "pydoc", "--seeds", "0", "--optimizers", "adamw", "kfac",
+                 "--steps", "2", "--cap", "2", "--eval-every", "1", "--eval-batches", "1", "--time-limit", "1",
+                 "--work", "{tmp}"], check_race),
+    "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
+                    "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
+    "split_backward.py": (["--model", "bert-tiny", "--parts", "block0", "--micro-batch", "2", "--seq-len", "16",
+                           "--repeats", "2", "--warmup", "1"], check_split_backward),
+}
+
+
+def test_every_benchmark_is_smoked_or_excused():
+    scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")}
+    assert scripts == set(SMOKE) | set(EXCUSED), "a benchmark neither smoked nor excused (or one gone)"
+    assert not set(SMOKE) & set(EXCUSED)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_runs_to_its_table(script, tmp_path):
+    args, check = SMOKE[script]
+    cmd = [sys.executable, str(BENCHMARKS / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    check(r.stdout)
