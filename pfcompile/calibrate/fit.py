@@ -26,7 +26,7 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   with two message sizes or more, latency and bandwidth (formats.profile.fit_link, as the
   profiler's message benchmark fits them);
   with one, the latency, the bandwidth staying the profile's (its message benchmark spans
-  sizes). Ranks share a clock origin (runtime.measure.align).
+  sizes). Ranks share a clock origin (runtime.observe.measure.align).
 - the op times' spread (`runtime.op_spread`, fit_spread): each sample over the mean of its
   entry's samples, pooled per op kind, as 20 quantile midpoints scaled to mean 1 (a kind with
   fewer than SPREAD_MIN_SAMPLES samples records none); receives have none (their waiting is

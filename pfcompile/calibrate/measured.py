@@ -2,7 +2,7 @@
 of every rank after the warm-up, with its measured duration, and the plan it ran.
 
 The runtime records the plan's identity in the trace (`otherData`: plan_sha256,
-plan_profile, plan_model, plan_layout, warmup_steps; runtime.measure.plan_identity), so
+plan_profile, plan_model, plan_layout, warmup_steps; runtime.observe.measure.plan_identity), so
 a trace is refused, with one line, against a plan or profile it did not run.
 """
 

@@ -11,11 +11,11 @@ more against the code.
 
 from __future__ import annotations
 
-DTYPES = ("float32", "float64", "bfloat16")  # the runtime's precisions (runtime.precision)
+DTYPES = ("float32", "float64", "bfloat16")  # the runtime's precisions (runtime.config.precision)
 DEVICE_TYPES = ("cpu", "cuda")  # the devices the runtime runs on (its backend follows: gloo, NCCL)
 # a model spec's sizes: positive integers where given (micro_batch and seq_len always are)
 MODEL_INTS = ("micro_batch", "seq_len", "hidden", "heads", "ffn", "layers", "vocab")
-CORPUS_VOCAB = 100  # the pydoc corpus' character vocabulary (runtime.data.VOCAB)
+CORPUS_VOCAB = 100  # the pydoc corpus' character vocabulary (runtime.io.data.VOCAB)
 BERT_VOCAB = 30522
 LLAMA2_VOCAB = 32000
 LLAMA3_VOCAB = 128256

@@ -76,7 +76,7 @@ so the expected step is longer than the step of mean op times). Fitted from a me
 (the profiler's runtime probe, `pfcompile calibrate`); absent, kinds missing: no spread.
 
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
-(zero-bubble families), timed as runtime.split_backward runs them: B, the input gradient
+(zero-bubble families), timed as runtime.pipeline.split_backward runs them: B, the input gradient
 (and the non-Linear parameters'), and W, each nn.Linear's weight gradient from the kept
 input and output gradient. They need not add up to `bwd_ms`: B + W costs more than the
 whole backward (two passes, and B keeps what W reads; see
@@ -86,7 +86,7 @@ one-line warning) use the documented ESTIMATE (`Part.split_backward_ms`): half o
 each, the zero-bubble paper's T_B = T_W (every nn.Linear's backward is two matmuls of equal
 FLOPs, input gradient and weight gradient). `wgrad_bytes` (version 3, optional) is what the
 part's W keeps besides its activations from B until it runs: the output gradient of every
-nn.Linear of the part (covered layer or not), as runtime.split_backward keeps them; absent or
+nn.Linear of the part (covered layer or not), as runtime.pipeline.split_backward keeps them; absent or
 null: the covered layers' `kept_b_bytes` (pfcompile.graph.costs.Costs.wgrad_bytes).
 
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,

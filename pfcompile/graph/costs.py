@@ -9,7 +9,7 @@ collective's `transfer` of the state it writes, the `state` per covered layer, t
 
 Memory model (docs/design.md §5.4):
 - resident per rank: parameters + gradients + optimizer state of the stages it holds
-  (runtime.optim: the declared `step_moments` per covered parameter, e.g. K-FAC's SGD
+  (runtime.optimizers.stage: the declared `step_moments` per covered parameter, e.g. K-FAC's SGD
   momentum on the covered layers' weights and biases, and AdamW's two moments on the rest;
   AdamW on everything without extra work), and per covered layer held its declared `state`
   (K-FAC: accumulators A, B, factors A, B, inverses in force A, B, pending inverses A, B);
@@ -23,8 +23,8 @@ Memory model (docs/design.md §5.4):
   freed at the end of `bwd_weight(s, m)`. On the refresh step with K-FAC, the kept output
   gradients of the K-FAC layers ARE those tensors: bwd_input allocates them as kept_b
   (freed by curv_b, which runs with or after W), and the W buffer holds only the rest.
-  Likewise a K-FAC layer's kept input IS the layer input W keeps (runtime.split_backward
-  and runtime.kfac hold the same storage), inside the activations until W ends: `fwd`
+  Likewise a K-FAC layer's kept input IS the layer input W keeps (runtime.pipeline.split_backward
+  and runtime.optimizers.kfac hold the same storage), inside the activations until W ends: `fwd`
   allocates no kept_a; `bwd_weight` allocates it at its END (`allocates_at_end`) unless its
   `curv_a` has already ended, and `curv_a` frees it. So kept_a is held over
   [end of W, max(end of W, end of curv_a)]: nothing when curv_a runs before W ends.
@@ -336,7 +336,7 @@ class Costs:
         return n
 
     def optimizer_state_bytes(self, stage: int) -> int:
-        """runtime.optim's state for a stage on every replica: the declared `step_moments` per
+        """runtime.optimizers.stage's state for a stage on every replica: the declared `step_moments` per
         covered parameter (SGD's momentum: K-FAC, Shampoo; none for Muon, whose momentum is
         its declared layer state, `layer_state_bytes`), and AdamW's two moments per other
         parameter."""
@@ -350,7 +350,7 @@ class Costs:
         (copies x size each), the owner-only tensors where `does_its_work` (the replica does
         the layer's divisible work: every replica, unless the work is divided and another
         replica owns the layer), and the multi-step ones only with k > 1 (with k = 1 Shampoo's
-        snapshot is its statistics themselves, runtime.shampoo)."""
+        snapshot is its statistics themselves, runtime.optimizers.shampoo)."""
         return sum(t.copies * self.state_bytes(t, layer) for t in self.spec.state
                    if (does_its_work or not t.owner_only) and (self.refresh_steps > 1 or not t.multi_step))
 

@@ -57,7 +57,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     """Measure every part and K-FAC layer of `model`, and the links between two ranks.
 
     `optimizers`: whose per-layer ops to time besides K-FAC's, which every profile holds
-    ("shampoo", "muon": runtime.shampoo, runtime.muon on each covered layer); `muon_ns_dtype`
+    ("shampoo", "muon": runtime.optimizers.shampoo, runtime.optimizers.muon on each covered layer); `muon_ns_dtype`
     the dtype Muon's Newton-Schulz iteration is timed in (the run's muon.ns_dtype).
 
     `ranks` > 1: measure under the run's conditions, with ranks - 1 other processes working
@@ -170,7 +170,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
         **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
-                 "capture on (a refresh step), and the split backward's B/W (runtime.split_backward) likewise; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "
+                 "capture on (a refresh step), and the split backward's B/W (runtime.pipeline.split_backward) likewise; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
                  "parameters excluded"),
         **comm_prov,

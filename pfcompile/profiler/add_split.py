@@ -74,7 +74,7 @@ def add_split(prof: Profile, where: str) -> Profile:
     prof.provenance = {**pv, "split_note": (
         f"bwd_input_ms/bwd_weight_ms added {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} by "
         f"pfcompile.profiler.add_split (load_avg {[load_before, load_average()]}): B and W timed as "
-        f"runtime.split_backward runs them, next to the whole backward in the same sitting, and scaled to this "
+        f"runtime.pipeline.split_backward runs them, next to the whole backward in the same sitting, and scaled to this "
         f"profile's bwd_ms; (B + W) / whole backward per part: {ratios}")}
     return upgraded(prof)
 

@@ -1,5 +1,5 @@
 """A part's K-FAC layers timed as the runtime runs them: curvature, inversion (Cholesky and
-eigen) and preconditioning are `runtime.kfac.KfacLayer.curv_a/curv_b/invert/precondition`,
+eigen) and preconditioning are `runtime.optimizers.kfac.KfacLayer.curv_a/curv_b/invert/precondition`,
 fed the layer's real input and output gradient of one micro-batch."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def measure_kfac_layer(layer, part: str, x: torch.Tensor, gy: torch.Tensor,
     t: dict[str, Timing] = {}
     t["curv_a"] = clock.time(lambda: layer.curv_a(0), setup=lambda: layer.save_input(0, x))
     t["curv_b"] = clock.time(lambda: layer.curv_b(0), setup=lambda: layer.save_grad(0, gy))
-    # An inversion EMA-updates its own factor first (runtime.kfac: once per cycle): timed
+    # An inversion EMA-updates its own factor first (runtime.optimizers.kfac: once per cycle): timed
     # with it, in the steady state (a previous cycle's factor exists, updated in place).
     layer.update_factors()
     inverse_bytes = {"A": 0, "B": 0}

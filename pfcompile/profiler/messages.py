@@ -1,4 +1,4 @@
-"""The message benchmark: `runtime.comm.Mailbox` ping-pong and `runtime.comm.all_reduce_sum`
+"""The message benchmark: `runtime.pipeline.comm.Mailbox` ping-pong and `runtime.pipeline.comm.all_reduce_sum`
 in a real two-rank process group (gloo on CPU, NCCL with two GPUs), fitted as latency plus
 bytes over bandwidth, and the runtime's own cost of posting a send and completing a receive."""
 
@@ -120,7 +120,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int,
     # two ranks: a ring all-reduce moves 2(r-1)/r = 1 times the bytes, as Comm.allreduce_ms assumes
     allreduce = fit_link([(n, t) for n, _, t in samples])
     method = f"measured-{got[0]['backend']}"
-    note = (f"{method}: 2 ranks on this host, 1 thread each, runtime.comm Mailbox ping-pong (one way = "
+    note = (f"{method}: 2 ranks on this host, 1 thread each, runtime.pipeline.comm Mailbox ping-pong (one way = "
             f"half the round trip) and all_reduce_sum; median of {repeats} per size; the send's posting and a "
             f"receive posted 5 ms after its send timed alone (runtime.send_ms/recv_ms, at the stage "
             f"message's size); fit latency + bytes/bandwidth")

@@ -2,7 +2,7 @@
 they cannot be timed.
 
 Timed (`measure_optimizer_layer`): Shampoo's `update_stats`, `compute_root` of L and of R
-and `precondition` (runtime.shampoo), Muon's `orthogonalize` (runtime.muon), each on the
+and `precondition` (runtime.optimizers.shampoo), Muon's `orthogonalize` (runtime.optimizers.muon), each on the
 layer's real gradient of one step of the profiled micro-batch.
 
 Estimated (`estimated_optimizer_ms`, for reference profiles, which have nothing to time):

@@ -1,7 +1,7 @@
 """A model's parts timed as the runtime runs them: each part is `runtime.models.Stage` over
 that one part with its K-FAC hooks attached and capturing (a refresh step, the costlier
-case); forward, backward, the split backward's B and W (runtime.split_backward), and the
-optimizer step (runtime.build.Update), with the bytes each keeps."""
+case); forward, backward, the split backward's B and W (runtime.pipeline.split_backward), and the
+optimizer step (runtime.pipeline.build.Update), with the bytes each keeps."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class PartBench:
 
         self.name, self.cfg = name, spec.cfg
         # bfloat16 is mixed precision as the runtime runs it: float32 parameters and K-FAC
-        # state, autocast forward, bf16 activations between parts (runtime.precision)
+        # state, autocast forward, bf16 activations between parts (runtime.config.precision)
         self.precision = precision(str(dtype).removeprefix("torch."))
         self.device_type = torch.device(device).type
         dtype = self.precision.compute_dtype
@@ -85,7 +85,7 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
 
 def weight_pass_kept_bytes(bench: PartBench) -> int:
     """What the part's W keeps besides its activations after B: every nn.Linear's output
-    gradient (runtime.split_backward.WeightPasses.kept), counted as runtime.memory counts it."""
+    gradient (runtime.pipeline.split_backward.WeightPasses.kept), counted as runtime.observe.memory counts it."""
     from runtime.pipeline.split_backward import WeightPasses
 
     split = WeightPasses(bench.stage)
@@ -104,7 +104,7 @@ def weight_pass_kept_bytes(bench: PartBench) -> int:
 
 def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
     """The zero-bubble families' split backward of this part, as the runtime's interpreter
-    runs it (runtime.split_backward.WeightPasses): the forward recorded for the split, B
+    runs it (runtime.pipeline.split_backward.WeightPasses): the forward recorded for the split, B
     (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
     and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
     K-FAC capture on as for bwd_ms. Each timed run starts from its own forward (and B)."""
@@ -143,7 +143,7 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
 
 
 def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
-    """The `step` op over this part's parameters, as runtime.build.Update runs it: KL clip
+    """The `step` op over this part's parameters, as runtime.pipeline.build.Update runs it: KL clip
     over its K-FAC layers then the K-FAC optimizer (SGD-momentum + AdamW), and the first-order
     baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
     clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
