@@ -44,7 +44,6 @@ MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
-OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optimizers.stage.build_optimizer's
 
 
 # --- valid ranges: (predicate, what the message says a value must be) ------------------------------
@@ -326,11 +325,6 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
         raise cfg.error("kfac.fisher", f"{k.fisher!r}: the pipeline runtime computes only the empirical Fisher")
     if k.damping_mode == "plain" and k.inverse != "eigen":
         raise cfg.error("kfac.damping_mode", f"'plain' needs an eigen-inverse plan; {plan_path} inverts by {k.inverse}")
-    if plan.config.optimizer == "muon" and cfg.optimizer.max_grad_norm > 0:
-        # Muon folds the gradient into its momentum as soon as the layer's gradient is
-        # complete; the global norm is known only at the end of the step
-        raise cfg.error("optimizer.max_grad_norm", f"{cfg.optimizer.max_grad_norm!r}: clipping is not supported "
-                        f"with Muon in the pipeline ({plan_path} config.optimizer); set it to 0")
 
 
 def _typed(kind, value, where: str, key: str):
