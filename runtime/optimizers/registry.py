@@ -17,7 +17,8 @@ so this module and runtime.config load without torch):
   and output gradients in forwards and backwards (kfac.capturing), `clip_first`: gradient
   clipping scales the gradient before its per-step ops (Muon: they fold the gradient into
   state), else after them (linear in the gradient: K-FAC, Shampoo), and `base_lr`, the
-  config key of the rate its covered weights follow.
+  config key of the rate its covered weights follow; `title` and `refresh_what` name it and
+  what its per-cycle op computes of a factor in the divergence message.
 
 Registering an optimizer is one `register(...)` call in its own module; an optimizer named
 "package.module:attribute" is that module's entry, imported on demand.
