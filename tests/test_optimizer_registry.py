@@ -1,8 +1,9 @@
 """The runtime's optimizer registry: an optimizer declared and registered in this one file
-(its own op kinds: a per-micro-batch statistic, a per-cycle refresh, a per-step scaling) is
-trained by the single-process trainer from its declaration alone, equal to the same
-algorithm written out by hand; it is found by "module:attribute"; the built-in entries
-describe what the runtime used to branch on."""
+(its own op kinds: a per-micro-batch statistic, a per-cycle refresh, a per-step scaling;
+its own config section) is trained by the single-process trainer from its declaration
+alone, equal to the same algorithm written out by hand; its section's keys are set as any
+key is; it is found by "module:attribute"; the built-in entries describe what the runtime
+used to branch on."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pfcompile.formats.errors import InputError
 from pfcompile.formats.optimizers import CYCLE, MICRO_BATCH, PASS_WGRAD, STEP, OpDecl, Optimizer
-from runtime.config.job import JobConfig
+from runtime.config import job as job_config
+from runtime.config.job import POSITIVE_FINITE, JobConfig, setting
 from runtime.io.data import make_stream, split_micro_batches
 from runtime.models import build_model, kfac_linears, resolve_config
 from runtime.optimizers import registry
@@ -20,6 +23,11 @@ from runtime.optimizers.stage import OptimConfig, build_optimizer
 from runtime.train import make_optimizer_layers, train_step
 
 M, STEPS, K, EPS = 2, 5, 2, 1e-3
+
+
+@dataclass
+class DiagSettings:  # its own config section, [diag]
+    eps: float = setting(EPS, "added to the mean squared gradient", POSITIVE_FINITE)
 
 
 @dataclass
@@ -64,9 +72,19 @@ DECLARATION = Optimizer(
          OpDecl("refresh", CYCLE, reads=("stat:D",), writes=("root:D",)),
          OpDecl("scale_grad", STEP, reads=("grad", "root:D"), writes=("update",))))
 
-DIAG = registry.register(registry.OptimizerEntry(
-    "diag-test", config=lambda job: DiagConfig(), config_class=DiagConfig,
-    make_layer=lambda name, linear, cfg, n: DiagLayer(name, linear, cfg), declaration=DECLARATION))
+DIAG = registry.OptimizerEntry(
+    "diag-test", config=lambda job: DiagConfig(eps=job.diag.eps), config_class=DiagConfig,
+    section="diag", settings=DiagSettings,
+    make_layer=lambda name, linear, cfg, n: DiagLayer(name, linear, cfg), declaration=DECLARATION)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    """The plugin's one register() call; undone at the module's end, so the other tests of the
+    session see the runtime's own optimizers and config sections only."""
+    registry.register(DIAG)
+    yield
+    registry.unregister(DIAG)
 
 
 def _model():
@@ -127,6 +145,17 @@ def test_an_optimizer_named_module_attribute_is_imported_on_demand():
         registry.entry("no_such_module_here:ENTRY")
 
 
+def test_a_plugin_brings_its_own_config_section():
+    cfg = job_config.load(overrides=["diag.eps=0.25", "train.steps=3"])
+    assert cfg.diag.eps == 0.25 and DIAG.math_config(cfg).eps == 0.25
+    assert DIAG.math_config(JobConfig()).eps == EPS  # its default
+    assert "[diag]\neps = 0.25" in cfg.to_toml()
+    with pytest.raises(InputError, match="unknown key; known: diag.eps"):
+        job_config.load(overrides=["diag.nope=1"])
+    with pytest.raises(InputError, match="must be"):
+        job_config.load(overrides=["diag.eps=-1"])
+
+
 def test_the_built_in_entries_say_what_the_runtime_branched_on():
     kfac, shampoo, muon, adamw = (registry.entry(n) for n in ("kfac", "shampoo", "muon", "adamw"))
     assert {"kfac", "shampoo", "muon", "adamw"} <= set(registry.names())
@@ -143,3 +172,14 @@ def test_the_built_in_entries_say_what_the_runtime_branched_on():
             assert d.collective or callable(getattr(layers[0], d.kind)), (e.name, d.kind)
         for l in layers if e.captures else ():
             l.detach()  # K-FAC's hooks off the shared model
+
+
+def test_unregistering_a_plugin_removes_its_section_and_names():
+    registry.unregister(DIAG)
+    try:
+        assert "diag-test" not in registry.names() and "diag" not in job_config.SECTIONS
+        assert not hasattr(JobConfig(), "diag")
+        with pytest.raises(InputError, match="unknown key"):
+            job_config.load(overrides=["diag.eps=0.5"])
+    finally:
+        registry.register(DIAG)

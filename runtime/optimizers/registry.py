@@ -50,6 +50,7 @@ class OptimizerEntry:
     make_layer: Callable | str | None = None
     stage_optimizer: Callable | str = "runtime.optimizers.stage:SgdOnCoveredOptimizer"
     section: str | None = None
+    settings: type | None = None   # a plugin's own section class (runtime.config.job.register_section)
     kl_clip: bool = False
     captures: bool = False
     clip_first: bool = False
@@ -93,9 +94,24 @@ _ENTRIES: dict[str, OptimizerEntry] = {}
 
 
 def register(entry: OptimizerEntry) -> OptimizerEntry:
-    """Add (or replace) an optimizer; returns the entry (a plugin module keeps it as an attribute)."""
+    """Add (or replace) an optimizer, and its own settings section if it brings one; returns
+    the entry (a plugin module keeps it as an attribute)."""
+    if entry.settings is not None:
+        from runtime.config import job
+
+        job.register_section(entry.section or entry.name, entry.settings)
     _ENTRIES[entry.name] = entry
     return entry
+
+
+def unregister(entry: OptimizerEntry) -> None:
+    """Remove an entry (under every name it was found by) and the settings section it brought."""
+    for name in [n for n, e in _ENTRIES.items() if e is entry]:
+        del _ENTRIES[name]
+    if entry.settings is not None:
+        from runtime.config import job
+
+        job.unregister_section(entry.section or entry.name)
 
 
 def names() -> tuple[str, ...]:
