@@ -1,17 +1,11 @@
 """The single-process trainer: the reference semantics the pipeline runtime must reproduce.
 
-One step (see runtime.optimizers.kfac for the refresh cycle):
-    refresh step (t % k == 0): activate() every layer (last cycle's inverses come into force)
-    for each micro-batch m: forward; backward of loss_m / M; on refresh steps capture and
-        run curv_a(m), curv_b(m)
-    refresh step: invert A and B of every layer (pending until step t + k)
-    precondition every layer; KL-clip per group; optimizer step
-
-Shampoo (runtime.optimizers.shampoo) and Muon (runtime.optimizers.muon) steps, by the cfg passed:
-    Shampoo: refresh step: activate() every layer; forward/backward of every micro-batch;
-        update_stats (snapshot on refresh steps); refresh step: compute_root L and R
-        (pending until step t + k); precondition; clip; optimizer step
-    Muon: forward/backward of every micro-batch; clip; orthogonalize; optimizer step
+One step (`train_step`) walks the optimizer's declaration (pfcompile.formats.optimizers) as
+one rank of a pipeline runs it: micro-batch ops after each micro-batch's forward and
+backward on refresh steps, per-cycle ops on refresh steps, per-step ops every step, in
+declared order; then clipping, K-FAC's KL-clip, and the optimizer step. What each op does is
+its layer's method of that name (runtime.optimizers.registry); see runtime.optimizers.kfac
+for the refresh cycle.
 """
 
 from __future__ import annotations
@@ -22,11 +16,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from pfcompile.formats.optimizers import CYCLE, MICRO_BATCH
 from runtime.io.data import Batch, split_micro_batches
 from runtime.models import IGNORE_INDEX, lm_loss
-from runtime.optimizers.kfac import KfacConfig, KfacLayer, apply_kl_clip, capturing, kfac_config
-from runtime.optimizers.muon import MuonConfig, muon_config
-from runtime.optimizers.shampoo import ShampooConfig, shampoo_config
+from runtime.optimizers import registry
+from runtime.optimizers.kfac import KfacConfig, apply_kl_clip, capturing
+from runtime.optimizers.muon import MuonConfig
+from runtime.optimizers.shampoo import ShampooConfig
 from runtime.optimizers.stage import clip_coefficient, optim_config, raw_grad_norm_sq, scale_all_grads
 
 
@@ -44,40 +40,54 @@ def _mc_generator(seed: int, step: int, mb: int) -> torch.Generator:
     return g
 
 
-def train_step(model: nn.Module, covered_layers: list[KfacLayer], optimizer, batch: Batch, step: int,
-               micro_batches: int, cfg: KfacConfig | None, *, kl_groups: list[list[KfacLayer]] | None = None,
+def train_step(model: nn.Module, layers: list, optimizer, batch: Batch, step: int,
+               micro_batches: int, cfg, *, kl_groups: list[list] | None = None,
                seed: int = 0, precision=None, max_grad_norm: float = 0.0, stats: dict | None = None) -> float:
     """One training step; returns the step's loss (mean over micro-batches of their mean loss).
 
-    `kl_groups` partitions covered_layers for the KL clip (the pipeline runtime clips per stage);
-    default: one group of all layers. `precision` (runtime.config.precision.Precision): bfloat16 runs
-    the forwards under autocast, as the runtime does (the backward follows their dtypes).
-    `max_grad_norm` > 0 clips the back-propagated gradient to that global norm (before
-    preconditioning; applied after it, which is the same by linearity). `stats`, if given,
-    receives "grad_norm" (before clipping).
+    `cfg` is the optimizer's math config (KfacConfig, ShampooConfig, MuonConfig, ...: its
+    registry entry is the one whose config it is; None: AdamW), `layers` its covered layers.
+    The step walks the optimizer's declaration (pfcompile.formats.optimizers), as a pipeline
+    runs it on one rank:
+        refresh step (t % k == 0): activate() every layer (last cycle's results come into force)
+        for each micro-batch m: forward; backward of loss_m / M; on refresh steps, with the
+            layers capturing (K-FAC's hooks), each micro-batch op of every layer
+        then in declared order every per-step op of every layer, and on refresh steps every
+            per-cycle op of every layer and factor (collectives have nothing to do here)
+        clip; KL-clip per group (an optimizer that KL-clips); optimizer step
 
-    With a ShampooConfig or MuonConfig as `cfg`, `covered_layers` are that optimizer's layers
-    (runtime.optimizers.shampoo.ShampooLayer,
-    runtime.optimizers.muon.MuonLayer); `kl_groups` and `seed` are unused.
+    `kl_groups` partitions the layers for the KL clip (the pipeline runtime clips per stage);
+    default: one group of all layers. `precision` (runtime.config.precision.Precision): bfloat16
+    runs the forwards under autocast, as the runtime does (the backward follows their dtypes).
+    `max_grad_norm` > 0 clips the back-propagated gradient to that global norm: after the
+    per-step ops, which are linear in the gradient (K-FAC, Shampoo: the same by linearity),
+    or before them for an entry that clips first (Muon: the gradient feeds its momentum and
+    Newton-Schulz normalises its input). `stats`, if given, receives "grad_norm" (before
+    clipping). K-FAC with fisher "mc" takes its output-gradient statistics from targets
+    sampled from the model (the Monte-Carlo Fisher; `seed` seeds the draws).
     """
     import contextlib
     device_type = next(model.parameters()).device.type
     amp = (lambda: precision.autocast(device_type)) if precision is not None else contextlib.nullcontext
-    if isinstance(cfg, (ShampooConfig, MuonConfig)):
-        return _matrix_step(model, covered_layers, optimizer, batch, step, micro_batches, cfg, amp,
-                            max_grad_norm, stats)
+    entry = registry.entry_of_config(cfg)
+    decl = entry.ops
     M = micro_batches
-    use_kfac = bool(covered_layers) and cfg is not None
-    refresh = use_kfac and step % cfg.refresh_steps == 0
+    active = list(layers) if cfg is not None else []
+    k = getattr(cfg, "refresh_steps", 1) or 1
+    refresh = bool(active) and decl.refreshes and step % k == 0
+    capture = refresh and entry.captures
+    mc = capture and getattr(cfg, "fisher", "empirical") == "mc"
+    at = {"cycle_step": step % k}
     if refresh:
-        for l in covered_layers:
+        for l in active:
             l.activate()
-            l.loss_divisor = M
+            if hasattr(l, "loss_divisor"):
+                l.loss_divisor = M
     optimizer.zero_grad()
     losses = []
     for m, (tokens, targets) in enumerate(split_micro_batches(batch, M)):
-        with capturing(covered_layers, m, on=refresh):
-            if refresh and cfg.fisher == "mc":
+        with capturing(active if entry.captures else [], m, on=capture):
+            if mc:
                 with amp():
                     logits = model(tokens)
                     loss = lm_loss(logits, targets)
@@ -85,7 +95,7 @@ def train_step(model: nn.Module, covered_layers: list[KfacLayer], optimizer, bat
                 params = [p for p in model.parameters() if p.requires_grad]
                 # Its own backward: only the hooks' captured output gradients are kept.
                 torch.autograd.grad(lm_loss(logits, sampled) / M, params, retain_graph=True, allow_unused=True)
-                for l in covered_layers:
+                for l in active:
                     l.skip_grad_capture = True
             else:
                 with amp():
@@ -93,63 +103,27 @@ def train_step(model: nn.Module, covered_layers: list[KfacLayer], optimizer, bat
             (loss / M).backward()
         losses.append(loss.detach())
         if refresh:
-            for l in covered_layers:
-                l.curv_a(m)
-                l.curv_b(m)
-    if refresh:
-        for l in covered_layers:
-            l.invert("A")
-            l.invert("B")
-    if use_kfac:
-        for l in covered_layers:
-            l.precondition()
-    active = covered_layers if use_kfac else []
-    norm = float(raw_grad_norm_sq(model, active)) ** 0.5
-    scale_all_grads(model, active, clip_coefficient(norm, max_grad_norm))
-    if stats is not None:
-        stats["grad_norm"] = norm
-    if use_kfac:
-        for group in kl_groups or [covered_layers]:
-            apply_kl_clip(group, optimizer.lr, cfg.kl_clip)
-    optimizer.step()
-    return float(torch.stack(losses).mean())
-
-
-def _matrix_step(model, layers, optimizer, batch, step: int, M: int, cfg, amp, max_grad_norm: float,
-                 stats: dict | None) -> float:
-    """One Shampoo or Muon step (train_step with its cfg), in the order a pipeline runs it."""
-    shampoo = isinstance(cfg, ShampooConfig)
-    refresh = shampoo and step % cfg.refresh_steps == 0
-    if refresh:
-        for l in layers:
-            l.activate()
-    optimizer.zero_grad()
-    losses = []
-    for tokens, targets in split_micro_batches(batch, M):
-        with amp():
-            loss = model(tokens, targets)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    if shampoo:
-        for l in layers:
-            l.update_stats(snapshot=refresh)
-        if refresh:
-            for l in layers:
-                l.compute_root("L")
-                l.compute_root("R")
-        for l in layers:
-            l.precondition()
-        # The preconditioned gradient is homogeneous in G: clipping it equals clipping G.
-        norm = float(raw_grad_norm_sq(model, layers)) ** 0.5
-        scale_all_grads(model, [], clip_coefficient(norm, max_grad_norm))
-    else:
-        # G feeds the momentum buffer and NS normalises its input: clip before orthogonalising.
+            for l in active:
+                for d in decl.micro_batch_ops:
+                    getattr(l, d.kind)(mb=m, factor=d.factor, **at)
+    clip_first = entry.clip_first and bool(active)
+    if clip_first:
         norm = float(raw_grad_norm_sq(model, [])) ** 0.5
         scale_all_grads(model, [], clip_coefficient(norm, max_grad_norm))
-        for l in layers:
-            l.orthogonalize()
+    for d in decl.ops:
+        if d.collective or d.when == MICRO_BATCH or not active or (d.when == CYCLE and not refresh):
+            continue
+        for l in active:
+            for f in (decl.factors if d.when == CYCLE else (None,)):
+                getattr(l, d.kind)(mb=None, factor=f, **at)
+    if not clip_first:
+        norm = float(raw_grad_norm_sq(model, active)) ** 0.5
+        scale_all_grads(model, active, clip_coefficient(norm, max_grad_norm))
     if stats is not None:
         stats["grad_norm"] = norm
+    if entry.kl_clip and active:
+        for group in kl_groups or [active]:
+            apply_kl_clip(group, optimizer.lr, cfg.kl_clip)
     optimizer.step()
     return float(torch.stack(losses).mean())
 
@@ -184,18 +158,14 @@ class Curve:
 
 
 def make_optimizer_layers(model: nn.Module, optimizer: str, cfg, micro_batches: int) -> list:
-    """The covered layers (runtime.models.kfac_linears) of `optimizer` with its config: K-FAC's
-    with hooks attached, Shampoo's, Muon's; none for AdamW."""
+    """The covered layers (runtime.models.kfac_linears) of `optimizer` with its config, made by
+    its registry entry (K-FAC's with hooks attached); none for one without layers (AdamW)."""
     from runtime.models import kfac_linears
-    from runtime.optimizers import muon, shampoo
-    from runtime.optimizers.kfac import make_layers
 
-    if optimizer == "adamw":
+    entry = registry.entry(optimizer)
+    if entry.make_layer is None:
         return []
-    make = {"kfac": lambda named: make_layers(named, cfg, micro_batches),
-            "shampoo": lambda named: shampoo.make_layers(named, cfg),
-            "muon": lambda named: muon.make_layers(named, cfg)}[optimizer]
-    return make(kfac_linears(model))
+    return [entry.layer(name, linear, cfg, micro_batches) for name, linear in kfac_linears(model)]
 
 
 def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
@@ -209,9 +179,8 @@ def run_training(run: RunConfig, kfac: KfacConfig | None, optim_cfg, *,
 
     if kfac is not None and second_order is not None:
         raise ValueError("run_training: give kfac or second_order, not both")
-    name = ("kfac" if kfac else "shampoo" if isinstance(second_order, ShampooConfig)
-            else "muon" if isinstance(second_order, MuonConfig) else "adamw")
     step_cfg = kfac or second_order
+    name = registry.entry_of_config(step_cfg).name
     cfg = resolve_config(run.model, seq_len=run.seq_len)
     model = build_model(cfg, seed=run.seed)
     layers = make_optimizer_layers(model, name, step_cfg, run.micro_batches)
@@ -243,12 +212,12 @@ def train_reference(spec, cfg, stream, micro_batches: int, *, kfac: bool = True,
     from runtime.optimizers.stage import build_optimizer
 
     name = optimizer or ("kfac" if kfac else "adamw")
+    entry = registry.entry(name)
     seed = cfg.train.seed
     model = build_model(spec, seed=seed, dtype=dtype)
-    step_cfg = {"kfac": kfac_config, "shampoo": shampoo_config, "muon": muon_config,
-                "adamw": lambda job: None}[name](cfg)
+    step_cfg = entry.math_config(cfg)
     layers = make_optimizer_layers(model, name, step_cfg, micro_batches)
-    groups = kl_groups_of(layers) if kl_groups_of and layers and name == "kfac" else None
+    groups = kl_groups_of(layers) if kl_groups_of and layers and entry.kl_clip else None
     opt = build_optimizer(model, layers, optim_config(cfg), optimizer=name)
     losses = []
     for step in range(cfg.train.steps if steps is None else steps):

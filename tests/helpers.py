@@ -51,9 +51,10 @@ EXAMPLES = str(ROOT / "examples")
 D64 = torch.float64
 
 
-def optimizer_reference_params(plan_path, steps: int):
+def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0):
     """The single-process trainer (runtime.train.train_step) with the plan's model, data,
-    optimizer and refresh cycle, and the runtime's default settings."""
+    optimizer and refresh cycle, and the runtime's default settings (clipping the gradient's
+    global norm to `max_grad_norm` > 0)."""
     plan = json.loads(plan_path.read_text())
     optimizer, n, k = plan["config"]["optimizer"], plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     spec = resolve_model(plan["model"]["name"])
@@ -65,7 +66,7 @@ def optimizer_reference_params(plan_path, steps: int):
     opt = build_optimizer(model, layers, optim_config(defaults), optimizer)
     stream = make_stream(spec.cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
     for step in range(steps):
-        train_step(model, layers, opt, stream.batch(step), step, n, cfg)
+        train_step(model, layers, opt, stream.batch(step), step, n, cfg, max_grad_norm=max_grad_norm)
     return initial, model.state_dict()
 
 

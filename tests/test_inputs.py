@@ -217,6 +217,34 @@ def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     assert "runtime[rank 0]: error: step 2: stage 0 produced a non-finite loss; the run diverged" in err, err
 
 
+@pytest.mark.parametrize("optimizer", ["kfac", "shampoo"])
+def test_a_failed_factor_has_its_own_code_and_names_optimizer_and_factor(tmp_path, optimizer):
+    """Every (layer, factor) of the plan's optimizer gets its own divergence code, and the
+    message names the optimizer, that factor and that layer (Shampoo's L and R once shared
+    K-FAC's code and message)."""
+    from pfcompile.formats.plan import load_plan
+    from runtime.pipeline.interpreter import _FACTOR_BASE, _PARAMS_BASE, divergence_code, divergence_message
+
+    path = tmp_path / "plan.json"
+    assert pfcompile_main(["plan", str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"), "--schedule", "1f1b",
+                           "--stages", "2", "--micro-batches", "2", "--optimizer", optimizer, "--method", "greedy",
+                           "-o", str(path)]) == 0
+    plan = load_plan(str(path))
+    title, factors = {"kfac": ("K-FAC", ("A", "B")), "shampoo": ("Shampoo", ("L", "R"))}[optimizer]
+    codes = {}
+    for i, name in enumerate(plan.layers):
+        for f in factors:
+            code = divergence_code(layer=i, factor=f, factors=factors)
+            assert _FACTOR_BASE <= code < _PARAMS_BASE
+            message = divergence_message(code, 3, plan)
+            assert message.startswith(f"step 3: {title} factor {f} of layer {name} (stage {plan.layer_stage[i]}) "), \
+                message
+            codes[(i, f)] = code
+    assert len(set(codes.values())) == len(codes) == len(plan.layers) * 2
+    # MIN over the ranks reports the earliest layer's first factor
+    assert min(codes.values()) == codes[(0, factors[0])]
+
+
 def test_the_finite_check_agrees_with_isfinite_all():
     """The runtime's per-forward check (a float64 sum) against torch.isfinite(t).all(), on
     NaN, both infinities, opposite infinities (whose sum is NaN) and the largest finite values."""

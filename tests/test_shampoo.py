@@ -16,7 +16,7 @@ from runtime.io.data import make_stream, split_micro_batches
 from runtime.models import ModelConfig, build_model, kfac_linears
 from runtime.optimizers.kfac import NonFiniteFactorError
 from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer, make_layers, shampoo_config
-from runtime.optimizers.stage import KfacOptimizer, OptimConfig, build_optimizer, optim_config
+from runtime.optimizers.stage import OptimConfig, SgdOnCoveredOptimizer, build_optimizer, optim_config
 from runtime.train import train_reference, train_step
 
 D64 = torch.float64
@@ -122,7 +122,7 @@ def test_root_is_the_damped_inverse_fourth_root():
     for snapshot in (True, False):
         lin.weight.grad = torch.randn(3, 5, dtype=D64, generator=g)
         layer.update_stats(snapshot)
-    assert not torch.equal(layer.snapshots["L"], layer.stats["L"])  # the snapshot is the cycle's first step's
+    assert not torch.equal(layer.snapshots["L"], layer.statistics["L"])  # the snapshot is the cycle's first step's
     for f in ("L", "R"):
         layer.compute_root(f)
         S = layer.snapshots[f]
@@ -189,7 +189,7 @@ def test_optimizer_puts_biases_on_adamw():
     model = build_model(SPEC, seed=1)
     layers = make_layers(kfac_linears(model), ShampooConfig())
     opt = build_optimizer(model, layers, OPTIM, optimizer="shampoo")
-    assert isinstance(opt, KfacOptimizer)
+    assert isinstance(opt, SgdOnCoveredOptimizer)
     sgd = {id(p) for g in opt.sgd.param_groups for p in g["params"]}
     assert sgd == {id(m.weight) for _, m in kfac_linears(model)}
     adamw = {id(p) for g in opt.adamw.param_groups for p in g["params"]}

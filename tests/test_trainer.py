@@ -21,8 +21,8 @@ from helpers import ROOT, make_plan, model_spec, run_single, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import load_plan
-from runtime.config.cli import SHORTHANDS, build_parser, load_config, prepare
 from runtime.config import job as job_config
+from runtime.config.cli import SHORTHANDS, build_parser, load_config, prepare
 from runtime.io.data import make_stream, open_token_file
 from runtime.models import load_trained
 from runtime.optimizers.stage import OptimConfig

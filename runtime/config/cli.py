@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from pfcompile.formats.errors import InputError, echo
@@ -126,7 +127,26 @@ class Job:
 
 def prepare(args, rank: int, world_size: int) -> Job:
     """The job of a parsed command line (see make_job)."""
+    _import_plugin_optimizer(args.plan)
     return make_job(load_config(args), args.plan, rank, world_size)
+
+
+def _import_plugin_optimizer(plan_path: str) -> None:
+    """A plan whose optimizer is "package.module:entry" names a plugin: it is imported before
+    the config is read, so the keys of a section it registers are known. A plan that cannot
+    be read is left to make_job, which says why."""
+    try:
+        with open(plan_path, encoding="utf-8") as f:
+            name = json.load(f)["config"]["optimizer"]
+    except Exception:  # unreadable, not JSON, too deep, another shape: load_plan's one line says which
+        return
+    if isinstance(name, str) and ":" in name:
+        from runtime.optimizers import registry
+
+        try:
+            registry.entry(name)
+        except ValueError as e:
+            raise InputError(plan_path, "config.optimizer", str(e)) from None
 
 
 def make_job(cfg: JobConfig, plan_path: str, rank: int, world_size: int) -> Job:

@@ -44,7 +44,6 @@ MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
-OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")  # runtime.optimizers.stage.build_optimizer's
 
 
 # --- valid ranges: (predicate, what the message says a value must be) ------------------------------
@@ -211,6 +210,8 @@ class JobConfig:
 
     def __post_init__(self):
         self.source: dict[str, str] = {}
+        for name, cls in _PLUGIN_SECTIONS.items():  # the sections optimizers registered (register_section)
+            setattr(self, name, cls())
 
     def set(self, key: str, value, where: str) -> None:
         """Set "section.key" to a value of the field's type (ints are accepted for floats)."""
@@ -257,6 +258,31 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig))
 FIELD_TYPES = {cls: typing.get_type_hints(cls) for cls in (JobConfig, *typing.get_type_hints(JobConfig).values())}
 
 KEYS = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(FIELD_TYPES[JobConfig][s])]
+_PLUGIN_SECTIONS: dict[str, type] = {}
+
+
+def register_section(name: str, cls: type) -> None:
+    """Add a settings section [name] (a dataclass of `setting` fields) to every JobConfig made
+    from now on: the TOML file's [name] table and `--set name.key=value` then set it. An
+    optimizer's registry entry registers its own (runtime.optimizers.registry)."""
+    global SECTIONS
+    if name in SECTIONS:
+        if _PLUGIN_SECTIONS.get(name, FIELD_TYPES[JobConfig].get(name)) is not cls:
+            raise ValueError(f"config section [{name}] exists already")
+        return
+    _PLUGIN_SECTIONS[name] = cls
+    SECTIONS = (*SECTIONS, name)
+    FIELD_TYPES[cls] = typing.get_type_hints(cls)
+    KEYS.extend(f"{name}.{f.name}" for f in dataclasses.fields(cls))
+
+
+def unregister_section(name: str) -> None:
+    """Remove a section register_section added (a test's plugin, at its end)."""
+    global SECTIONS
+    cls = _PLUGIN_SECTIONS.pop(name)
+    SECTIONS = tuple(s for s in SECTIONS if s != name)
+    KEYS[:] = [k for k in KEYS if not k.startswith(name + ".")]
+    FIELD_TYPES.pop(cls, None)
 
 # The plan fixes these: key -> (where in the plan, how to read it).
 PLAN_FIXED = {
@@ -326,11 +352,6 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
         raise cfg.error("kfac.fisher", f"{k.fisher!r}: the pipeline runtime computes only the empirical Fisher")
     if k.damping_mode == "plain" and k.inverse != "eigen":
         raise cfg.error("kfac.damping_mode", f"'plain' needs an eigen-inverse plan; {plan_path} inverts by {k.inverse}")
-    if plan.config.optimizer == "muon" and cfg.optimizer.max_grad_norm > 0:
-        # Muon folds the gradient into its momentum as soon as the layer's gradient is
-        # complete; the global norm is known only at the end of the step
-        raise cfg.error("optimizer.max_grad_norm", f"{cfg.optimizer.max_grad_norm!r}: clipping is not supported "
-                        f"with Muon in the pipeline ({plan_path} config.optimizer); set it to 0")
 
 
 def _typed(kind, value, where: str, key: str):

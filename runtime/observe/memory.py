@@ -95,6 +95,9 @@ class MemoryMeter:
         self._stage_layers = {s: [x for x in sr.layers.values() if hasattr(x, "kept_bytes")]
                               for s, sr in stages.items()}
         self._layer = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
+        # the optimizer's micro-batch op kinds (K-FAC's curv_a, curv_b): each consumes its
+        # layer's kept captures (the interpreter sets them from the plan's declaration)
+        self.micro_batch_kinds: frozenset[str] = frozenset()
         self._kept_by: dict[int, int] = {}  # id(layer) -> its kept bytes (no split backward)
         self._state_by: dict[int, int] = {}  # id(layer) -> its state bytes
         # per stage: its parameters, their gradients' bytes, and whether every one has its
@@ -142,7 +145,7 @@ class MemoryMeter:
 
     def after(self, kind: str, stage: int | None = None, mb: int | None = None, layer: int | None = None) -> None:
         """Count after an op; `bwd` before releasing the activations of (stage, mb). `layer`:
-        a K-FAC op's layer."""
+        an optimizer op's layer."""
         if self.cuda:
             return
         # Recount only what the op can change, and only where: this runs after every op, and
@@ -154,15 +157,17 @@ class MemoryMeter:
             if not self._grads_whole[stage]:
                 self._recount_grads(stage)
             self.resident = self._sum_resident()
-        elif kind in ("inv", "bcast_inv", "stats", "orth"):  # a pending inverse or root, statistics, momentum
+        elif layer is not None and kind not in self.micro_batch_kinds:
+            # an optimizer's layer op: a pending inverse or root, statistics, momentum
             x = self._layer[layer]
             self._layer_state_bytes += _changed(self._state_by, x, x.state_bytes())
             self.resident = self._sum_resident()
-        if kind in ("fwd", "bwd", "bwd_input", "curv_a", "curv_b"):
+        consumes = kind in self.micro_batch_kinds
+        if consumes or kind in ("fwd", "bwd", "bwd_input"):
             if self.split:
                 self.kept = self._kept()
-            else:  # a forward or backward captures for its stage's layers; a curv op frees its layer's
-                self._recount_kept([self._layer[layer]] if kind.startswith("curv") else self._stage_layers[stage])
+            else:  # a forward or backward captures for its stage's layers; a micro-batch op frees its layer's
+                self._recount_kept([self._layer[layer]] if consumes else self._stage_layers[stage])
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
             self.held_acts -= self.acts.pop((stage, mb), 0)

@@ -154,13 +154,16 @@ class KfacLayer:
         acc[: d * d].view(d, d).addmm_(rows.t(), rows)
         acc[d * d] += rows.shape[0]
 
-    def curv_a(self, mb: int) -> None:
+    # The op kinds of K-FAC's declaration (pfcompile.formats.optimizers.KFAC), each called by
+    # the interpreter and the single-process trainer with the keywords of
+    # runtime.optimizers.registry.OpContext.
+    def curv_a(self, mb: int, **_) -> None:
         x = self._take("A", mb)
         if self.bias:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
         self._add("A", x)
 
-    def curv_b(self, mb: int) -> None:
+    def curv_b(self, mb: int, **_) -> None:
         gy = self._take("B", mb)
         self._add("B", gy * (self.loss_divisor * gy.shape[0]))
 
@@ -301,6 +304,12 @@ class KfacLayer:
         if self.bias:
             self.module.bias.grad = G[:, n].contiguous()
 
+    def inv(self, factor: str, **_) -> None:
+        self.invert(factor)
+
+    def precond(self, **_) -> None:
+        self.precondition()
+
     def precondition(self) -> None:
         """weight.grad / bias.grad <- B⁻¹ G A⁻¹ with the inverses in force (unchanged if none)."""
         G = self.grad_matrix()
@@ -372,6 +381,14 @@ def make_layers(named_linears, cfg: KfacConfig, loss_divisor: float = 1.0, attac
     if attach:
         attach_all(layers)
     return layers
+
+
+def make_layer(name: str, linear: nn.Linear, cfg: KfacConfig, micro_batches: int) -> KfacLayer:
+    """The runtime registry's maker: one layer, its loss divided by the step's micro-batches,
+    its capture hooks attached."""
+    layer = KfacLayer(name, linear, cfg, loss_divisor=micro_batches)
+    layer.attach()
+    return layer
 
 
 def attach_all(layers: list[KfacLayer]) -> None:

@@ -128,6 +128,10 @@ class MuonLayer:
         update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
         grad.copy_(newton_schulz(update, cfg.ns_coefficients, cfg.ns_steps, cfg.eps, self.ns_dtype))
 
+    def orth(self, **_) -> None:
+        """The op kind of Muon's declaration (keywords of runtime.optimizers.registry.OpContext)."""
+        self.orthogonalize()
+
     def adjusted_lr(self, lr: float) -> float:
         return adjusted_lr(lr, self.cfg.adjust_lr_fn, self.module.weight.shape)
 
@@ -151,6 +155,11 @@ class MuonLayer:
     def load_state_dict(self, sd: dict) -> None:
         buf = sd.get("momentum_buffer")
         self.momentum_buffer = None if buf is None else buf.clone()
+
+
+def make_layer(name: str, linear: nn.Linear, cfg: MuonConfig, micro_batches: int) -> MuonLayer:
+    """The runtime registry's maker."""
+    return MuonLayer(name, linear, cfg)
 
 
 def make_layers(named_linears, cfg: MuonConfig) -> list[MuonLayer]:

@@ -76,7 +76,7 @@ class ShampooLayer:
         self.dims = {"L": module.out_features, "R": module.in_features}
         # Made at the first update_stats: a replica that does not own the layer (the work
         # divided between replicas) never holds them.
-        self.stats: dict[str, torch.Tensor] = {}
+        self.statistics: dict[str, torch.Tensor] = {}
         # With k = 1 every root is computed within the step that snapshots, before the next
         # update_stats, so the snapshot is the statistic itself: no copy, no memory.
         self._alias = cfg.refresh_steps == 1
@@ -87,11 +87,11 @@ class ShampooLayer:
         self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
 
     def _allocate_stats(self) -> None:
-        if not self.stats:
+        if not self.statistics:
             like = dict(dtype=self.module.weight.dtype, device=self.module.weight.device)
-            self.stats = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
+            self.statistics = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
             if self._alias:
-                self.snapshots = dict(self.stats)
+                self.snapshots = dict(self.statistics)
 
     def update_stats(self, snapshot: bool) -> None:
         """Fold weight.grad into L and R; on the first step of a cycle also snapshot them
@@ -99,13 +99,13 @@ class ShampooLayer:
         self._allocate_stats()
         G = self.module.weight.grad
         if G is not None:
-            G = G.to(self.stats["L"].dtype)
+            G = G.to(self.statistics["L"].dtype)
             b = self.cfg.beta2
             alpha = 1.0 if b == 1 else 1 - b
-            self.stats["L"].addmm_(G, G.t(), beta=b, alpha=alpha)
-            self.stats["R"].addmm_(G.t(), G, beta=b, alpha=alpha)
+            self.statistics["L"].addmm_(G, G.t(), beta=b, alpha=alpha)
+            self.statistics["R"].addmm_(G.t(), G, beta=b, alpha=alpha)
         if snapshot and not self._alias:
-            for f, S in self.stats.items():
+            for f, S in self.statistics.items():
                 if f in self.snapshots:
                     self.snapshots[f].copy_(S)
                 else:
@@ -150,6 +150,17 @@ class ShampooLayer:
             self.roots[f] = root
         self._pending = {}
 
+    # The op kinds of Shampoo's declaration (pfcompile.formats.optimizers.SHAMPOO), called
+    # with the keywords of runtime.optimizers.registry.OpContext.
+    def stats(self, cycle_step: int, **_) -> None:
+        self.update_stats(snapshot=cycle_step == 0)
+
+    def inv(self, factor: str, **_) -> None:
+        self.compute_root(factor)
+
+    def precond(self, **_) -> None:
+        self.precondition()
+
     def precondition(self) -> None:
         """weight.grad <- graft(L_root G R_root) with the roots in force (unchanged if none)."""
         G = self.module.weight.grad
@@ -169,7 +180,7 @@ class ShampooLayer:
         """Bytes of the resident state: statistics, snapshots (none with k = 1), roots in
         force, pending and spare."""
         seen, total = set(), 0
-        for t in [*self.stats.values(), *self.snapshots.values(), *self.roots.values(),
+        for t in [*self.statistics.values(), *self.snapshots.values(), *self.roots.values(),
                   *self._pending.values(), *self._spare.values()]:
             if id(t) not in seen:
                 seen.add(id(t))
@@ -178,7 +189,7 @@ class ShampooLayer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        sd = {f"stat_{f}": t.clone() for f, t in self.stats.items()}
+        sd = {f"stat_{f}": t.clone() for f, t in self.statistics.items()}
         if not self._alias:
             sd.update({f"snapshot_{f}": t.clone() for f, t in self.snapshots.items()})
         sd.update({f"root_{f}": t.clone() for f, t in self.roots.items()})
@@ -189,10 +200,15 @@ class ShampooLayer:
         if f"stat_{FACTORS[0]}" in sd:
             self._allocate_stats()
             for f in FACTORS:
-                self.stats[f].copy_(sd[f"stat_{f}"])
+                self.statistics[f].copy_(sd[f"stat_{f}"])
         pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
-        self.snapshots = dict(self.stats) if self._alias else pick("snapshot")
+        self.snapshots = dict(self.statistics) if self._alias else pick("snapshot")
         self.roots, self._pending, self._spare = pick("root"), pick("pending"), {}
+
+
+def make_layer(name: str, linear: nn.Linear, cfg: ShampooConfig, micro_batches: int) -> ShampooLayer:
+    """The runtime registry's maker."""
+    return ShampooLayer(name, linear, cfg)
 
 
 def make_layers(named_linears, cfg: ShampooConfig) -> list[ShampooLayer]:

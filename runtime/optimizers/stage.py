@@ -1,9 +1,10 @@
-"""The optimizer of one stage (or the whole model): SGD with momentum on the K-FAC layers'
-preconditioned gradients, AdamW on everything K-FAC does not cover (embeddings, LayerNorms,
-the head). Without K-FAC layers it is plain AdamW, the first-order baseline. Shampoo's
-layers (runtime.optimizers.shampoo) take the same SGD-momentum on their weights' grafted
-preconditioned gradients; Muon's (runtime.optimizers.muon) their own update (MuonOptimizer). Both
-cover only the weights: the layers' biases go to AdamW with the rest.
+"""The optimizer of one stage (or the whole model), as the optimizer's registry entry names it
+(runtime.optimizers.registry): SGD with momentum on the covered layers' update directions
+(SgdOnCoveredOptimizer: K-FAC's and Shampoo's preconditioned gradients), AdamW on everything
+they do not cover (embeddings, LayerNorms, the head). Without covered layers it is plain
+AdamW, the first-order baseline. Muon's layers (runtime.optimizers.muon) take their own update
+(MuonOptimizer). Shampoo and Muon cover only the weights: the layers' biases go to AdamW with
+the rest.
 
 Both learning rates follow one schedule (`lr_factor`): linear warm-up over warmup_steps,
 then constant, linear, cosine or polynomial decay to final_lr_ratio over decay_steps.
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from runtime.config.job import DECAYS, OPTIMIZERS  # names live with their config sections
+from runtime.config.job import DECAYS  # names live with their config sections
+from runtime.optimizers import registry
 
 
 @dataclass
@@ -78,17 +80,17 @@ def covered_parameters(layer) -> tuple[torch.Tensor, ...]:
     return tuple(layer.module.parameters()) if covered is None else covered
 
 
-class KfacOptimizer:
-    """SGD-momentum for K-FAC-covered parameters + AdamW for the rest, stepped together.
-    Also Shampoo's optimizer: SGD-momentum on the covered weights, AdamW on the rest."""
+class SgdOnCoveredOptimizer:
+    """SGD-momentum on the covered parameters' update directions (K-FAC's and Shampoo's
+    preconditioned gradients) + AdamW for the rest, stepped together."""
 
     def __init__(self, module: nn.Module, covered_layers, cfg: OptimConfig):
         self.cfg = cfg
         covered = {id(p) for l in covered_layers for p in covered_parameters(l)}
-        kfac_params = [p for p in module.parameters() if id(p) in covered and p.requires_grad]
+        covered_params = [p for p in module.parameters() if id(p) in covered and p.requires_grad]
         other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
-        self.sgd = torch.optim.SGD(kfac_params, lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay) if kfac_params else None
+        self.sgd = torch.optim.SGD(covered_params, lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay) if covered_params else None
         self.adamw = torch.optim.AdamW(other, lr=cfg.adam_lr, betas=cfg.adam_betas,
                                        weight_decay=cfg.adam_weight_decay) if other else None
         self.steps = 0
@@ -223,25 +225,22 @@ def scale_all_grads(module: nn.Module, covered_layers, c: float) -> None:
         if p.grad is not None:
             p.grad.mul_(c)
     for l in covered_layers:
-        if l.kl_term is not None:
+        if getattr(l, "kl_term", None) is not None:  # K-FAC's; other optimizers keep none
             l.kl_term = l.kl_term * (c * c)
 
 
-def build_optimizer(stage_module: nn.Module, layers, cfg: OptimConfig | None = None,
-                    optimizer: str = "kfac") -> KfacOptimizer | MuonOptimizer:
-    """The optimizer of one stage: pass the stage's own layers of `optimizer` (KfacLayer,
-    ShampooLayer, MuonLayer; [] for AdamW only, which "kfac" without layers also is)."""
-    from runtime.optimizers.kfac import KfacLayer
-    from runtime.optimizers.muon import MuonLayer
-    from runtime.optimizers.shampoo import ShampooLayer
-
-    layers, cfg = list(layers), cfg or OptimConfig()
-    kind = {"kfac": KfacLayer, "shampoo": ShampooLayer, "muon": MuonLayer, "adamw": ()}.get(optimizer)
-    if kind is None:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    wrong = [l.name for l in layers if not isinstance(l, kind)]
+def build_optimizer(stage_module: nn.Module, layers, cfg: OptimConfig | None = None, optimizer: str = "kfac"):
+    """The optimizer of one stage: pass the stage's own layers of `optimizer` (its registry
+    entry's, runtime.optimizers.registry; [] for AdamW only, which any optimizer without
+    layers also is)."""
+    try:
+        entry = registry.entry(optimizer)
+    except ValueError as e:
+        raise ValueError(f"optimizer must be one of {', '.join(registry.names())}: {e}") from None
+    layers = list(layers)
+    kinds = [d.kind for d in entry.ops.ops if not d.collective]
+    wrong = [l.name for l in layers if not all(callable(getattr(l, k, None)) for k in kinds)]
     if wrong:
-        raise ValueError(f"optimizer {optimizer!r} got layers of another kind: {', '.join(wrong)}")
-    if optimizer == "muon":
-        return MuonOptimizer(stage_module, layers, cfg)
-    return KfacOptimizer(stage_module, layers, cfg)
+        raise ValueError(f"optimizer {optimizer!r} got layers of another kind (without its op methods "
+                         f"{', '.join(kinds)}): {', '.join(wrong)}")
+    return entry.build_stage_optimizer(stage_module, layers, cfg or OptimConfig())

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from pfcompile.formats.errors import InputError
 from runtime.models import Stage, kfac_linears
-from runtime.optimizers import kfac
-from runtime.optimizers.kfac import kfac_config
-from runtime.optimizers.muon import muon_config
-from runtime.optimizers.shampoo import shampoo_config
+from runtime.optimizers import kfac, registry
+from runtime.optimizers.registry import OpContext
 from runtime.optimizers.stage import build_optimizer, clip_coefficient, optim_config, raw_grad_norm_sq, scale_all_grads
 from runtime.pipeline.interpreter import StageReplica
 
@@ -49,56 +47,57 @@ def _optimizer_layers(job, s: int, module) -> dict:
 
 
 def _layer_maker(job):
-    """name, nn.Linear -> the plan's optimizer's state of that layer, configured by the job."""
-    optimizer, cfg, N = job.plan.config.optimizer, job.config, job.plan.config.micro_batches
-    if optimizer == "kfac":
-        kfac_cfg = kfac_config(cfg)
-
-        def make(name, linear):
-            layer = kfac.KfacLayer(name, linear, kfac_cfg, loss_divisor=N)
-            layer.attach()
-            return layer
-        return make
-    if optimizer == "shampoo":
-        from runtime.optimizers.shampoo import ShampooLayer
-
-        shampoo_cfg = shampoo_config(cfg)
-        return lambda name, linear: ShampooLayer(name, linear, shampoo_cfg)
-    from runtime.optimizers.muon import MuonLayer
-
-    muon_cfg = muon_config(cfg)
-    return lambda name, linear: MuonLayer(name, linear, muon_cfg)
+    """name, nn.Linear -> the plan's optimizer's state of that layer, configured by the job
+    (its registry entry's maker: K-FAC's attaches its capture hooks)."""
+    entry = registry.entry(job.plan.config.optimizer)
+    math_cfg, N = entry.math_config(job.config), job.plan.config.micro_batches
+    return lambda name, linear: entry.layer(name, linear, math_cfg, N)
 
 
 class Update:
-    """The `step(stage)` op: K-FAC's KL-clip over the stage's layers, then the optimizer.
+    """The `step(stage)` op: the KL-clip over the stage's layers (for an optimizer whose
+    registry entry KL-clips: K-FAC), then the stage optimizer.
 
-    It also adds each stage's squared gradient norm (before preconditioning; replica 0 only,
-    so a replicated stage counts once) to this rank's share of the step's global norm.
+    It also adds each stage's squared gradient norm (replica 0 only, so a replicated stage
+    counts once) to this rank's share of the step's global norm: the gradient as
+    back-propagated (a layer whose op replaced it reports its own, raw_grad_sq).
     With clipping (max_grad_norm > 0) the global norm is known only once every stage on
     every rank has its gradient, so the updates wait for the end of the rank's step:
     `finish_step` all-reduces the norm over the world and runs them, every gradient scaled
     by the same factor. Deferring is safe whatever the plan: a step op sends nothing, and
     nothing of a stage runs after its step op within the step.
+
+    An optimizer that clips first (Muon: its per-step op folds the gradient into its
+    momentum and normalises it) has its per-step layer ops deferred too (`defers`): the
+    interpreter skips them at their place, and the deferred update runs them on every
+    layer of the stage after the scaling, in declared order, as the single-process trainer
+    does. Every replica of a stage runs them (each holds the summed gradient), so divided
+    work stays exact.
     """
 
-    def __init__(self, kfac_cfg, max_grad_norm: float = 0.0, world=None, optimizer: str = "kfac"):
-        self.kfac_cfg, self.max_grad_norm, self.world = kfac_cfg, max_grad_norm, world
-        self.kl_clip = optimizer == "kfac"  # the KL clip is K-FAC's (it needs <g~, g> per layer)
+    def __init__(self, entry: registry.OptimizerEntry, math_cfg, max_grad_norm: float = 0.0, world=None):
+        self.entry, self.max_grad_norm, self.world = entry, max_grad_norm, world
+        self.kl_clip = math_cfg.kl_clip if entry.kl_clip else None  # it needs <g~, g> per layer
+        self.clip_first = entry.clip_first and max_grad_norm > 0
+        # the per-step layer ops run in the deferred update instead of at their place
+        self.defers = frozenset(d.kind for d in entry.ops.ops if d.when == "step" and not d.collective) \
+            if self.clip_first else frozenset()
         self.norm_sq = 0.0          # this rank's share of the step's squared global norm
-        self.deferred: list[StageReplica] = []
+        self.deferred: list[tuple[StageReplica, OpContext]] = []
 
-    def __call__(self, sr: StageReplica) -> None:
+    def __call__(self, sr: StageReplica, at: OpContext | None = None) -> None:
         if sr.replica == 0:
-            self.norm_sq += float(raw_grad_norm_sq(sr.module, list(sr.layers.values())))
+            # clipping first, the layers' ops have not run: every gradient is as back-propagated
+            layers = [] if self.clip_first else list(sr.layers.values())
+            self.norm_sq += float(raw_grad_norm_sq(sr.module, layers))
         if self.max_grad_norm > 0:
-            self.deferred.append(sr)
+            self.deferred.append((sr, at or OpContext()))
         else:
             self._apply(sr)
 
     def _apply(self, sr: StageReplica) -> None:
-        if sr.layers and self.kl_clip:
-            kfac.apply_kl_clip(list(sr.layers.values()), sr.optimizer.lr, self.kfac_cfg.kl_clip)
+        if sr.layers and self.kl_clip is not None:
+            kfac.apply_kl_clip(list(sr.layers.values()), sr.optimizer.lr, self.kl_clip)
         sr.optimizer.step()
         sr.optimizer.zero_grad()
 
@@ -116,8 +115,15 @@ class Update:
         all_reduce(total, "the all-reduce of the gradient norm", self.world.timeout)
         norm_sq = float(total)
         c = clip_coefficient(norm_sq ** 0.5, self.max_grad_norm)
-        for sr in self.deferred:
-            scale_all_grads(sr.module, list(sr.layers.values()), c)
+        for sr, at in self.deferred:
+            if self.clip_first:
+                scale_all_grads(sr.module, [], c)
+                for d in self.entry.ops.ops:
+                    if d.kind in self.defers:
+                        for i in sorted(sr.layers):
+                            getattr(sr.layers[i], d.kind)(**at.keywords())
+            else:
+                scale_all_grads(sr.module, list(sr.layers.values()), c)
             self._apply(sr)
         self.deferred.clear()
         return norm_sq if self.world.rank == 0 else 0.0  # already global: counted once

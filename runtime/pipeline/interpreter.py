@@ -1,8 +1,13 @@
 """The op interpreter: one rank executes its plan's op lists, in order, step after step.
 
-Each op kind has one handler (`_fwd`, `_recv_act`, `_sync_grad`, ...). The interpreter
-holds, per stage this rank runs, the stage module, its K-FAC layers and its optimizer, and
-per micro-batch the stage's input and output until the backward has used them.
+Each pipeline op kind has one handler (`_fwd`, `_recv_act`, `_sync_grad`, ...). An op kind of
+the plan's optimizer (its declaration, pfcompile.formats.optimizers) is the layer's method of
+that name (`curv_a`, `inv`, `stats`, `orth`, `precond`, ...: runtime.optimizers.registry),
+called with the op's micro-batch, factor and the step's place in the refresh cycle; its
+collectives (sync_curv, bcast_inv) are generic: they move a layer's statistic or pending
+root. The interpreter holds, per stage this rank runs, the stage module, its optimizer's
+layers and its stage optimizer, and per micro-batch the stage's input and output until the
+backward has used them.
 
 What keeps the run equal to a single process (runtime.train.train_step):
 - step t of the global run uses the global batch of step t; micro-batch m is slice m of
@@ -27,7 +32,8 @@ from pfcompile.formats.plan import Plan
 from runtime.config.precision import Precision, precision
 from runtime.observe.measure import Timeline
 from runtime.observe.memory import MemoryMeter
-from runtime.optimizers import kfac
+from runtime.optimizers import kfac, registry
+from runtime.optimizers.registry import OpContext
 from runtime.optimizers.stage import covered_parameters
 from runtime.pipeline import comm
 from runtime.pipeline.split_backward import WeightPasses
@@ -56,12 +62,13 @@ _PARAMS_BASE = 2**41
 
 
 def divergence_code(stage: int | None = None, layer: int | None = None, factor: str | None = None,
-                    params: bool = False) -> int:
-    """A forward of `stage` went non-finite (`params`: the stage's parameters did), or
-    factor `factor` of K-FAC `layer` did."""
+                    params: bool = False, factors: tuple[str, ...] = ("A", "B")) -> int:
+    """A forward of `stage` went non-finite (`params`: the stage's parameters did), or factor
+    `factor` of `layer`, one of its optimizer's `factors` (its declaration's), did (a factor
+    of None or not among them: a layer op without a factor did)."""
     if stage is not None:
         return _PARAMS_BASE + stage if params else stage
-    return _FACTOR_BASE + 2 * layer + (factor == "B")
+    return _FACTOR_BASE + (len(factors) + 1) * layer + (factors.index(factor) if factor in factors else len(factors))
 
 
 def divergence_message(code: int, step: int, plan: Plan) -> str:
@@ -73,10 +80,13 @@ def divergence_message(code: int, step: int, plan: Plan) -> str:
     if code >= _PARAMS_BASE:
         return (f"step {step}: stage {code - _PARAMS_BASE}'s parameters are non-finite after its update; the run "
                 "diverged, and the checkpoint of this step is not written (a smaller --lr?)")
-    layer, b = divmod(code - _FACTOR_BASE, 2)
-    return (f"step {step}: K-FAC factor {'B' if b else 'A'} of layer {plan.layers[layer]} (stage "
-            f"{plan.layer_stage[layer]}) is non-finite or not positive definite, its inversion failed; "
-            "the run diverged (a smaller --lr or a larger damping?)")
+    entry = registry.entry(plan.config.optimizer)
+    factors = entry.ops.factors
+    layer, f = divmod(code - _FACTOR_BASE, len(factors) + 1)
+    what = f"factor {factors[f]}" if f < len(factors) else "state"
+    return (f"step {step}: {entry.title} {what} of layer {plan.layers[layer]} (stage "
+            f"{plan.layer_stage[layer]}) is non-finite or not positive definite, its {entry.refresh_what} "
+            "failed; the run diverged (a smaller --lr or a larger damping?)")
 
 
 @dataclass
@@ -121,23 +131,29 @@ class Interpreter:
         self.factor_failed: int = NO_DIVERGENCE  # divergence_code of the first failed inversion this step
         # plan layer index -> the optimizer's layer, over all stages of this rank
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
-        self.optimizer = plan.config.optimizer
+        self.optimizer = registry.entry(plan.config.optimizer)
         # the layers whose hooks capture inputs and output gradients (K-FAC's), per stage
-        self.capture = {s: list(sr.layers.values()) if self.optimizer == "kfac" else [] for s, sr in stages.items()}
+        self.capture = {s: list(sr.layers.values()) if self.optimizer.captures else [] for s, sr in stages.items()}
+        # the per-step layer ops the update runs itself (clipping first: Update.defers)
+        self.deferred_kinds = getattr(update, "defers", frozenset())
         # zero-bubble families: each stage's backward split into B and W (runtime.pipeline.split_backward)
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
             if plan.config.schedule in SPLIT_BACKWARD_SCHEDULES else {}
         self.memory.split = self.split  # W's kept output gradients count too
+        self.memory.micro_batch_kinds = frozenset(d.kind for d in self.optimizer.ops.micro_batch_ops)
         self.handlers = {
             "fwd": self._fwd, "bwd": self._bwd, "bwd_input": self._bwd_input, "bwd_weight": self._bwd_weight,
             "send_act": self._send, "send_grad": self._send,
             "recv_act": self._recv, "recv_grad": self._recv,
-            "curv_a": self._curv, "curv_b": self._curv,
-            "sync_curv": self._sync_curv, "inv": self._inv, "bcast_inv": self._bcast_inv,
-            "stats": self._stats, "orth": self._orth,
-            "sync_grad": self._sync_grad, "precond": self._precond, "step": self._step,
+            "sync_grad": self._sync_grad, "step": self._step,
             "rs_grad": self._sync_grad, "ag_grad": self._ag_grad,
         }
+        collectives = {"sync_curv": self._sync_curv, "bcast_inv": self._bcast_inv}
+        for d in self.optimizer.ops.ops:
+            if d.collective and d.kind not in collectives:
+                raise ValueError(f"optimizer {self.optimizer.name!r}: collective op {d.kind!r} has no handler "
+                                 f"(the runtime's: {', '.join(collectives)})")
+            self.handlers[d.kind] = collectives[d.kind] if d.collective else self._layer_op
         # split preconditioning: the replica that preconditions each K-FAC layer (None: all)
         self.precond_owner = plan.config.precond_owner if plan.config.precond == "split" else None
         self.rank_of = {(p["stage"], p["replica"]): p["rank"] for p in plan.placement}
@@ -304,35 +320,28 @@ class Interpreter:
         raise RuntimeError(f"rank {self.world.rank}: no {kind} of stage {stage} micro-batch {m} "
                            f"(the plan runs its consumer before its receive)")
 
-    # --- the optimizer's ops (K-FAC, Shampoo, Muon: pfcompile.formats.optimizers) -----------------
-    def _curv(self, op: Op) -> None:
+    # --- the optimizer's ops (its declaration: pfcompile.formats.optimizers) ----------------------
+    def _layer_op(self, op: Op) -> None:
+        """The layer's method named by the op kind; a factor that cannot be refreshed (not
+        finite, not positive definite) is recorded, and its pending slot filled with NaN."""
+        if op.kind in self.deferred_kinds:
+            return
         layer = self.layers[op.layer]
-        (layer.curv_a if op.kind == "curv_a" else layer.curv_b)(op.mb)
+        try:
+            getattr(layer, op.kind)(**OpContext(op.mb, op.factor, self.step_index % self.k).keywords())
+        except kfac.NonFiniteFactorError:
+            # the step runs on (its messages and collectives are awaited by other ranks)
+            # with a NaN inverse, and every rank stops at its end (agree)
+            code = divergence_code(layer=op.layer, factor=op.factor, factors=self.optimizer.ops.factors)
+            self.factor_failed = min(self.factor_failed, code)
+            if op.factor is not None:
+                layer.set_pending(op.factor, torch.full(layer.pending_shape(op.factor), float("nan"),
+                                                        dtype=self.precision.param_dtype, device=self.world.device))
 
     def _sync_curv(self, op: Op) -> None:
         group = self.stages[self.plan.layer_stage[op.layer]].group
         comm.all_reduce_sum([self.layers[op.layer].accumulator(op.factor)], group,
                             self.world.timeout, str(op))
-
-    def _inv(self, op: Op) -> None:
-        """K-FAC's damped inverse of a factor, or Shampoo's inverse fourth root, into the pending slot."""
-        layer = self.layers[op.layer]
-        try:
-            (layer.compute_root if self.optimizer == "shampoo" else layer.invert)(op.factor)
-        except kfac.NonFiniteFactorError:
-            # the step runs on (its messages and collectives are awaited by other ranks)
-            # with a NaN inverse, and every rank stops at its end (agree)
-            self.factor_failed = min(self.factor_failed, divergence_code(layer=op.layer, factor=op.factor))
-            layer.set_pending(op.factor, torch.full(layer.pending_shape(op.factor), float("nan"),
-                                                    dtype=self.precision.param_dtype, device=self.world.device))
-
-    def _stats(self, op: Op) -> None:
-        """Shampoo: the step's gradient into L and R; the cycle's first step also snapshots them."""
-        self.layers[op.layer].update_stats(snapshot=self.step_index % self.k == 0)
-
-    def _orth(self, op: Op) -> None:
-        """Muon: the momentum and the Newton-Schulz orthogonalisation of the layer's update."""
-        self.layers[op.layer].orthogonalize()
 
     def _bcast_inv(self, op: Op) -> None:
         layer = self.layers[op.layer]
@@ -345,9 +354,6 @@ class Interpreter:
         comm.broadcast(tensor, op.peer, group, self.world.timeout, str(op))
         if self.world.rank != op.peer:
             layer.set_pending(op.factor, tensor)
-
-    def _precond(self, op: Op) -> None:
-        self.layers[op.layer].precondition()
 
     # --- gradients and the update ----------------------------------------------------------------
     def _sync_grad(self, op: Op) -> None:
@@ -391,4 +397,7 @@ class Interpreter:
 
     def _step(self, op: Op) -> None:
         sr = self.stages[op.stage]
-        self.update(sr)
+        if self.deferred_kinds:  # the update runs the layers' per-step ops: it needs the cycle's place
+            self.update(sr, OpContext(cycle_step=self.step_index % self.k))
+        else:
+            self.update(sr)

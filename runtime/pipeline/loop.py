@@ -20,7 +20,7 @@ from runtime.io import checkpoint, export
 from runtime.io.data import make_stream, split_micro_batches
 from runtime.observe import faults, measure
 from runtime.observe.metrics import RUNS_DIR, Metrics, make_run_folder
-from runtime.optimizers.kfac import kfac_config
+from runtime.optimizers import registry
 from runtime.optimizers.stage import optim_config
 from runtime.pipeline import affinity, comm
 from runtime.pipeline.build import Update, build_stages
@@ -45,7 +45,7 @@ class RankParts:
     val_batches: list | None      # the fixed held-out batches (None: no evaluation)
     timeline: measure.Timeline
     optim_cfg: object
-    muon_lr: float = 0.0          # Muon's own rate ([muon] lr), which its covered weights follow
+    base_lr: float = 0.0          # the peak rate its covered weights follow (the entry's base_lr key)
 
 
 def build_rank(job, world) -> RankParts:
@@ -58,10 +58,11 @@ def build_rank(job, world) -> RankParts:
     mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
     stream, val_batches = _data(job, mb_size * N, seq_len)
     timeline = measure.Timeline(world.rank, device_type=world.device.type)
-    update = Update(kfac_config(cfg), cfg.optimizer.max_grad_norm, world, plan.config.optimizer)
+    entry = registry.entry(plan.config.optimizer)
+    update = Update(entry, entry.math_config(cfg), cfg.optimizer.max_grad_norm, world)
     interp = Interpreter(plan, world, stages, (mb_size, seq_len, job.spec.cfg.hidden), job.precision, update,
                          timeline, tags=job.p2p_tags, recv_ahead=cfg.runtime.recv_ahead)
-    return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg, cfg.muon.lr)
+    return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg, cfg.get(entry.base_lr))
 
 
 def train_step(r: RankParts, step: int) -> tuple:
@@ -70,7 +71,7 @@ def train_step(r: RankParts, step: int) -> tuple:
     started = time.perf_counter()
     interp = r.interp
     config = interp.plan.config
-    lr = _lr(r, step, config.optimizer)
+    lr = r.base_lr * r.optim_cfg.lr_factor(step)  # every stage follows the same schedule
     mbs = split_micro_batches(r.stream.batch(step), interp.N)
     device = interp.world.device
     loss = interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
@@ -166,15 +167,6 @@ def _data(job, batch_size: int, seq_len: int):
         stream = make_stream(kind, batch_size, seq_len, seed=seed, synthetic=synthetic, vocab=job.spec.cfg.vocab)
         val = make_stream(kind, batch_size, seq_len, seed=0, split="val", synthetic=synthetic, vocab=job.spec.cfg.vocab)
     return stream, (val.fixed_batches(cfg.eval.batches) if val else None)
-
-
-def _lr(r: RankParts, step: int, optimizer: str) -> float:
-    """The learning rate of step's update: the covered layers' (K-FAC's and Shampoo's SGD,
-    Muon's own), or AdamW's for the first-order baseline; every stage follows the same
-    schedule, whichever stages this rank holds."""
-    c = r.optim_cfg
-    base = {"kfac": c.lr, "shampoo": c.lr, "muon": r.muon_lr, "adamw": c.adam_lr}[optimizer]
-    return base * c.lr_factor(step)
 
 
 def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
