@@ -55,9 +55,10 @@ def register(sub) -> None:
                         "benchmark alone")
     # every declared optimizer with per-layer costs to time (adamw has none)
     timed = [name for name in NAMES if optimizer(name).cost_keys()]
-    p.add_argument("--optimizer", action="append", choices=timed, default=None,
-                   help="whose per-layer ops to time (repeatable): K-FAC's always; shampoo and muon add theirs "
-                        "(a reference profile estimates both from their FLOPs)")
+    p.add_argument("--optimizer", action="append", default=None, metavar="NAME",
+                   help="whose per-layer ops to time (repeatable): K-FAC's always; " + ", ".join(timed) +
+                        " or a plugin's package.module:name add theirs (a reference profile estimates them from "
+                        "their declared FLOPs)")
     p.add_argument("--muon-ns-dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16",
                    help="dtype of Muon's Newton-Schulz iteration as timed (the runtime's muon.ns_dtype; default "
                         "bfloat16, torch.optim.Muon's; a CPU without bfloat16 matmul units runs float32 far faster)")
@@ -93,6 +94,13 @@ def run(args) -> int:
             _positive(flag, v)
         if args.warmup < 0:
             raise InputError("--warmup", None, f"must be >= 0, got {args.warmup}")
+        for name in args.optimizer or ():
+            try:
+                costed = optimizer(name).cost_keys()
+            except ValueError as e:
+                raise InputError("--optimizer", None, str(e)) from None
+            if not costed:
+                raise InputError("--optimizer", None, f"{name!r} has no per-layer ops to time")
         from pfcompile.profiler import profile_model  # imports torch
 
         prof = profile_model(args.model, mb, seq, device=args.device, dtype=args.dtype, repeats=args.repeats,

@@ -117,8 +117,8 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                             continue
                         bar.update(task, description=f"{layer.name}: {opt}")
                         entry.optimizer_ms[opt], t = guard_unsupported_op(
-                            dtype, dev, lambda opt=opt, layer=layer: measure_optimizer_layer(
-                                opt, layer.name, layer.module, timer, muon_ns_dtype))
+                            dtype, dev, lambda opt=opt, layer=layer, x=x, gy=gy: measure_optimizer_layer(
+                                opt, layer.name, layer.module, timer, muon_ns_dtype, x, gy))
                         spread.update({f"covered_layers.{layer.name}.optimizer_ms.{opt}.{k}": [v.p10, v.p90]
                                        for k, v in t.items()})
                     bar.advance(task)

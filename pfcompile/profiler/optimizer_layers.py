@@ -1,9 +1,10 @@
 """The other optimizers' per-layer ops timed as the runtime runs them, and estimated where
 they cannot be timed.
 
-Timed (`measure_optimizer_layer`): Shampoo's `update_stats`, `compute_root` of L and of R
-and `precondition` (runtime.optimizers.shampoo), Muon's `orthogonalize` (runtime.optimizers.muon), each on the
-layer's real gradient of one step of the profiled micro-batch.
+Timed (`measure_optimizer_layer`): each per-step and per-cycle op an optimizer declares, as
+its layer's method of that kind (runtime.optimizers.registry: Shampoo's `stats`, `inv` of L
+and of R and `precond`, Muon's `orth`, a plugin's own), on the layer's real gradient of one
+step of the profiled micro-batch.
 
 Estimated (`estimated_optimizer_ms`, for reference profiles, which have nothing to time):
 each op's floating-point operations, as its declaration gives them (`OpDecl.flops`,
@@ -24,39 +25,71 @@ from __future__ import annotations
 
 import torch
 
-from pfcompile.formats.optimizers import OPTIMIZERS, optimizer
+from pfcompile.formats.optimizers import CYCLE, MICRO_BATCH, OPTIMIZERS, STEP, optimizer
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.profiler.clocks import Clock, Timing
 
 
 def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, clock: Clock,
-                            muon_ns_dtype: str = "bfloat16") -> tuple[dict[str, float], dict[str, Timing]]:
-    """-> ({cost key: median ms}, {cost key: Timing}) of one covered layer's ops of `optimizer`
-    ("shampoo" or "muon", its Newton-Schulz iteration in `muon_ns_dtype`), on the gradient
-    `linear.weight.grad` holds (left as it was)."""
+                            muon_ns_dtype: str = "bfloat16", x: torch.Tensor | None = None,
+                            gy: torch.Tensor | None = None) -> tuple[dict[str, float], dict[str, Timing]]:
+    """-> ({cost key: median ms}, {cost key: Timing}) of one covered layer's per-step and
+    per-cycle ops of `optimizer` (any registered one but K-FAC, whose micro-batch ops
+    pfcompile.profiler.kfac_ops times on the part's own tensors), run as the runtime runs
+    them: the layer its registry entry makes (runtime.optimizers.registry), each op the
+    layer's method of the kind's name, on the gradient `linear.weight.grad` holds (left as it
+    was). A micro-batch op runs on what the layer captured of a forward and backward of the
+    micro-batch's input `x` and output gradient `gy` (redone before each run, untimed). In
+    the order of a refresh cycle's first step: the per-step statistics, the micro-batch ops,
+    the refresh of each factor, then the update with the refresh in force. Muon's
+    Newton-Schulz iteration runs in `muon_ns_dtype`."""
+    from runtime.config.job import JobConfig
+    from runtime.optimizers.registry import entry
+
+    spec, runtime_entry = optimizer_spec(optimizer), entry(optimizer)
+    if not spec.cost_keys():
+        raise ValueError(f"no per-layer ops to time for {optimizer!r}")
+    if x is None and any(d.when == MICRO_BATCH for d in spec.ops):
+        raise ValueError(f"{optimizer!r} has micro-batch ops: time them on the layer's input (x, gy)")
+    job = JobConfig()
+    job.kfac.refresh_steps = 2  # k > 1: a snapshot is a copy of the statistics, as in most plans
+    job.muon.ns_dtype = muon_ns_dtype
+    layer = runtime_entry.layer(name, linear, runtime_entry.math_config(job), 1)
     w = linear.weight
     grad = w.grad.detach().clone()
 
     def fresh_grad():  # the ops replace the gradient: each run starts from the same one
         w.grad = grad.clone()
 
+    def run(kind: str, factor: str | None = None):
+        return lambda: getattr(layer, kind)(mb=None, factor=factor, cycle_step=0)
+
+    costed = [d for d in spec.ops if d.cost is not None and not d.collective]
     t: dict[str, Timing] = {}
-    if optimizer == "shampoo":
-        from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer
+    fresh_grad()
+    for d in (d for d in costed if d.when == STEP and d.kind != spec.update):
+        t[d.cost.format(factor=None, inverse=None)] = clock.time(run(d.kind), setup=fresh_grad)
+    def capture():  # a micro-batch's forward and backward, the layer capturing as in a refresh step
+        layer.capturing, layer.mb = True, 0
+        try:
+            y = linear(x.detach())
+            if gy is not None:
+                y.backward(gy)
+        finally:
+            layer.capturing = False
 
-        layer = ShampooLayer(name, linear, ShampooConfig(refresh_steps=2))  # k > 1: the snapshot is a copy
-        fresh_grad()
-        t["stats"] = clock.time(lambda: layer.update_stats(snapshot=True), setup=fresh_grad)
-        for f in ("L", "R"):
-            t[f"inv_{f}"] = clock.time(lambda f=f: layer.compute_root(f))
+    for d in (d for d in costed if d.when == MICRO_BATCH):
+        t[d.cost.format(factor=d.factor, inverse=None)] = clock.time(lambda d=d: getattr(layer, d.kind)(
+            mb=0, factor=d.factor, cycle_step=0), setup=capture)
+    fresh_grad()
+    for d in (d for d in costed if d.when == CYCLE):
+        for f in spec.factors if "{factor}" in d.cost else (None,):
+            t[d.cost.format(factor=f, inverse=None)] = clock.time(run(d.kind, f))
+    if hasattr(layer, "activate"):
         layer.activate()
-        t["precond"] = clock.time(layer.precondition, setup=fresh_grad)
-    elif optimizer == "muon":
-        from runtime.optimizers.muon import MuonConfig, MuonLayer
-
-        layer = MuonLayer(name, linear, MuonConfig(ns_dtype=muon_ns_dtype))
-        t["orth"] = clock.time(layer.orthogonalize, setup=fresh_grad)
-    else:
-        raise ValueError(f"no per-layer ops to time for {optimizer!r}")
+    update = spec.op(spec.update) if spec.update is not None else None
+    if update is not None and update.cost is not None:
+        t[update.cost.format(factor=None, inverse=None)] = clock.time(run(update.kind), setup=fresh_grad)
     fresh_grad()
     return {k: v.median for k, v in t.items()}, t
 
