@@ -31,12 +31,11 @@ from runtime.models import (
     resolve_model,
     split_parts,
 )
+from runtime.optimizers import registry
 from runtime.optimizers.kfac import (
     kfac_config,
     make_layers,
 )
-from runtime.optimizers.muon import muon_config
-from runtime.optimizers.shampoo import shampoo_config
 from runtime.optimizers.stage import (
     build_optimizer,
     optim_config,
@@ -53,15 +52,17 @@ D64 = torch.float64
 
 def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0):
     """The single-process trainer (runtime.train.train_step) with the plan's model, data,
-    optimizer and refresh cycle, and the runtime's default settings (clipping the gradient's
-    global norm to `max_grad_norm` > 0)."""
+    optimizer (its registry entry's config from the runtime's defaults) and refresh cycle
+    (clipping the gradient's global norm to `max_grad_norm` > 0)."""
     plan = json.loads(plan_path.read_text())
     optimizer, n, k = plan["config"]["optimizer"], plan["config"]["micro_batches"], plan["config"]["refresh_steps"]
     spec = resolve_model(plan["model"]["name"])
     model = build_model(spec, seed=0, dtype=torch.float64)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
     defaults = JobConfig()
-    cfg = replace(shampoo_config(defaults), refresh_steps=k) if optimizer == "shampoo" else muon_config(defaults)
+    defaults.kfac.refresh_steps = k  # the plan fixes it (runtime.config.job.apply_plan)
+    entry = registry.entry(optimizer)
+    cfg = entry.math_config(defaults)
     layers = make_optimizer_layers(model, optimizer, cfg, n)
     opt = build_optimizer(model, layers, optim_config(defaults), optimizer)
     stream = make_stream(spec.cfg.kind, plan["model"]["micro_batch"] * n, plan["model"]["seq_len"], seed=0)
