@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pfcompile.formats.errors import InputError
-from pfcompile.formats.optimizers import CYCLE, MICRO_BATCH, PASS_WGRAD, STEP, OpDecl, Optimizer
+from pfcompile.formats.optimizers import CYCLE, MICRO_BATCH, STEP, OpDecl, Optimizer
 from runtime.config import job as job_config
 from runtime.config.job import POSITIVE_FINITE, JobConfig, setting
 from runtime.io.data import make_stream, split_micro_batches
@@ -68,9 +68,9 @@ class DiagLayer:
 
 DECLARATION = Optimizer(
     name="diag-test", factors=("D",), update="scale_grad",
-    ops=(OpDecl("gsq", MICRO_BATCH, reads=("output_grad",), writes=("stat:D",), factor="D", reads_pass=PASS_WGRAD),
+    ops=(OpDecl("gsq", MICRO_BATCH, reads=("output_grad",), writes=("stat:D",), factor="D"),
          OpDecl("refresh", CYCLE, reads=("stat:D",), writes=("root:D",)),
-         OpDecl("scale_grad", STEP, reads=("grad", "root:D"), writes=("update",))))
+         OpDecl("scale_grad", STEP, reads=("grad", "root:D"), writes=("grad",))))
 
 DIAG = registry.OptimizerEntry(
     "diag-test", config=lambda job: DiagConfig(eps=job.diag.eps), config_class=DiagConfig,
