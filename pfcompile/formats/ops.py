@@ -59,6 +59,7 @@ from typing import Any
 from pfcompile.formats.errors import echo
 from pfcompile.formats.optimizers import (
     ALL_FACTORS,
+    ON_FORGET,
     ON_REGISTER,
     OPTIMIZER_COLLECTIVE_KINDS,
     OPTIMIZER_KINDS,
@@ -304,7 +305,17 @@ def _learn(decl, check_only: bool = False) -> None:
     (COLLECTIVE_KINDS if decl.collective else COMPUTE_KINDS).add(decl.kind)
 
 
+def _forget(kind: str) -> None:
+    """An unregistered optimizer's kind leaves the vocabulary."""
+    prefix, _ = OP_KINDS.pop(kind)
+    _NEED.pop(kind, None)
+    _BY_PREFIX.pop(prefix, None)
+    COMPUTE_KINDS.discard(kind)
+    COLLECTIVE_KINDS.discard(kind)
+
+
 # the built-in optimizers' kinds, then every one registered later
 for _decl in {d.kind: d for o in OPTIMIZERS.values() for d in o.ops}.values():
     _learn(_decl)
 ON_REGISTER.append(_learn)
+ON_FORGET.append(_forget)

@@ -324,6 +324,7 @@ FLOATING_KINDS: set[str] = set()
 OPTIMIZER_COLLECTIVE_KINDS: set[str] = set()
 # what the op vocabulary learns of each new kind (pfcompile.formats.ops adds itself)
 ON_REGISTER: list[Callable[..., None]] = []  # listener(decl, check_only=...)
+ON_FORGET: list[Callable[[str], None]] = []  # listener(kind): no optimizer declares it any more
 
 
 def register(spec: Optimizer) -> Optimizer:
@@ -368,17 +369,38 @@ for _builtin in (KFAC, SHAMPOO, MUON, ADAMW):
     register(_builtin)
 
 
+def unregister(name: str) -> None:
+    """Forget an optimizer (a plugin's tests clean up after themselves): the kinds no other
+    optimizer declares leave the vocabulary, the factors none refreshes are no longer valid."""
+    spec = OPTIMIZERS.pop(name, None)
+    if spec is None:
+        return
+    declared = {d.kind for o in OPTIMIZERS.values() for d in o.ops}
+    for d in spec.ops:
+        if d.kind not in declared:
+            for kinds in (OPTIMIZER_KINDS, FLOATING_KINDS, OPTIMIZER_COLLECTIVE_KINDS):
+                kinds.discard(d.kind)
+            for listener in ON_FORGET:
+                listener(d.kind)
+    refreshed = {f for o in OPTIMIZERS.values() for f in o.factors}
+    ALL_FACTORS[:] = [f for f in ALL_FACTORS if f in refreshed]
+
+
 def optimizer(name: str) -> Optimizer:
-    """The declaration of `name`. A name "package.module:name" imports the module first, which
-    registers its optimizer under that name (as a plugin: the declaration and its math in
-    one module). A ValueError lists the known ones."""
+    """The declaration of `name`. A name "package.module:attribute" imports the module first:
+    it registers its optimizer under that name, or its attribute is the declaration (or an
+    object whose `declaration` is, as a runtime registry entry), registered now. A plugin
+    keeps the declaration and its math in that one module. A ValueError lists the known ones."""
     if name not in OPTIMIZERS and isinstance(name, str) and ":" in name:
-        module = name.partition(":")[0]
+        module, _, attribute = name.partition(":")
         try:
-            importlib.import_module(module)
+            found = getattr(importlib.import_module(module), attribute, None)
         except Exception as e:  # noqa: BLE001 - any failure is the plugin's: one line
             raise ValueError(f"optimizer {name!r}: cannot import {module!r} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        declared = found if isinstance(found, Optimizer) else getattr(found, "declaration", None)
+        if name not in OPTIMIZERS and isinstance(declared, Optimizer) and declared.name == name:
+            register(declared)
     try:
         return OPTIMIZERS[name]
     except (KeyError, TypeError):

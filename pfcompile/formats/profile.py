@@ -194,6 +194,26 @@ KFAC_FIELDS_V3 = {"curv_a_ms": "curv_a", "curv_b_ms": "curv_b", "precond_ms": "p
 KFAC_INVERSE_FIELDS_V3 = {"inv_a_ms": "inv_A", "inv_b_ms": "inv_B"}
 
 
+def spread_key_v3(key: str) -> str:
+    """A spread entry's name as a version-3 file (or older) writes it, the inverse of
+    `upgraded`'s renaming: `covered_layers.L.optimizer_ms.kfac.inv_A.cholesky` ->
+    LAYERS_KEY_V3 + `.L.inv_a_ms.cholesky`; other optimizers keep their map."""
+    prefix = "covered_layers."
+    if not key.startswith(prefix):
+        return key
+    layer, sep, rest = key[len(prefix):].partition(".optimizer_ms.")
+    if not sep:
+        return LAYERS_KEY_V3 + "." + key[len(prefix):]
+    opt, _, entry = rest.partition(".")
+    if opt != "kfac":
+        return f"{LAYERS_KEY_V3}.{layer}.optimizer_ms.{rest}"
+    fields = {v: k for k, v in KFAC_FIELDS_V3.items()}
+    inverses = {v: k for k, v in KFAC_INVERSE_FIELDS_V3.items()}
+    head, _, method = entry.partition(".")
+    field = fields.get(entry) or (f"{inverses[head]}.{method}" if head in inverses and method else entry)
+    return f"{LAYERS_KEY_V3}.{layer}.{field}"
+
+
 def kfac_layer_v3(fields: dict[str, Any]) -> dict[str, float]:
     """A schema-3 layer's K-FAC fields (read and checked) as schema 4's optimizer_ms.kfac."""
     costs = {"curv_a": fields["curv_a_ms"], "curv_b": fields["curv_b_ms"]}
@@ -366,8 +386,16 @@ class Profile:
                else {LAYERS_KEY_V3: [layer_json_v3(l) for l in self.covered_layers]}),
             "comm": asdict(self.comm),
             **({"runtime": self.runtime.to_json()} if self.runtime.any() else {}),  # absent: as before
-            "spread": self.spread,
+            "spread": {k if self.schema_version >= 4 else spread_key_v3(k): v for k, v in self.spread.items()
+                       if self._has_time(k)},
         }
+
+    def _has_time(self, spread_key: str) -> bool:
+        """Whether this schema version has the time a spread entry names (an older one has no
+        split backward, or no step, of a part: its spread cannot name them)."""
+        if self.schema_version < 3 and spread_key.endswith((".bwd_input_ms", ".bwd_weight_ms")):
+            return False
+        return self.schema_version >= 2 or ".step_ms" not in spread_key
 
     def _part_json(self, p: Part) -> dict[str, Any]:
         d = asdict(p)
