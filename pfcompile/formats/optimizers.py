@@ -314,7 +314,6 @@ MUON = Optimizer(
 ADAMW = Optimizer(name="adamw", title="AdamW", ops=(), doc="AdamW on every parameter: the first-order baseline, no extra work")
 
 OPTIMIZERS: dict[str, Optimizer] = {}
-NAMES = ("kfac", "shampoo", "muon", "adamw")  # the built-in ones; a plugin is named "package.module:name"
 # every kind some optimizer uses, and the factor letters any of them refreshes (grown by register)
 OPTIMIZER_KINDS: set[str] = set()
 ALL_FACTORS: list[str] = []
@@ -367,6 +366,7 @@ def register(spec: Optimizer) -> Optimizer:
 
 for _builtin in (KFAC, SHAMPOO, MUON, ADAMW):
     register(_builtin)
+NAMES = tuple(OPTIMIZERS)  # the built-in ones; a plugin is named "package.module:name"
 
 
 def unregister(name: str) -> None:
