@@ -165,3 +165,30 @@ def test_text_a_file_brings_prints_on_one_line():
     assert echo("\ud800") == "'\\ud800'" and echo("\u200f") == "'\\u200f'"
     table = printable_table("part  " + "é" * 1000 + "  1.0\nnext \x1b[31m \u202e line")
     assert all(line.isprintable() for line in table.split("\n")) and len(table) < 300
+
+
+def test_a_registered_optimizer_joins_the_vocabulary_and_leaves_it_when_unregistered():
+    from pfcompile.formats.ops import COMPUTE_KINDS, OP_KINDS
+    from pfcompile.formats.optimizers import CYCLE, STEP, OpDecl, Optimizer, optimizer, register, unregister
+
+    spec = Optimizer(name="tests:vocab", factors=("Q",), ops=(
+        OpDecl("qroot", CYCLE, text="QR", reads=("grad",), writes=("root:Q",)),
+        OpDecl("precond", STEP, text="P", reads=("grad", "root:Q"), writes=("grad",))))
+    register(spec)
+    try:
+        assert optimizer("tests:vocab") is spec and OP_KINDS["qroot"] == ("QR", ("layer", "factor"))
+        assert str(parse_op("QR3.Q")) == "QR3.Q" and "qroot" in COMPUTE_KINDS
+        for taken in ("P", "F", "QR"):  # an optimizer's, the pipeline's, this one's
+            with pytest.raises(ValueError, match="text prefixes of their own"):
+                register(Optimizer(name="tests:clash", ops=(OpDecl("other", STEP, text=taken, reads=("grad",),
+                                                                   writes=()),)))
+        with pytest.raises(ValueError, match="another text form"):  # a shared kind keeps its text
+            register(Optimizer(name="tests:clash", ops=(OpDecl("precond", STEP, text="PP", reads=("grad",),
+                                                               writes=("grad",)),)))
+    finally:
+        unregister("tests:vocab")
+    assert "qroot" not in OP_KINDS and "precond" in OP_KINDS
+    with pytest.raises(ValueError, match="not an op"):
+        parse_op("QR3.Q")
+    with pytest.raises(ValueError, match="unknown optimizer 'tests:vocab'"):
+        optimizer("tests:vocab")

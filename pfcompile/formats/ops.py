@@ -64,6 +64,7 @@ from pfcompile.formats.optimizers import (
     OPTIMIZER_COLLECTIVE_KINDS,
     OPTIMIZER_KINDS,
     OPTIMIZERS,
+    PIPELINE_TEXT,
 )
 from pfcompile.formats.optimizers import FLOATING_KINDS as FLOATING_KINDS  # re-exported: the op vocabulary's
 
@@ -292,13 +293,9 @@ def parse_op(text: str) -> Op:
     return Op(kind, **values)
 
 
-def _learn(decl, check_only: bool = False) -> None:
-    """A registered optimizer's new op kind joins the vocabulary (its text prefix, fields,
-    stream and whether it is compute), checked first against the prefixes in use."""
-    if decl.text in _BY_PREFIX:
-        raise ValueError(f"op {decl.kind!r}: text prefix {decl.text!r} is {_BY_PREFIX[decl.text]!r}'s already")
-    if check_only:
-        return
+def _learn(decl) -> None:
+    """A registered optimizer's new op kind joins the vocabulary: its text prefix (register
+    checked it is its own), fields, stream and whether it is compute."""
     OP_KINDS[decl.kind] = (decl.text, decl.fields)
     _NEED[decl.kind] = tuple(f in decl.fields for f in _FIELDS)
     _BY_PREFIX[decl.text] = decl.kind
@@ -314,6 +311,7 @@ def _forget(kind: str) -> None:
     COLLECTIVE_KINDS.discard(kind)
 
 
+assert {prefix for prefix, _ in OP_KINDS.values()} == PIPELINE_TEXT, "the pipeline's prefixes, as optimizers know them"
 # the built-in optimizers' kinds, then every one registered later
 for _decl in {d.kind: d for o in OPTIMIZERS.values() for d in o.ops}.values():
     _learn(_decl)

@@ -322,7 +322,9 @@ FLOATING_KINDS: set[str] = set()
 # the optimizer ops that every replica of a stage runs together
 OPTIMIZER_COLLECTIVE_KINDS: set[str] = set()
 # what the op vocabulary learns of each new kind (pfcompile.formats.ops adds itself)
-ON_REGISTER: list[Callable[..., None]] = []  # listener(decl, check_only=...)
+ON_REGISTER: list[Callable[[OpDecl], None]] = []  # listener(decl): a kind new to the vocabulary
+# the text prefixes of the pipeline's own ops (pfcompile.formats.ops.OP_KINDS checks it has these)
+PIPELINE_TEXT = frozenset({"F", "B", "IB", "W", "SA", "RA", "SG", "RG", "YG", "YR", "YA", "U"})
 ON_FORGET: list[Callable[[str], None]] = []  # listener(kind): no optimizer declares it any more
 
 
@@ -344,12 +346,13 @@ def register(spec: Optimizer) -> Optimizer:
                                  f"or fields than {known[d.kind].text!r}, {known[d.kind].fields}")
         elif not re.fullmatch(r"[A-Z]{1,3}", d.text):
             raise ValueError(f"optimizer {spec.name!r}: op {d.kind!r} needs a text prefix of 1-3 capitals (text=...)")
+    new = [d.text for d in spec.ops if d.kind not in known]
+    taken = PIPELINE_TEXT | {d.text for d in known.values()}
+    if len(set(new)) != len(new) or set(new) & taken:
+        raise ValueError(f"optimizer {spec.name!r}: its new op kinds need text prefixes of their own "
+                         f"({', '.join(new)}; taken: {', '.join(sorted(taken))})")
     if spec.update is not None and spec.op(spec.update) is None:
         raise ValueError(f"optimizer {spec.name!r}: its update {spec.update!r} is not one of its ops")
-    for listener in ON_REGISTER:  # the vocabulary checks prefixes before anything is changed
-        for d in spec.ops:
-            if d.kind not in known:
-                listener(d, check_only=True)
     OPTIMIZERS[spec.name] = spec
     ALL_FACTORS.extend(f for f in spec.factors if f not in ALL_FACTORS)
     for d in spec.ops:
@@ -360,7 +363,7 @@ def register(spec: Optimizer) -> Optimizer:
             OPTIMIZER_COLLECTIVE_KINDS.add(d.kind)
         if d.kind not in known:
             for listener in ON_REGISTER:
-                listener(d, check_only=False)
+                listener(d)
     return spec
 
 
