@@ -22,7 +22,8 @@ from runtime.train import train_reference, train_step
 # fc1 is tall (64 x 32) and fc2 wide (32 x 64): both of the iteration's orientations run.
 SPEC = ModelConfig("muon-test", "gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=100, max_seq_len=16)
 M = 2  # micro-batches
-OPTIM = OptimConfig(adam_lr=1e-3, adam_betas=(0.9, 0.99), adam_weight_decay=0.01)
+OPTIM = OptimConfig(adam_lr=1e-3, adam_betas=(0.9, 0.99), adam_weight_decay=0.01,
+                    adam_no_decay="")  # the references below decay every parameter
 
 
 def stream():

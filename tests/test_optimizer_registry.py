@@ -92,7 +92,7 @@ def _model():
 
 
 def test_a_plugin_trains_from_its_declaration_as_written_by_hand():
-    cfg, optim = DiagConfig(), OptimConfig(lr=0.05)
+    cfg, optim = DiagConfig(), OptimConfig(lr=0.05, adam_no_decay="")  # the reference decays all
     stream = make_stream(resolve_config("bert-tiny", seq_len=16).kind, 4, 16, seed=0)
     model = _model()
     layers = make_optimizer_layers(model, "diag-test", cfg, M)

@@ -22,7 +22,8 @@ from runtime.train import train_reference, train_step
 D64 = torch.float64
 SPEC = ModelConfig("shampoo-test", "gpt", layers=2, hidden=16, heads=2, ffn=24, vocab=100, max_seq_len=8)
 M = 2  # micro-batches
-OPTIM = OptimConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, adam_lr=1e-3, adam_weight_decay=0.01)
+OPTIM = OptimConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, adam_lr=1e-3, adam_weight_decay=0.01,
+                    adam_no_decay="")  # the references below decay every parameter
 
 
 def stream():

@@ -44,6 +44,14 @@ MAX_STEPS = 10**9          # a step index fits every counter; more is a typo
 MAX_THREADS = 1024
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer is never meant (and overflows gloo's millisecond timeout)
 DECAYS = ("constant", "linear", "cosine", "polynomial")
+# What AdamW keeps out of weight decay by default, as torchtitan and nanoGPT do: vectors
+# (biases, and any parameter of one dimension), normalisation layers' weights, embeddings.
+NO_DECAY_KINDS = ("bias", "norm", "embedding")
+
+
+def no_decay_kinds(text: str) -> list[str]:
+    """The kinds of a comma list ("bias,norm"; "" is none)."""
+    return [k.strip() for k in text.split(",") if k.strip()]
 
 
 # --- valid ranges: (predicate, what the message says a value must be) ------------------------------
@@ -82,11 +90,17 @@ class Optimizer:
     lr: float = setting(0.1, "SGD-momentum learning rate of the K-FAC layers", POSITIVE_FINITE)
     momentum: float = setting(0.9, "SGD momentum", FINITE_NONNEGATIVE)
     weight_decay: float = setting(0.0, "SGD weight decay", FINITE_NONNEGATIVE)
+    decoupled_weight_decay: bool = setting(False, "decay the covered weights by lr * weight_decay "
+                                           "(AdamW's rule) instead of adding it to the gradient")
     adam_lr: float = setting(1e-3, "AdamW learning rate (what K-FAC does not cover; everything without K-FAC)",
                              FINITE_NONNEGATIVE)
     adam_betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas",
                                               (lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"))
     adam_weight_decay: float = setting(0.01, "AdamW weight decay", FINITE_NONNEGATIVE)
+    adam_no_decay: str = setting("bias,norm,embedding", "AdamW parameters kept out of weight decay: "
+                                 "a comma list of " + " | ".join(NO_DECAY_KINDS) + " ('': decay all)",
+                                 (lambda v: all(k in NO_DECAY_KINDS for k in no_decay_kinds(v)), "a comma list of "
+                                  + " | ".join(NO_DECAY_KINDS)))
     max_grad_norm: float = setting(0.0, "clip the global gradient norm to this (0: off)", FINITE_NONNEGATIVE)
 
 

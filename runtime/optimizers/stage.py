@@ -2,7 +2,8 @@
 (runtime.optimizers.registry): SGD with momentum on the covered layers' update directions
 (SgdOnCoveredOptimizer: K-FAC's and Shampoo's preconditioned gradients), AdamW on everything
 they do not cover (embeddings, LayerNorms, the head). Without covered layers it is plain
-AdamW, the first-order baseline. Muon's layers (runtime.optimizers.muon) take their own update
+AdamW, the first-order baseline. AdamW decays neither biases, norms nor embeddings by
+default (adam_no_decay), as torchtitan and nanoGPT set it up. Muon's layers (runtime.optimizers.muon) take their own update
 (MuonOptimizer). Shampoo and Muon cover only the weights: the layers' biases go to AdamW with
 the rest.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from runtime.config.job import DECAYS  # names live with their config sections
+from runtime.config.job import DECAYS, no_decay_kinds  # names live with their config sections
 from runtime.optimizers import registry
 
 
@@ -29,9 +30,11 @@ class OptimConfig:
     lr: float = 0.05             # SGD on K-FAC layers (preconditioned gradients)
     momentum: float = 0.9
     weight_decay: float = 0.0    # SGD weight decay on K-FAC layers
+    decoupled_weight_decay: bool = False  # p <- p (1 - lr wd) before the SGD step, as AdamW decays
     adam_lr: float = 1e-3        # AdamW on the rest (and on everything in the baseline)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_weight_decay: float = 0.01
+    adam_no_decay: str = "bias,norm,embedding"  # AdamW's parameters without weight decay
     warmup_steps: int = 0        # linear warm-up of both learning rates
     decay: str = "constant"      # after warm-up: constant | linear | cosine | polynomial
     decay_steps: int = 0         # steps from the end of warm-up to the final rate (0: no decay)
@@ -67,8 +70,10 @@ def optim_config(job) -> OptimConfig:
     runtime.pipeline.build.Update); decay_steps 0 is until the last step of [train]."""
     o, s = job.optimizer, job.schedule
     decay_steps = s.decay_steps or max(1, job.train.steps - s.warmup_steps)
-    return OptimConfig(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, adam_lr=o.adam_lr,
+    return OptimConfig(lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                       decoupled_weight_decay=o.decoupled_weight_decay, adam_lr=o.adam_lr,
                        adam_betas=o.adam_betas, adam_weight_decay=o.adam_weight_decay,
+                       adam_no_decay=o.adam_no_decay,
                        warmup_steps=s.warmup_steps, decay=s.decay, decay_steps=decay_steps,
                        final_lr_ratio=s.final_lr_ratio, power=s.power)
 
@@ -80,19 +85,51 @@ def covered_parameters(layer) -> tuple[torch.Tensor, ...]:
     return tuple(layer.module.parameters()) if covered is None else covered
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm, GroupNorm and the like, torch's or a model's own (by class name)."""
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
+
+
+def no_decay_ids(module: nn.Module, kinds: str) -> set[int]:
+    """ids of the module's parameters of the kinds named in `kinds` ("bias,norm,embedding"):
+    a bias is any parameter of fewer than two dimensions, a norm any parameter of a
+    normalisation layer, an embedding an nn.Embedding's weight."""
+    wanted = set(no_decay_kinds(kinds))
+    ids = set()
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if (("bias" in wanted and p.ndim < 2) or ("norm" in wanted and _is_norm(m))
+                    or ("embedding" in wanted and isinstance(m, nn.Embedding))):
+                ids.add(id(p))
+    return ids
+
+
+def make_adamw(module: nn.Module, params: list, cfg: OptimConfig) -> torch.optim.AdamW | None:
+    """torch AdamW over `params` (None if empty) in two groups: weight decay on the
+    parameters outside cfg.adam_no_decay, none on those inside (an empty group is left out)."""
+    if not params:
+        return None
+    exempt = no_decay_ids(module, cfg.adam_no_decay)
+    groups = [{"params": [p for p in params if id(p) not in exempt], "weight_decay": cfg.adam_weight_decay},
+              {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.adam_lr, betas=cfg.adam_betas)
+
+
 class SgdOnCoveredOptimizer:
     """SGD-momentum on the covered parameters' update directions (K-FAC's and Shampoo's
-    preconditioned gradients) + AdamW for the rest, stepped together."""
+    preconditioned gradients) + AdamW for the rest, stepped together. Weight decay on the
+    covered parameters is SGD's (added to the gradient) or, with decoupled_weight_decay,
+    AdamW's: p <- p (1 - lr wd) before the update, with the scheduled lr."""
 
     def __init__(self, module: nn.Module, covered_layers, cfg: OptimConfig):
         self.cfg = cfg
         covered = {id(p) for l in covered_layers for p in covered_parameters(l)}
         covered_params = [p for p in module.parameters() if id(p) in covered and p.requires_grad]
         other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
+        coupled = 0.0 if cfg.decoupled_weight_decay else cfg.weight_decay
         self.sgd = torch.optim.SGD(covered_params, lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay) if covered_params else None
-        self.adamw = torch.optim.AdamW(other, lr=cfg.adam_lr, betas=cfg.adam_betas,
-                                       weight_decay=cfg.adam_weight_decay) if other else None
+                                   weight_decay=coupled) if covered_params else None
+        self.adamw = make_adamw(module, other, cfg)
         self.steps = 0
 
     @property
@@ -117,6 +154,12 @@ class SgdOnCoveredOptimizer:
         if self.sgd:
             for g in self.sgd.param_groups:
                 g["lr"] = self.cfg.lr * f
+                if self.cfg.decoupled_weight_decay and self.cfg.weight_decay:
+                    # only where a gradient is: torch's optimizers leave a gradient-less parameter alone
+                    decayed = [p for p in g["params"] if p.grad is not None]
+                    if decayed:
+                        with torch.no_grad():
+                            torch._foreach_mul_(decayed, 1.0 - g["lr"] * self.cfg.weight_decay)
         if self.adamw:
             for g in self.adamw.param_groups:
                 g["lr"] = self.cfg.adam_lr * f
@@ -146,8 +189,7 @@ class MuonOptimizer:
         self.layers = list(muon_layers)
         covered = {id(p) for l in self.layers for p in l.covered}
         other = [p for p in module.parameters() if id(p) not in covered and p.requires_grad]
-        self.adamw = torch.optim.AdamW(other, lr=cfg.adam_lr, betas=cfg.adam_betas,
-                                       weight_decay=cfg.adam_weight_decay) if other else None
+        self.adamw = make_adamw(module, other, cfg)
         self.steps = 0
 
     @property
