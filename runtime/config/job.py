@@ -128,8 +128,21 @@ class Kfac:
 class Shampoo:
     beta2: float = setting(0.99, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
                            (lambda v: 0 < v <= 1, "in (0, 1]"))
-    epsilon: float = setting(1e-6, "damping relative to the statistic's largest eigenvalue", POSITIVE_FINITE)
-    graft: str = setting("sgd", "sgd (the raw gradient's norm per layer) | none", one_of("sgd", "none"))
+    epsilon: float = setting(1e-12, "damping added to a statistic before its root", POSITIVE_FINITE)
+    epsilon_mode: str = setting("absolute", "absolute (S + eps I) | relative (S + eps lambda_max(S) I)",
+                                one_of("absolute", "relative"))
+    graft: str = setting("adam", "whose per-block norm the step takes: sgd | adagrad | rmsprop | adam | none",
+                         one_of("sgd", "adagrad", "rmsprop", "adam", "none"))
+    graft_beta2: float = setting(0.999, "EMA of the graft's squared gradient (rmsprop, adam)",
+                                 (lambda v: 0 < v < 1, "in (0, 1)"))
+    graft_epsilon: float = setting(1e-8, "the graft's denominator floor", POSITIVE_FINITE)
+    beta1: float = setting(0.9, "EMA of the gradient that is preconditioned (0: the gradient)", FRACTION)
+    momentum: float = setting(0.0, "SGD momentum on the covered weights' updates", FINITE_NONNEGATIVE)
+    weight_decay: float = setting(0.0, "decoupled weight decay of the covered weights (times lr)",
+                                  FINITE_NONNEGATIVE)
+    exponent_override: float = setting(0.0, "p of the roots L^-p, R^-p (0: 1/4)", FINITE_NONNEGATIVE)
+    start_preconditioning_step: int = setting(0, "steps before it take the graft's direction alone", at_least(0))
+    max_preconditioner_dim: int = setting(1024, "the largest block side a weight is split into", at_least(1))
 
 
 @dataclass

@@ -153,6 +153,7 @@ register(OptimizerEntry("kfac", config="runtime.optimizers.kfac:kfac_config",
 register(OptimizerEntry("shampoo", config="runtime.optimizers.shampoo:shampoo_config",
                         config_class="runtime.optimizers.shampoo:ShampooConfig",
                         make_layer="runtime.optimizers.shampoo:make_layer", section="shampoo",
+                        stage_optimizer="runtime.optimizers.shampoo:stage_optimizer",
                         title="Shampoo", refresh_what="inverse fourth root"))
 register(OptimizerEntry("muon", config="runtime.optimizers.muon:muon_config",
                         config_class="runtime.optimizers.muon:MuonConfig",
