@@ -133,6 +133,19 @@ class Shampoo:
 
 
 @dataclass
+class Soap:
+    lr: float = setting(3e-3, "SOAP learning rate of the covered weights", POSITIVE_FINITE)
+    beta1: float = setting(0.95, "Adam's first-moment EMA (in the eigenbasis)", FRACTION)
+    beta2: float = setting(0.95, "Adam's second-moment EMA (in the eigenbasis)", FRACTION)
+    shampoo_beta: float = setting(-1.0, "EMA of the statistics L, R (< 0: beta2)", (lambda v: v < 1, "< 1"))
+    eps: float = setting(1e-8, "Adam's epsilon", POSITIVE_FINITE)
+    weight_decay: float = setting(0.01, "decoupled weight decay (times lr)", FINITE_NONNEGATIVE)
+    tie_break: float = setting(1e-6, "a fixed distinct diagonal added before the eigenbasis, relative to the "
+                               "mean eigenvalue: a singular statistic's basis is then not rounding's choice",
+                               FINITE_NONNEGATIVE)
+
+
+@dataclass
 class Muon:
     lr: float = setting(1e-3, "Muon learning rate of the covered weights (before the shape adjustment)",
                         FINITE_NONNEGATIVE)
@@ -215,6 +228,7 @@ class JobConfig:
     schedule: Schedule = field(default_factory=Schedule)
     kfac: Kfac = field(default_factory=Kfac)
     shampoo: Shampoo = field(default_factory=Shampoo)
+    soap: Soap = field(default_factory=Soap)
     muon: Muon = field(default_factory=Muon)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
