@@ -9,6 +9,7 @@ import io
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 from pfcompile.formats.errors import InputError
 from runtime.config import job as job_config
@@ -81,10 +82,15 @@ class DenseShampoo:
         return w - OPTIM.lr * self.buf
 
 
+# the original Shampoo of these tests: SGD grafting and momentum, no β1, relative ε, coupled decay
+OLD = dict(graft="sgd", beta1=0.0, epsilon_mode="relative", momentum=None, weight_decay=None, beta2=0.99,
+           bias_correction=False)
+
+
 @pytest.mark.parametrize("cfg,steps", [
-    (ShampooConfig(beta2=0.99, epsilon=1e-6), 4),
-    (ShampooConfig(beta2=1.0, epsilon=1e-4, graft="none"), 4),
-    (ShampooConfig(beta2=0.9, epsilon=1e-6, refresh_steps=2), 6),
+    (ShampooConfig(**{**OLD, "beta2": 0.99}, epsilon=1e-6), 4),
+    (ShampooConfig(**{**OLD, "beta2": 1.0, "graft": "none"}, epsilon=1e-4), 4),
+    (ShampooConfig(**{**OLD, "beta2": 0.9}, epsilon=1e-6, refresh_steps=2), 6),
 ])
 def test_equals_dense_float64_shampoo(cfg, steps):
     """Every parameter after each step to 1e-8: the covered weights against DenseShampoo,
@@ -118,7 +124,7 @@ def test_equals_dense_float64_shampoo(cfg, steps):
 
 def test_root_is_the_damped_inverse_fourth_root():
     lin = torch.nn.Linear(5, 3, dtype=D64)
-    layer = ShampooLayer("lin", lin, ShampooConfig(epsilon=1e-3, refresh_steps=2))
+    layer = ShampooLayer("lin", lin, ShampooConfig(**OLD, epsilon=1e-3, refresh_steps=2))
     g = torch.Generator().manual_seed(0)
     for snapshot in (True, False):
         lin.weight.grad = torch.randn(3, 5, dtype=D64, generator=g)
@@ -195,7 +201,7 @@ def test_optimizer_puts_biases_on_adamw():
     assert sgd == {id(m.weight) for _, m in kfac_linears(model)}
     adamw = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
     assert all(id(m.bias) in adamw for _, m in kfac_linears(model))
-    with pytest.raises(ValueError, match="optimizer must be one of kfac, shampoo, muon, adamw"):
+    with pytest.raises(ValueError, match="optimizer must be one of kfac, shampoo, soap, muon, adamw"):
         build_optimizer(model, layers, OPTIM, optimizer="lion")
 
 
@@ -204,7 +210,7 @@ def test_config_section_and_reference_trainer(tmp_path):
     path.write_text("[train]\nsteps = 3\n\n[shampoo]\nbeta2 = 0.95\nepsilon = 1e-5\n\n[kfac]\nrefresh_steps = 2\n")
     cfg = job_config.load(str(path))
     sc = shampoo_config(cfg)
-    assert (sc.beta2, sc.epsilon, sc.graft, sc.refresh_steps) == (0.95, 1e-5, "sgd", 2)
+    assert (sc.beta2, sc.epsilon, sc.graft, sc.refresh_steps) == (0.95, 1e-5, "adam", 2)
     model, losses = train_reference(SPEC, cfg, stream(), M, optimizer="shampoo", dtype=D64)
     ref = build_model(SPEC, seed=0, dtype=D64)
     layers = make_layers(kfac_linears(ref), sc)
@@ -219,3 +225,92 @@ def test_config_section_and_reference_trainer(tmp_path):
     bad.write_text("[shampoo]\nbeta2 = 0\n")
     with pytest.raises(InputError, match=r"shampoo\.beta2: must be in \(0, 1\], got 0"):
         job_config.load(str(bad))
+
+
+# --- Distributed Shampoo's options (issue 38) against a numpy float64 reference ------------------
+def _dense_ds(cfg: ShampooConfig, grads, w0, lr: float, k: int):
+    """Distributed Shampoo's step on one weight, written out: statistics (bias-corrected), roots
+    of the cycle's first step's statistics in force one cycle later, β1's average (bias-corrected),
+    the graft, its norm on Shampoo's direction, decoupled weight decay, heavy-ball momentum."""
+    m_, n_ = w0.shape
+    L, R, w = np.zeros((m_, m_)), np.zeros((n_, n_)), w0.copy()
+    roots = pending = None
+    avg, sq, buf, s_steps = np.zeros_like(w), np.zeros_like(w), None, 0
+    p = cfg.exponent_override or 4.0
+
+    def root(S, t):
+        if cfg.bias_correction and cfg.beta2 < 1:
+            S = S / (1 - cfg.beta2 ** t)
+        lam, Q = np.linalg.eigh(S)
+        lam = np.maximum(lam, 0)
+        eps = cfg.epsilon * lam[-1] if cfg.epsilon_mode == "relative" else cfg.epsilon
+        return Q @ np.diag((lam + eps) ** (-1 / p)) @ Q.T
+
+    for t, g in enumerate(grads):
+        if t % k == 0 and pending is not None:
+            roots, pending = pending, None
+        b2 = cfg.beta2
+        a = 1.0 if b2 == 1 else 1 - b2  # β2 = 1: plain sums
+        L = b2 * L + a * g @ g.T
+        R = b2 * R + a * g.T @ g
+        s_steps += 1
+        if t % k == 0:
+            pending = (root(L, s_steps), root(R, s_steps))
+        avg = cfg.beta1 * avg + (1 - cfg.beta1) * g
+        bc = cfg.bias_correction
+        mhat = (avg / (1 - cfg.beta1 ** (t + 1)) if bc else avg) if cfg.beta1 > 0 else g
+        gb = cfg.graft_beta2
+        if cfg.graft == "adagrad":
+            sq = sq + g * g
+        elif cfg.graft in ("rmsprop", "adam"):
+            sq = gb * sq + (1 - gb) * g * g
+        vhat = sq / (1 - gb ** (t + 1)) if cfg.graft == "adam" and bc else sq
+        graft = mhat / (np.sqrt(vhat) + cfg.graft_epsilon) if cfg.graft in ("adagrad", "rmsprop", "adam") else mhat
+        if roots is None or t + 1 <= cfg.start_preconditioning_step:
+            d = graft
+        else:
+            d = roots[0] @ mhat @ roots[1]
+            if cfg.graft != "none":
+                d = d * np.linalg.norm(graft) / np.linalg.norm(d)
+        w = w * (1 - lr * cfg.weight_decay)
+        buf = d if buf is None else cfg.momentum * buf + d
+        w = w - lr * buf
+    return w
+
+
+DS_CASES = {
+    "defaults (adam graft, beta1, decoupled wd)": dict(weight_decay=0.1),
+    "adagrad": dict(graft="adagrad"), "rmsprop": dict(graft="rmsprop", graft_beta2=0.9),
+    "sgd + momentum": dict(graft="sgd", momentum=0.9), "none": dict(graft="none", beta1=0.5),
+    "relative epsilon": dict(epsilon=1e-4, epsilon_mode="relative"),
+    "absolute epsilon, beta2 1": dict(epsilon=1e-3, beta2=1.0),
+    "exponent 2": dict(exponent_override=2.0), "start step 5": dict(start_preconditioning_step=5),
+    "no bias correction": dict(bias_correction=False, beta2=0.9),
+}
+
+
+@pytest.mark.parametrize("case", list(DS_CASES))
+def test_distributed_shampoo_options_equal_dense_float64(case):
+    k, steps, lr = 2, 9, 0.01
+    # ε 1e-6, not the default 1e-12: the first cycle's statistics are singular, and a root of
+    # 1e-12 amplifies rounding in their null space by 1e3, past the 1e-10 compared
+    cfg = ShampooConfig(**{"momentum": 0.0, "weight_decay": 0.0, "epsilon": 1e-6, **DS_CASES[case]}, refresh_steps=k)
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(5, 4, dtype=D64)
+    grads = [torch.randn(4, 5, generator=gen, dtype=D64) * (1 + t) for t in range(steps)]
+    w0 = lin.weight.detach().numpy().copy()
+    layer = ShampooLayer("lin", lin, cfg)
+    opt = build_optimizer(lin, [layer], OptimConfig(lr=lr, momentum=0.3, weight_decay=0.5), optimizer="shampoo")
+    for t, g in enumerate(grads):
+        if t % k == 0:
+            layer.activate()
+        lin.weight.grad, lin.bias.grad = g.clone(), None
+        layer.stats(cycle_step=t % k)
+        if t % k == 0:
+            layer.inv(factor="L")
+            layer.inv(factor="R")
+        layer.precond()
+        opt.step()
+    want = _dense_ds(cfg, [g.numpy() for g in grads], w0, lr, k)
+    assert np.abs(want - w0).max() > 1e-3
+    np.testing.assert_allclose(lin.weight.detach().numpy(), want, rtol=1e-10, atol=1e-11)

@@ -126,10 +126,23 @@ class Kfac:
 
 @dataclass
 class Shampoo:
-    beta2: float = setting(0.99, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
+    beta2: float = setting(0.999, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
                            (lambda v: 0 < v <= 1, "in (0, 1]"))
-    epsilon: float = setting(1e-6, "damping relative to the statistic's largest eigenvalue", POSITIVE_FINITE)
-    graft: str = setting("sgd", "sgd (the raw gradient's norm per layer) | none", one_of("sgd", "none"))
+    epsilon: float = setting(1e-12, "damping added to the statistic's eigenvalues before the root", POSITIVE_FINITE)
+    epsilon_mode: str = setting("absolute", "absolute (S + eps I) | relative (S + eps lambda_max I)",
+                                one_of("absolute", "relative"))
+    graft: str = setting("adam", "whose direction's norm per layer the step takes: adam | adagrad | rmsprop | sgd "
+                         "(the gradient's) | none", one_of("adam", "adagrad", "rmsprop", "sgd", "none"))
+    graft_beta2: float = setting(0.999, "the graft's second-moment EMA (rmsprop, adam)", (lambda v: 0 < v <= 1, "in (0, 1]"))
+    graft_epsilon: float = setting(1e-8, "the graft's epsilon", POSITIVE_FINITE)
+    beta1: float = setting(0.9, "EMA of the gradient (bias-corrected), preconditioned instead of it (0: off)", FRACTION)
+    bias_correction: bool = setting(True, "divide the gradient's average and the statistics by 1 - beta^t")
+    exponent_override: float = setting(0.0, "p of the root S^(-1/p) (0: 4, a matrix's two factors)", FINITE_NONNEGATIVE)
+    start_preconditioning_step: int = setting(0, "before this step, the graft's direction alone", at_least(0))
+    momentum: float | None = setting(0.0, "the step's heavy-ball momentum (unset: [optimizer] momentum)",
+                                     FINITE_NONNEGATIVE)
+    weight_decay: float | None = setting(0.0, "decoupled weight decay (times lr; unset: [optimizer] weight_decay, "
+                                         "added to the gradient)", FINITE_NONNEGATIVE)
 
 
 @dataclass

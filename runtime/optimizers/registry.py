@@ -152,7 +152,8 @@ register(OptimizerEntry("kfac", config="runtime.optimizers.kfac:kfac_config",
                         kl_clip=True, captures=True, title="K-FAC", refresh_what="inversion"))
 register(OptimizerEntry("shampoo", config="runtime.optimizers.shampoo:shampoo_config",
                         config_class="runtime.optimizers.shampoo:ShampooConfig",
-                        make_layer="runtime.optimizers.shampoo:make_layer", section="shampoo",
+                        make_layer="runtime.optimizers.shampoo:make_layer",
+                        stage_optimizer="runtime.optimizers.shampoo:stage_optimizer", section="shampoo",
                         title="Shampoo", refresh_what="inverse fourth root"))
 register(OptimizerEntry("soap", config="runtime.optimizers.soap:soap_config",
                         config_class="runtime.optimizers.soap:SoapConfig",

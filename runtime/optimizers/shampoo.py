@@ -33,6 +33,7 @@ equals clipping G first (with the same statistics).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,28 +42,69 @@ import torch.nn as nn
 from runtime.optimizers.kfac import NonFiniteFactorError
 
 FACTORS = ("L", "R")
-GRAFTS = ("sgd", "none")
+GRAFTS = ("adam", "adagrad", "rmsprop", "sgd", "none")
+EPSILON_MODES = ("absolute", "relative")
 
 
 @dataclass
 class ShampooConfig:
-    beta2: float = 0.99        # EMA of the statistics; 1.0: plain sums (original Shampoo)
-    epsilon: float = 1e-6      # relative damping: ε λ_max(S) I is added before the root
-    refresh_steps: int = 1     # k, fixed by the plan
-    graft: str = "sgd"         # "sgd": the raw gradient's Frobenius norm per layer | "none"
+    """Defaults: Distributed Shampoo's recommended replacement of AdamW (Adam grafting, β1
+    averaging with bias correction, absolute ε 1e-12, decoupled weight decay, no momentum)."""
+    beta2: float = 0.999        # EMA of the statistics; 1.0: plain sums (original Shampoo)
+    epsilon: float = 1e-12      # damping added before the root
+    epsilon_mode: str = "absolute"  # "absolute": S + ε I | "relative": S + ε λ_max(S) I
+    refresh_steps: int = 1      # k, fixed by the plan
+    graft: str = "adam"         # whose direction's norm, per layer, the step takes (module doc)
+    graft_beta2: float = 0.999  # the graft's second-moment EMA (rmsprop, adam)
+    graft_epsilon: float = 1e-8
+    beta1: float = 0.9          # EMA of the gradient (bias-corrected), preconditioned instead of it; 0: off
+    bias_correction: bool = True  # the average and the statistics divided by 1 - β^t (Distributed Shampoo's)
+    exponent_override: float = 0.0  # p of the root S^(-1/p); 0: 4 (a matrix's two factors)
+    start_preconditioning_step: int = 0  # before it, the graft's direction alone
+    momentum: float | None = 0.0      # the step's heavy-ball momentum; None: [optimizer] momentum
+    weight_decay: float | None = 0.0  # decoupled; None: [optimizer] weight_decay, added to the gradient
 
     def __post_init__(self):
         if self.graft not in GRAFTS:
             raise ValueError(f"graft must be one of {', '.join(GRAFTS)}, got {self.graft!r}")
-        if not (0 < self.beta2 <= 1 and self.epsilon > 0 and self.refresh_steps >= 1):
-            raise ValueError("need 0 < beta2 <= 1, epsilon > 0, refresh_steps >= 1")
+        if self.epsilon_mode not in EPSILON_MODES:
+            raise ValueError(f"epsilon_mode must be one of {', '.join(EPSILON_MODES)}, got {self.epsilon_mode!r}")
+        if not (0 < self.beta2 <= 1 and self.epsilon > 0 and self.refresh_steps >= 1 and 0 <= self.beta1 < 1
+                and 0 < self.graft_beta2 <= 1 and self.graft_epsilon > 0 and self.exponent_override >= 0
+                and self.start_preconditioning_step >= 0):
+            raise ValueError("need 0 < beta2 <= 1, epsilon > 0, refresh_steps >= 1, 0 <= beta1 < 1, "
+                             "0 < graft_beta2 <= 1, graft_epsilon > 0, exponent_override >= 0, "
+                             "start_preconditioning_step >= 0")
+
+    @property
+    def root_exponent(self) -> float:
+        return -1.0 / (self.exponent_override or 4.0)
 
 
 def shampoo_config(job) -> ShampooConfig:
     """ShampooConfig of a JobConfig's [shampoo]; its refresh period is the plan's
     (kfac.refresh_steps once apply_plan has filled it in; 1 before)."""
     s = job.shampoo
-    return ShampooConfig(beta2=s.beta2, epsilon=s.epsilon, graft=s.graft, refresh_steps=job.kfac.refresh_steps or 1)
+    return ShampooConfig(beta2=s.beta2, epsilon=s.epsilon, epsilon_mode=s.epsilon_mode, graft=s.graft,
+                         graft_beta2=s.graft_beta2, graft_epsilon=s.graft_epsilon, beta1=s.beta1,
+                         bias_correction=s.bias_correction,
+                         exponent_override=s.exponent_override,
+                         start_preconditioning_step=s.start_preconditioning_step, momentum=s.momentum,
+                         weight_decay=s.weight_decay, refresh_steps=job.kfac.refresh_steps or 1)
+
+
+def stage_optimizer(module: nn.Module, layers, cfg):
+    """Shampoo's directions applied by SGD at [optimizer] lr, with Shampoo's momentum and
+    decoupled weight decay (where set; else the [optimizer] section's); AdamW on the rest."""
+    from runtime.optimizers.stage import SgdOnCoveredOptimizer
+
+    layers = list(layers)
+    s = layers[0].cfg if layers else None
+    if s is not None and s.momentum is not None:
+        cfg = dataclasses.replace(cfg, momentum=s.momentum)
+    if s is not None and s.weight_decay is not None:
+        cfg = dataclasses.replace(cfg, weight_decay=s.weight_decay, decoupled_weight_decay=True)
+    return SgdOnCoveredOptimizer(module, layers, cfg)
 
 
 class ShampooLayer:
@@ -85,6 +127,11 @@ class ShampooLayer:
         self._pending: dict[str, torch.Tensor] = {}
         self._spare: dict[str, torch.Tensor] = {}     # out-of-force roots, the next pending ones' storage
         self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
+        self.stat_steps = 0      # gradients folded into the statistics (their bias correction)
+        self._snapshot_steps = 0
+        self.steps = 0           # precondition() calls with a gradient: β1's and the graft's bias correction
+        self.exp_avg: torch.Tensor | None = None  # β1's EMA of the gradient
+        self.graft_sq: torch.Tensor | None = None  # the graft's sum or EMA of g²
 
     def _allocate_stats(self) -> None:
         if not self.statistics:
@@ -104,6 +151,9 @@ class ShampooLayer:
             alpha = 1.0 if b == 1 else 1 - b
             self.statistics["L"].addmm_(G, G.t(), beta=b, alpha=alpha)
             self.statistics["R"].addmm_(G.t(), G, beta=b, alpha=alpha)
+            self.stat_steps += 1
+        if snapshot:
+            self._snapshot_steps = self.stat_steps
         if snapshot and not self._alias:
             for f, S in self.statistics.items():
                 if f in self.snapshots:
@@ -112,16 +162,21 @@ class ShampooLayer:
                     self.snapshots[f] = S.clone()
 
     def compute_root(self, factor: str) -> None:
-        """(S + ε λ_max I)^(-1/4) of this cycle's snapshot of `factor` into the pending slot."""
+        """(Ŝ + ε I)^(-1/p) (absolute ε) or (Ŝ + ε λ_max I)^(-1/p) (relative) of this cycle's
+        snapshot of `factor`, Ŝ the snapshot bias-corrected (β₂ < 1), into the pending slot."""
         S = self.snapshots[factor]
         if not bool(torch.isfinite(S.sum(dtype=torch.float64))):  # a NaN/inf anywhere makes the sum one
             raise NonFiniteFactorError(f"Shampoo layer {self.name}: statistic {factor} has non-finite values "
                                        f"(NaN/Inf gradients); lower the learning rate")
         evals, Q = torch.linalg.eigh(S)
         evals = evals.clamp_min(0)
+        c = self.cfg
+        if c.bias_correction and c.beta2 < 1 and self._snapshot_steps:
+            evals = evals / (1 - c.beta2 ** self._snapshot_steps)
         top = float(evals[-1])  # eigh sorts ascending
         if top > 0:
-            root = (Q * (evals + self.cfg.epsilon * top).pow(-0.25)) @ Q.t()
+            eps = c.epsilon * top if c.epsilon_mode == "relative" else c.epsilon
+            root = (Q * (evals + eps).pow(c.root_exponent)) @ Q.t()
         else:
             root = torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
         if not torch.isfinite(root).all():
@@ -162,27 +217,55 @@ class ShampooLayer:
         self.precondition()
 
     def precondition(self) -> None:
-        """weight.grad <- graft(L_root G R_root) with the roots in force (unchanged if none)."""
+        """weight.grad <- the update direction: the gradient's β1 average m̂ (bias-corrected),
+        preconditioned L_root m̂ R_root with the roots in force and rescaled to the norm of
+        the graft's direction (sgd: m̂; adagrad: m̂ / (√Σg² + ε); rmsprop: m̂ / (√v + ε);
+        adam: m̂ / (√v̂ + ε), v̂ bias-corrected); without roots in force, or before
+        start_preconditioning_step, the graft's direction itself (none: m̂ preconditioned,
+        or m̂)."""
         G = self.module.weight.grad
         if G is None:
             self.raw_grad_sq = None
             return
+        c = self.cfg
         self.raw_grad_sq = (G * G).sum()
-        if not ("L" in self.roots and "R" in self.roots):
+        self.steps += 1
+        if c.graft in ("adagrad", "rmsprop", "adam"):
+            if self.graft_sq is None:
+                self.graft_sq = torch.zeros_like(G)
+            if c.graft == "adagrad":
+                self.graft_sq.addcmul_(G, G)
+            else:
+                self.graft_sq.mul_(c.graft_beta2).addcmul_(G, G, value=1 - c.graft_beta2)
+        m = G
+        if c.beta1 > 0:
+            if self.exp_avg is None:
+                self.exp_avg = torch.zeros_like(G)
+            self.exp_avg.mul_(c.beta1).add_(G, alpha=1 - c.beta1)
+            m = self.exp_avg / (1 - c.beta1 ** self.steps) if c.bias_correction else self.exp_avg
+        if self.graft_sq is not None:
+            v = self.graft_sq
+            if c.graft == "adam" and c.bias_correction and c.graft_beta2 < 1:
+                v = v / (1 - c.graft_beta2 ** self.steps)
+            graft = m / (v.sqrt() + c.graft_epsilon)
+        else:
+            graft = m
+        if not ("L" in self.roots and "R" in self.roots) or self.steps <= c.start_preconditioning_step:
+            G.copy_(graft)
             return
-        P = self.roots["L"].to(G.dtype) @ G @ self.roots["R"].to(G.dtype)
-        if self.cfg.graft == "sgd":
-            # Roots are positive definite, so P = 0 only where G = 0, and then 0 / tiny = 0.
-            P.mul_(self.raw_grad_sq.sqrt() / P.norm().clamp_min(torch.finfo(P.dtype).tiny))
+        P = self.roots["L"].to(G.dtype) @ m @ self.roots["R"].to(G.dtype)
+        if c.graft != "none":
+            # Roots are positive definite, so P = 0 only where m = 0, and then 0 / tiny = 0.
+            P.mul_(graft.norm() / P.norm().clamp_min(torch.finfo(P.dtype).tiny))
         G.copy_(P)
 
     def state_bytes(self) -> int:
         """Bytes of the resident state: statistics, snapshots (none with k = 1), roots in
-        force, pending and spare."""
+        force, pending and spare, β1's average and the graft's second moment."""
         seen, total = set(), 0
         for t in [*self.statistics.values(), *self.snapshots.values(), *self.roots.values(),
-                  *self._pending.values(), *self._spare.values()]:
-            if id(t) not in seen:
+                  *self._pending.values(), *self._spare.values(), self.exp_avg, self.graft_sq]:
+            if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
         return total
@@ -194,6 +277,8 @@ class ShampooLayer:
             sd.update({f"snapshot_{f}": t.clone() for f, t in self.snapshots.items()})
         sd.update({f"root_{f}": t.clone() for f, t in self.roots.items()})
         sd.update({f"pending_{f}": t.clone() for f, t in self._pending.items()})
+        sd.update({n: t.clone() for n, t in (("exp_avg", self.exp_avg), ("graft_sq", self.graft_sq)) if t is not None})
+        sd["counts"] = torch.tensor([self.stat_steps, self._snapshot_steps, self.steps])
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -204,6 +289,10 @@ class ShampooLayer:
         pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
         self.snapshots = dict(self.statistics) if self._alias else pick("snapshot")
         self.roots, self._pending, self._spare = pick("root"), pick("pending"), {}
+        self.exp_avg = sd["exp_avg"].clone() if "exp_avg" in sd else None
+        self.graft_sq = sd["graft_sq"].clone() if "graft_sq" in sd else None
+        if "counts" in sd:
+            self.stat_steps, self._snapshot_steps, self.steps = (int(v) for v in sd["counts"])
 
 
 def make_layer(name: str, linear: nn.Linear, cfg: ShampooConfig, micro_batches: int) -> ShampooLayer:
