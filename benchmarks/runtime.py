@@ -25,11 +25,11 @@
       against our 1f1b (the bubble the split backward saves, measured);
   (f) `--only-pinning`: our 1f1b (no K-FAC, and K-FAC appended) with and without
       `--pin-cpus` (each rank on its own core), in alternating launches;
-  (g) `--only-optimizers`: for K-FAC, Shampoo and Muon, 1F1B with the optimizer's work
+  (g) `--only-optimizers`: for K-FAC, Shampoo, SOAP and Muon (`--optimizers` picks), 1F1B with the optimizer's work
       appended to every step (`--method none`) and in the bubbles (CP-SAT), against AdamW
       (no extra work): measured and predicted, and whether the bubbles beat appending by the
       planned difference (the profile must hold every optimizer's costs: `pfcompile profile
-      --optimizer shampoo --optimizer muon`).
+      --optimizer shampoo --optimizer soap --optimizer muon`).
 
 Every variant runs in each round and rounds alternate the order, so the ratios compare
 runs made side by side on the same machine. The table gives the best round (the one least
@@ -470,6 +470,9 @@ def calibration_tables(a, out: Path, console) -> None:
               + f"  ({Path(ln.split(':', 1)[0]).name})")
 
 
+OPTIMIZERS = ("kfac", "shampoo", "soap", "muon")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=None,
@@ -490,6 +493,7 @@ def main() -> None:
                     help="only part (f): our 1f1b (no K-FAC, K-FAC appended) with and without --pin-cpus")
     ap.add_argument("--only-optimizers", action="store_true",
                     help="only part (g): each optimizer's work appended and in the bubbles, against AdamW")
+    ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS, help="(g): only these")
     ap.add_argument("--only-interleaved", action="store_true",
                     help="only part (a-i): (a) and (a0) in one job, variants alternating block by block")
     ap.add_argument("--interleaved-rounds", type=int, default=30, help="(a-i) rounds (a block of every variant each)")
@@ -692,9 +696,6 @@ def interleaved_table(times: dict[str, list[float]], a) -> None:
 
 
 
-OPTIMIZERS = ("kfac", "shampoo", "muon")
-
-
 def optimizer_tables(a, out: Path, console) -> None:
     """(g): every optimizer's 1F1B plan with its work appended and in the bubbles, and AdamW's,
     run in alternating rounds; measured against predicted, and the saving of the bubbles over
@@ -702,7 +703,7 @@ def optimizer_tables(a, out: Path, console) -> None:
     n = ["--schedule", "1f1b", "--micro-batches", str(a.micro_batches)]
     with console.status("planning (CP-SAT for the plans with the work in the bubbles)..."):
         specs = {"adamw (no extra work)": ("adamw", *n, "--optimizer", "adamw", "--method", "none")}
-        for o in OPTIMIZERS:
+        for o in a.optimizers:
             specs[f"{o} appended"] = (f"{o}-appended", *n, "--optimizer", o, "--method", "none")
             specs[f"{o} in bubbles"] = (f"{o}-cpsat", *n, "--optimizer", o, "--method", "cpsat",
                                         "--time-limit", str(a.time_limit), "--workers", "2")
@@ -730,7 +731,7 @@ def optimizer_tables(a, out: Path, console) -> None:
               f"{med[name] / pred[name]:.3f} | {med[name] / med[base] - 1:+.1%} | {pred[name] / pred[base] - 1:+.1%} |")
     print("\n| optimizer | saving of the bubbles over appending, measured | planned | measured ≥ planned − 2%? |")
     print("|---|---:|---:|---|")
-    for o in OPTIMIZERS:
+    for o in a.optimizers:
         ap_, bu = f"{o} appended", f"{o} in bubbles"
         measured = 1 - med[bu] / med[ap_]
         planned = 1 - pred[bu] / pred[ap_]

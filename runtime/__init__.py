@@ -2,7 +2,7 @@
 
 - config: the run's settings as typed sections (job), the command line (cli), precision;
 - models: the built-in transformers, `transformers` models, specs resolved to stages;
-- optimizers: each optimizer's math (kfac, shampoo, muon) and the stage optimizer (stage);
+- optimizers: each optimizer's math (kfac, shampoo, soap, muon) and the stage optimizer (stage);
 - pipeline: this rank's stages (build), the op interpreter, comm, the split backward, the
   training loop (loop);
 - observe: the measured timeline, memory, metrics, fault injection;

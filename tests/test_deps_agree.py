@@ -48,6 +48,11 @@ EXPECTED = {
     ("shampoo", "bcast_inv", "R", True): ["inv.R on source (root:R)"],
     # it overwrites the gradient that the statistics read (and waits for the gradient through them)
     ("shampoo", "precond", None, True): ["stats (grad)"],
+    # SOAP's work flows as Shampoo's; its moments are its own previous step's
+    ("soap", "stats", None, True): ["gradient (grad)"],
+    ("soap", "inv", "L", False): ["stats@0 (stat:L@0)"],
+    ("soap", "bcast_inv", "L", True): ["inv.L on source (root:L)"],
+    ("soap", "precond", None, True): ["stats (grad)"],
     # its momentum is its own previous step's
     ("muon", "orth", None, True): ["gradient (grad)"],
 }
@@ -89,14 +94,15 @@ CASES = [
 ]
 
 
-OPTIMIZERS = ("kfac", "shampoo", "muon", "adamw")
+OPTIMIZERS = ("kfac", "shampoo", "soap", "muon", "adamw")
 
 
 def _profile():
-    """The uniform profile with Shampoo's and Muon's per-layer costs too."""
+    """The uniform profile with Shampoo's, SOAP's and Muon's per-layer costs too."""
     prof = uniform_profile(blocks=4)
     for layer in prof.covered_layers:
         layer.optimizer_ms.update({"shampoo": {"stats": 0.04, "inv_L": 0.3, "inv_R": 0.2, "precond": 0.05},
+                                   "soap": {"stats": 0.04, "inv_L": 0.3, "inv_R": 0.2, "precond": 0.1},
                                    "muon": {"orth": 0.1}})
     return prof
 

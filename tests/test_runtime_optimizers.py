@@ -1,4 +1,4 @@
-"""Shampoo and Muon through the pipeline against their single-process trainer: real
+"""Shampoo, SOAP and Muon through the pipeline against their single-process trainer: real
 `pfcompile plan` outputs (1F1B, Chimera with the work divided between its replicas, ZB-V),
 real torchrun/gloo, float64; the parameters after two refresh cycles and one more step
 equal the single process's to 1e-5 relative."""
@@ -25,9 +25,8 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
 
     prof = load_profile(str(PROFILE))
     for layer in prof.covered_layers:
-        for opt in ("shampoo", "muon"):
-            layer.optimizer_ms.setdefault(opt, estimated_optimizer_ms(opt, layer.in_features, layer.out_features,
-                                                                      1e6))
+        layer.optimizer_ms.setdefault(optimizer, estimated_optimizer_ms(optimizer, layer.in_features,
+                                                                        layer.out_features, 1e6))
     profile = tmp_path / "profile.json"
     prof.save(str(profile))
     plan = tmp_path / "plan.json"
@@ -46,7 +45,9 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
 K3 = ("--refresh-steps", "3")
 SPLIT = ("--precond", "layers")
 CASES = [("shampoo", "1f1b", 2, "cpsat", K3), ("shampoo", "chimera", 2, "cpsat", (*K3, *SPLIT)),
-         ("shampoo", "zb-v", 2, "cpsat", K3), ("muon", "1f1b", 2, "cpsat", ()),
+         ("shampoo", "zb-v", 2, "cpsat", K3), ("soap", "1f1b", 2, "cpsat", K3),
+         ("soap", "chimera", 2, "cpsat", (*K3, *SPLIT)), ("soap", "zb-v", 2, "cpsat", K3),
+         ("muon", "1f1b", 2, "cpsat", ()),
          ("muon", "chimera", 2, "cpsat", SPLIT), ("muon", "zb-v", 2, "none", ())]
 
 
@@ -55,7 +56,7 @@ CASES = [("shampoo", "1f1b", 2, "cpsat", K3), ("shampoo", "chimera", 2, "cpsat",
 def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule, D, method, extra):
     plan, loaded = plan_with(tmp_path, optimizer, schedule, D, method, *extra)
     kinds = {o["op"] for r in loaded["ranks"] for s in r["steps"] for o in s}
-    want = {"shampoo": {"stats", "inv", "precond"}, "muon": {"orth"}}[optimizer]
+    want = {"shampoo": {"stats", "inv", "precond"}, "soap": {"stats", "inv", "precond"}, "muon": {"orth"}}[optimizer]
     assert want <= kinds and not kinds & {"curv_a", "curv_b", "sync_curv"}
     if "--precond" in extra:  # the work divided between the replicas: gathered after each replica's share
         assert {"rs_grad", "ag_grad"} <= kinds and loaded["config"]["precond"] == "split"
@@ -67,9 +68,15 @@ def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule
     initial, want_params = optimizer_reference_params(plan, steps)
     # The attention's key bias has an exactly zero gradient (softmax ignores a shift shared by
     # every key): what it gets is rounding noise, ~1e-17, which the replicas' all-reduce sums in
-    # another order and AdamW (it covers the biases here) turns into ~1e-14 moves. Norms below
-    # the floor are compared absolutely.
-    assert_same_params(distributed_params(tmp_path / "ckpt", steps, plan), want_params, initial, floor=1e-9)
+    # another order and AdamW (it covers the biases here, without weight decay) normalises into
+    # moves of the rate's size in the noise's direction. It is left out; norms below the floor
+    # are compared absolutely.
+    got = distributed_params(tmp_path / "ckpt", steps, plan)
+    noise = [n for n in want_params if n.endswith("attn.k.bias")]
+    assert noise
+    for n in noise:
+        del got[n], want_params[n]
+    assert_same_params(got, want_params, initial, floor=1e-9)
 
 
 # Clipping: Muon's global norm is taken over every stage of every rank before any layer is

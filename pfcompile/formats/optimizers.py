@@ -36,8 +36,9 @@ and Shampoo's inverse fourth root, `precond` either's preconditioning; the plan'
 | `grad` | the layer's gradient of the step, synchronised over the stage's replicas; the update op (`update`) overwrites it in place with the update direction, which the step applies |
 | `stat:F` | factor F's statistics (K-FAC: summed per micro-batch; Shampoo: an EMA per step) |
 | `stat:F@0` | factor F's statistics as of the cycle's first step (Shampoo's snapshot) |
-| `root:F` | factor F's inverse (K-FAC) or inverse root (Shampoo) computed this cycle, in force next cycle |
+| `root:F` | factor F's inverse (K-FAC), inverse root (Shampoo) or eigenbasis (SOAP) computed this cycle, in force next cycle |
 | `momentum` | Muon's momentum buffer |
+| `moments` | SOAP's Adam moments (in the eigenbasis); Shampoo's gradient average and graft's second moment |
 
 This module is the contract: torch-, networkx- and ortools-free.
 """
@@ -283,18 +284,57 @@ SHAMPOO = Optimizer(
         StateDecl("stat:R", (IN, IN), owner_only=True),
         StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
         StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+        StateDecl("moments", (OUT, IN), copies=2, owner_only=True),  # β1's average, the graft's second moment
     ),
     doc="Shampoo: L <- b L + (1-b) G G^T and R <- b R + (1-b) G^T G every step from the "
         "synchronised gradient; their inverse fourth roots once per cycle (from the cycle's "
-        "first step's statistics); every step L^-1/4 G R^-1/4, grafted to the gradient's norm",
+        "first step's statistics); every step L^-1/4 m R^-1/4 of the gradient's average m, "
+        "grafted to the norm of Adam's (AdaGrad's, RMSprop's, SGD's) direction",
     ops=(
         OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
                cost="stats", flops=_two_sided_flops),
         OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
                flops=_root_flops),
         OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
-        OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R"), writes=("grad",), divide=True, cost="precond",
-               flops=_two_sided_flops),
+        OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
+               divide=True, cost="precond", flops=_two_sided_flops),
+    ),
+)
+
+
+def _rotations_flops(m: int, n: int, factor: str | None) -> float:
+    """SOAP's update: G into the basis and Adam's direction back out, two two-sided products."""
+    return 2 * _two_sided_flops(m, n, factor)
+
+
+SOAP = Optimizer(
+    name="soap",
+    title="SOAP",
+    factors=("L", "R"),
+    update="precond",
+    step_like="kfac",  # SGD (no momentum) on the covered weights, AdamW on the rest
+    # where it preconditions: Shampoo's statistics and snapshots, the bases in force and
+    # pending, Adam's two moments
+    state=(
+        StateDecl("stat:L", (OUT, OUT), owner_only=True),
+        StateDecl("stat:L@0", (OUT, OUT), owner_only=True, multi_step=True),
+        StateDecl("root:L", (OUT, OUT), copies=2, owner_only=True),
+        StateDecl("stat:R", (IN, IN), owner_only=True),
+        StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
+        StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+        StateDecl("moments", (OUT, IN), copies=2, owner_only=True),
+    ),
+    doc="SOAP: Shampoo's statistics every step; their eigenbasis once per cycle (an eigh, then "
+        "one power-iteration-and-QR step per refresh); every step Adam in that basis",
+    ops=(
+        OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
+               cost="stats", flops=_two_sided_flops),
+        # timed and estimated as the first refresh (an eigh), an upper bound on the later QR steps
+        OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
+               flops=_root_flops),
+        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
+               divide=True, cost="precond", flops=_rotations_flops),
     ),
 )
 
@@ -367,7 +407,7 @@ def register(spec: Optimizer) -> Optimizer:
     return spec
 
 
-for _builtin in (KFAC, SHAMPOO, MUON, ADAMW):
+for _builtin in (KFAC, SHAMPOO, SOAP, MUON, ADAMW):
     register(_builtin)
 NAMES = tuple(OPTIMIZERS)  # the built-in ones; a plugin is named "package.module:name"
 

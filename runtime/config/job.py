@@ -126,23 +126,36 @@ class Kfac:
 
 @dataclass
 class Shampoo:
-    beta2: float = setting(0.99, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
+    beta2: float = setting(0.999, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
                            (lambda v: 0 < v <= 1, "in (0, 1]"))
-    epsilon: float = setting(1e-12, "damping added to a statistic before its root", POSITIVE_FINITE)
-    epsilon_mode: str = setting("absolute", "absolute (S + eps I) | relative (S + eps lambda_max(S) I)",
+    epsilon: float = setting(1e-12, "damping added to the statistic's eigenvalues before the root", POSITIVE_FINITE)
+    epsilon_mode: str = setting("absolute", "absolute (S + eps I) | relative (S + eps lambda_max I)",
                                 one_of("absolute", "relative"))
-    graft: str = setting("adam", "whose per-block norm the step takes: sgd | adagrad | rmsprop | adam | none",
-                         one_of("sgd", "adagrad", "rmsprop", "adam", "none"))
-    graft_beta2: float = setting(0.999, "EMA of the graft's squared gradient (rmsprop, adam)",
-                                 (lambda v: 0 < v < 1, "in (0, 1)"))
-    graft_epsilon: float = setting(1e-8, "the graft's denominator floor", POSITIVE_FINITE)
-    beta1: float = setting(0.9, "EMA of the gradient that is preconditioned (0: the gradient)", FRACTION)
-    momentum: float = setting(0.0, "SGD momentum on the covered weights' updates", FINITE_NONNEGATIVE)
-    weight_decay: float = setting(0.0, "decoupled weight decay of the covered weights (times lr)",
-                                  FINITE_NONNEGATIVE)
-    exponent_override: float = setting(0.0, "p of the roots L^-p, R^-p (0: 1/4)", FINITE_NONNEGATIVE)
-    start_preconditioning_step: int = setting(0, "steps before it take the graft's direction alone", at_least(0))
-    max_preconditioner_dim: int = setting(1024, "the largest block side a weight is split into", at_least(1))
+    graft: str = setting("adam", "whose direction's norm per layer the step takes: adam | adagrad | rmsprop | sgd "
+                         "(the gradient's) | none", one_of("adam", "adagrad", "rmsprop", "sgd", "none"))
+    graft_beta2: float = setting(0.999, "the graft's second-moment EMA (rmsprop, adam)", (lambda v: 0 < v <= 1, "in (0, 1]"))
+    graft_epsilon: float = setting(1e-8, "the graft's epsilon", POSITIVE_FINITE)
+    beta1: float = setting(0.9, "EMA of the gradient (bias-corrected), preconditioned instead of it (0: off)", FRACTION)
+    bias_correction: bool = setting(True, "divide the gradient's average and the statistics by 1 - beta^t")
+    exponent_override: float = setting(0.0, "p of the root S^(-1/p) (0: 4, a matrix's two factors)", FINITE_NONNEGATIVE)
+    start_preconditioning_step: int = setting(0, "before this step, the graft's direction alone", at_least(0))
+    momentum: float | None = setting(0.0, "the step's heavy-ball momentum (unset: [optimizer] momentum)",
+                                     FINITE_NONNEGATIVE)
+    weight_decay: float | None = setting(0.0, "decoupled weight decay (times lr; unset: [optimizer] weight_decay, "
+                                         "added to the gradient)", FINITE_NONNEGATIVE)
+
+
+@dataclass
+class Soap:
+    lr: float = setting(3e-3, "SOAP learning rate of the covered weights", POSITIVE_FINITE)
+    beta1: float = setting(0.95, "Adam's first-moment EMA (in the eigenbasis)", FRACTION)
+    beta2: float = setting(0.95, "Adam's second-moment EMA (in the eigenbasis)", FRACTION)
+    shampoo_beta: float = setting(-1.0, "EMA of the statistics L, R (< 0: beta2)", (lambda v: v < 1, "< 1"))
+    eps: float = setting(1e-8, "Adam's epsilon", POSITIVE_FINITE)
+    weight_decay: float = setting(0.01, "decoupled weight decay (times lr)", FINITE_NONNEGATIVE)
+    tie_break: float = setting(1e-6, "a fixed distinct diagonal added before the eigenbasis, relative to the "
+                               "mean eigenvalue: a singular statistic's basis is then not rounding's choice",
+                               FINITE_NONNEGATIVE)
 
 
 @dataclass
@@ -228,6 +241,7 @@ class JobConfig:
     schedule: Schedule = field(default_factory=Schedule)
     kfac: Kfac = field(default_factory=Kfac)
     shampoo: Shampoo = field(default_factory=Shampoo)
+    soap: Soap = field(default_factory=Soap)
     muon: Muon = field(default_factory=Muon)
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)

@@ -1,2 +1,2 @@
-"""The optimizers' math, one module each (kfac, shampoo, muon), and the stage optimizer that
+"""The optimizers' math, one module each (kfac, shampoo, soap, muon), and the stage optimizer that
 applies their update directions with AdamW on the rest (stage)."""

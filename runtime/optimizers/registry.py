@@ -152,9 +152,14 @@ register(OptimizerEntry("kfac", config="runtime.optimizers.kfac:kfac_config",
                         kl_clip=True, captures=True, title="K-FAC", refresh_what="inversion"))
 register(OptimizerEntry("shampoo", config="runtime.optimizers.shampoo:shampoo_config",
                         config_class="runtime.optimizers.shampoo:ShampooConfig",
-                        make_layer="runtime.optimizers.shampoo:make_layer", section="shampoo",
-                        stage_optimizer="runtime.optimizers.shampoo:stage_optimizer",
+                        make_layer="runtime.optimizers.shampoo:make_layer",
+                        stage_optimizer="runtime.optimizers.shampoo:stage_optimizer", section="shampoo",
                         title="Shampoo", refresh_what="inverse fourth root"))
+register(OptimizerEntry("soap", config="runtime.optimizers.soap:soap_config",
+                        config_class="runtime.optimizers.soap:SoapConfig",
+                        make_layer="runtime.optimizers.soap:make_layer",
+                        stage_optimizer="runtime.optimizers.soap:stage_optimizer", section="soap",
+                        clip_first=True, base_lr="soap.lr", title="SOAP", refresh_what="eigenbasis"))
 register(OptimizerEntry("muon", config="runtime.optimizers.muon:muon_config",
                         config_class="runtime.optimizers.muon:MuonConfig",
                         make_layer="runtime.optimizers.muon:make_layer",
