@@ -129,10 +129,10 @@ def test_root_is_the_damped_inverse_fourth_root():
     for snapshot in (True, False):
         lin.weight.grad = torch.randn(3, 5, dtype=D64, generator=g)
         layer.update_stats(snapshot)
-    assert not torch.equal(layer.snapshots["L"], layer.statistics["L"])  # the snapshot is the cycle's first step's
+    assert not torch.equal(layer.snapshots["L"][0], layer.statistics["L"][0])  # the snapshot is the cycle's first step's
     for f in ("L", "R"):
         layer.compute_root(f)
-        S = layer.snapshots[f]
+        S = layer.snapshots[f][0]
         top = float(torch.linalg.eigvalsh(S).max())
         damped = S + 1e-3 * top * torch.eye(len(S), dtype=D64)
         X = layer.pending(f)
@@ -171,8 +171,8 @@ def checkpoint(model, layers, opt) -> dict:
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_checkpoint_round_trip_continues_identically(k):
-    """Saved after step 2 (with k = 2: mid-cycle, snapshot taken and roots pending)."""
-    cfg = ShampooConfig(refresh_steps=k)
+    """Saved after step 2 (with k = 2: mid-cycle, snapshot taken and roots pending, and blocks)."""
+    cfg = ShampooConfig(refresh_steps=k, max_preconditioner_dim=10 if k == 2 else 1024)
     model, layers, opt = shampoo_run(cfg, 3, dtype=None)
     saved = checkpoint(model, layers, opt)
     state = saved["layers"][layers[0].name]
@@ -314,3 +314,56 @@ def test_distributed_shampoo_options_equal_dense_float64(case):
     want = _dense_ds(cfg, [g.numpy() for g in grads], w0, lr, k)
     assert np.abs(want - w0).max() > 1e-3
     np.testing.assert_allclose(lin.weight.detach().numpy(), want, rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("graft", ["adam", "sgd"])
+def test_blocks_equal_dense_float64_per_block(graft):
+    """max_preconditioner_dim 4 on a 7 x 9 weight: blocks of rows 4, 3 and columns 4, 4, 1, each
+    its own Shampoo (statistics, roots, graft norm); the elementwise state (β1's average, the
+    graft's second moment, momentum, decay) is the same per block, so the update is
+    _dense_ds run on each block's gradients alone."""
+    k, steps, lr = 2, 7, 0.01
+    cfg = ShampooConfig(graft=graft, momentum=0.5, weight_decay=0.1, epsilon=1e-6, max_preconditioner_dim=4,
+                        refresh_steps=k)
+    gen = torch.Generator().manual_seed(5)
+    lin = nn.Linear(9, 7, dtype=D64)
+    grads = [torch.randn(7, 9, generator=gen, dtype=D64) * (1 + t) for t in range(steps)]
+    w0 = lin.weight.detach().numpy().copy()
+    layer = ShampooLayer("lin", lin, cfg)
+    assert len(layer.blocks) == 6 and layer.block_dims["R"] == [4, 4, 1, 4, 4, 1]
+    opt = build_optimizer(lin, [layer], OptimConfig(lr=lr), optimizer="shampoo")
+    for t, g in enumerate(grads):
+        if t % k == 0:
+            layer.activate()
+        lin.weight.grad, lin.bias.grad = g.clone(), None
+        layer.stats(cycle_step=t % k)
+        if t % k == 0:
+            layer.inv(factor="L")
+            layer.inv(factor="R")
+        layer.precond()
+        opt.step()
+    want = np.zeros_like(w0)
+    for r0, r1 in ((0, 4), (4, 7)):
+        for c0, c1 in ((0, 4), (4, 8), (8, 9)):
+            want[r0:r1, c0:c1] = _dense_ds(cfg, [g.numpy()[r0:r1, c0:c1] for g in grads], w0[r0:r1, c0:c1], lr, k)
+    assert np.abs(want - w0).max() > 1e-3
+    np.testing.assert_allclose(lin.weight.detach().numpy(), want, rtol=1e-10, atol=1e-11)
+
+
+def test_blocks_travel_as_one_tensor():
+    """A factor's pending roots of every block survive pending -> set_pending (bcast_inv)."""
+    cfg = ShampooConfig(max_preconditioner_dim=4)
+    lin = nn.Linear(10, 6, dtype=D64)
+    src, dst = ShampooLayer("lin", lin, cfg), ShampooLayer("lin", lin, cfg)
+    assert src.block_dims["L"] == [4, 4, 4, 2, 2, 2]
+    lin.weight.grad = torch.randn(6, 10, dtype=D64, generator=torch.Generator().manual_seed(0))
+    src.update_stats(True)
+    for f in ("L", "R"):
+        src.compute_root(f)
+        sent = src.pending(f)
+        assert tuple(sent.shape) == dst.pending_shape(f)
+        dst.set_pending(f, sent.clone())
+    src.activate()
+    dst.activate()
+    for f in ("L", "R"):
+        assert all(torch.equal(a, b) for a, b in zip(src.roots[f], dst.roots[f]))

@@ -139,6 +139,8 @@ class Shampoo:
     bias_correction: bool = setting(True, "divide the gradient's average and the statistics by 1 - beta^t")
     exponent_override: float = setting(0.0, "p of the root S^(-1/p) (0: 4, a matrix's two factors)", FINITE_NONNEGATIVE)
     start_preconditioning_step: int = setting(0, "before this step, the graft's direction alone", at_least(0))
+    max_preconditioner_dim: int = setting(1024, "a weight is split into blocks of at most this many rows and "
+                                          "columns, each with its own L, R", at_least(1))
     momentum: float | None = setting(0.0, "the step's heavy-ball momentum (unset: [optimizer] momentum)",
                                      FINITE_NONNEGATIVE)
     weight_decay: float | None = setting(0.0, "decoupled weight decay (times lr; unset: [optimizer] weight_decay, "

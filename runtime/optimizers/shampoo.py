@@ -1,17 +1,14 @@
-"""Shampoo for the weights of nn.Linear layers, one function per unit of work a plan schedules.
+"""Shampoo for the weights of nn.Linear layers, one function per unit of work a plan schedules,
+with Distributed Shampoo's (facebookresearch/optimizers) options; ShampooConfig has the defaults.
 
-For a weight W (out x in) with gradient G the statistics are
-    L <- β₂ L + (1 - β₂) G Gᵀ   (out x out),   R <- β₂ R + (1 - β₂) Gᵀ G   (in x in)
-(β₂ = 1: the plain sums L += G Gᵀ, R += Gᵀ G of the original Shampoo), both starting at 0,
-and the preconditioned gradient is L^(-1/4) G R^(-1/4), grafted ("sgd") onto the raw
-gradient's Frobenius norm per layer: Shampoo chooses the direction, the gradient the step
-length, so the covered weights' SGD learning rate keeps its meaning.
-
-Damping is relative: a root is (S + ε λ_max(S) I)^(-1/4), with the eigenvalues of S clamped
-at 0 first (S is PSD; negative values are rounding), as the scalable Shampoo of Anil et al.
-damps. A relative ε makes the root's conditioning (at most ε^(-1/4)) independent of the
-gradient's scale and of β₂, and keeps ε above float32's eigenvalue noise (~1e-7 λ_max). An
-all-zero statistic (no gradient yet) has the identity as its root.
+A weight W (out x in) is split into blocks of at most max_preconditioner_dim rows and columns
+(the last of a dimension takes the remainder), each with its own statistics of its gradient G
+    L <- β₂ L + (1 - β₂) G Gᵀ,   R <- β₂ R + (1 - β₂) Gᵀ G
+(β₂ = 1: the plain sums of the original Shampoo), both starting at 0, and roots (Ŝ + ε I)^(-1/p)
+(absolute ε, S's eigenvalues clamped at 0 first) or (Ŝ + ε λ_max I)^(-1/p) (relative), Ŝ the
+statistic bias-corrected. Each block's direction L_root m̂ R_root, m̂ β1's average of the
+gradient, is rescaled to the Frobenius norm of the graft's direction on that block
+(precondition() says which); β1's average and the graft's second moment are elementwise.
 
 Cycle semantics (refresh every k steps), the same as runtime.optimizers.kfac's:
   * a refresh step t0 (t0 % k == 0) starts with `activate()`: the roots computed during the
@@ -63,6 +60,7 @@ class ShampooConfig:
     start_preconditioning_step: int = 0  # before it, the graft's direction alone
     momentum: float | None = 0.0      # the step's heavy-ball momentum; None: [optimizer] momentum
     weight_decay: float | None = 0.0  # decoupled; None: [optimizer] weight_decay, added to the gradient
+    max_preconditioner_dim: int = 1024  # a weight is split into blocks of at most this many rows and columns
 
     def __post_init__(self):
         if self.graft not in GRAFTS:
@@ -71,10 +69,10 @@ class ShampooConfig:
             raise ValueError(f"epsilon_mode must be one of {', '.join(EPSILON_MODES)}, got {self.epsilon_mode!r}")
         if not (0 < self.beta2 <= 1 and self.epsilon > 0 and self.refresh_steps >= 1 and 0 <= self.beta1 < 1
                 and 0 < self.graft_beta2 <= 1 and self.graft_epsilon > 0 and self.exponent_override >= 0
-                and self.start_preconditioning_step >= 0):
+                and self.start_preconditioning_step >= 0 and self.max_preconditioner_dim >= 1):
             raise ValueError("need 0 < beta2 <= 1, epsilon > 0, refresh_steps >= 1, 0 <= beta1 < 1, "
                              "0 < graft_beta2 <= 1, graft_epsilon > 0, exponent_override >= 0, "
-                             "start_preconditioning_step >= 0")
+                             "start_preconditioning_step >= 0, max_preconditioner_dim >= 1")
 
     @property
     def root_exponent(self) -> float:
@@ -90,7 +88,13 @@ def shampoo_config(job) -> ShampooConfig:
                          bias_correction=s.bias_correction,
                          exponent_override=s.exponent_override,
                          start_preconditioning_step=s.start_preconditioning_step, momentum=s.momentum,
-                         weight_decay=s.weight_decay, refresh_steps=job.kfac.refresh_steps or 1)
+                         weight_decay=s.weight_decay, max_preconditioner_dim=s.max_preconditioner_dim,
+                         refresh_steps=job.kfac.refresh_steps or 1)
+
+
+def block_sizes(n: int, most: int) -> list[int]:
+    """n split into pieces of `most`, the last the remainder (Distributed Shampoo's blocks)."""
+    return [most] * (n // most) + ([n % most] if n % most else [])
 
 
 def stage_optimizer(module: nn.Module, layers, cfg):
@@ -108,24 +112,35 @@ def stage_optimizer(module: nn.Module, layers, cfg):
 
 
 class ShampooLayer:
-    """Shampoo state of one nn.Linear's weight: statistics, snapshots, roots.
+    """Shampoo state of one nn.Linear's weight: statistics, snapshots, roots, one of each per
+    block (max_preconditioner_dim), each a list over the blocks; β1's average and the graft's
+    second moment of the whole weight.
 
-    Its bias is not covered (it goes to AdamW with the other vectors)."""
+    Its bias is not covered (it goes to AdamW with the other vectors). A factor's pending roots
+    travel (pending / set_pending, bcast_inv) as one tensor: the root itself with one block,
+    else the blocks' roots flattened and concatenated."""
 
     def __init__(self, name: str, module: nn.Linear, cfg: ShampooConfig):
         self.name, self.module, self.cfg = name, module, cfg
         self.covered = (module.weight,)
         self.dims = {"L": module.out_features, "R": module.in_features}
+        rows = block_sizes(module.out_features, cfg.max_preconditioner_dim)
+        cols = block_sizes(module.in_features, cfg.max_preconditioner_dim)
+        row0 = [sum(rows[:i]) for i in range(len(rows))]
+        col0 = [sum(cols[:j]) for j in range(len(cols))]
+        # (rows, columns) of each block, row-major
+        self.blocks = [(slice(r0, r0 + r), slice(c0, c0 + c)) for r0, r in zip(row0, rows) for c0, c in zip(col0, cols)]
+        self.block_dims = {"L": [r for r in rows for _ in cols], "R": [c for _ in rows for c in cols]}
         # Made at the first update_stats: a replica that does not own the layer (the work
         # divided between replicas) never holds them.
-        self.statistics: dict[str, torch.Tensor] = {}
+        self.statistics: dict[str, list[torch.Tensor]] = {}
         # With k = 1 every root is computed within the step that snapshots, before the next
         # update_stats, so the snapshot is the statistic itself: no copy, no memory.
         self._alias = cfg.refresh_steps == 1
-        self.snapshots: dict[str, torch.Tensor] = {}
-        self.roots: dict[str, torch.Tensor] = {}      # in force
-        self._pending: dict[str, torch.Tensor] = {}
-        self._spare: dict[str, torch.Tensor] = {}     # out-of-force roots, the next pending ones' storage
+        self.snapshots: dict[str, list[torch.Tensor]] = {}
+        self.roots: dict[str, list[torch.Tensor]] = {}      # in force
+        self._pending: dict[str, list[torch.Tensor]] = {}
+        self._spare: dict[str, list[torch.Tensor]] = {}     # out-of-force roots, the next pending ones' storage
         self.raw_grad_sq = None  # Σ g² of the gradient the last precondition() replaced (clipping, logs)
         self.stat_steps = 0      # gradients folded into the statistics (their bias correction)
         self._snapshot_steps = 0
@@ -136,35 +151,43 @@ class ShampooLayer:
     def _allocate_stats(self) -> None:
         if not self.statistics:
             like = dict(dtype=self.module.weight.dtype, device=self.module.weight.device)
-            self.statistics = {f: torch.zeros(d, d, **like) for f, d in self.dims.items()}
+            self.statistics = {f: [torch.zeros(d, d, **like) for d in ds] for f, ds in self.block_dims.items()}
             if self._alias:
                 self.snapshots = dict(self.statistics)
 
     def update_stats(self, snapshot: bool) -> None:
-        """Fold weight.grad into L and R; on the first step of a cycle also snapshot them
+        """Fold weight.grad into every block's L and R; on the first step of a cycle also snapshot them
         (a missing gradient, as torch's optimizers skip one, leaves the statistics as they are)."""
         self._allocate_stats()
         G = self.module.weight.grad
         if G is not None:
-            G = G.to(self.statistics["L"].dtype)
+            G = G.to(self.statistics["L"][0].dtype)
             b = self.cfg.beta2
             alpha = 1.0 if b == 1 else 1 - b
-            self.statistics["L"].addmm_(G, G.t(), beta=b, alpha=alpha)
-            self.statistics["R"].addmm_(G.t(), G, beta=b, alpha=alpha)
+            for (rs, cs), L, R in zip(self.blocks, self.statistics["L"], self.statistics["R"]):
+                Gb = G[rs, cs]
+                L.addmm_(Gb, Gb.t(), beta=b, alpha=alpha)
+                R.addmm_(Gb.t(), Gb, beta=b, alpha=alpha)
             self.stat_steps += 1
         if snapshot:
             self._snapshot_steps = self.stat_steps
         if snapshot and not self._alias:
-            for f, S in self.statistics.items():
+            for f, stats in self.statistics.items():
                 if f in self.snapshots:
-                    self.snapshots[f].copy_(S)
+                    for snap, S in zip(self.snapshots[f], stats):
+                        snap.copy_(S)
                 else:
-                    self.snapshots[f] = S.clone()
+                    self.snapshots[f] = [S.clone() for S in stats]
 
     def compute_root(self, factor: str) -> None:
         """(Ŝ + ε I)^(-1/p) (absolute ε) or (Ŝ + ε λ_max I)^(-1/p) (relative) of this cycle's
-        snapshot of `factor`, Ŝ the snapshot bias-corrected (β₂ < 1), into the pending slot."""
-        S = self.snapshots[factor]
+        snapshot of `factor`, every block's, Ŝ the snapshot bias-corrected (β₂ < 1), into the
+        pending slot."""
+        roots = [self._root(factor, S) for S in self.snapshots[factor]]
+        spare = self._spare.pop(factor, None)
+        self._pending[factor] = [t.copy_(r) for t, r in zip(spare, roots)] if spare is not None else roots
+
+    def _root(self, factor: str, S: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(S.sum(dtype=torch.float64))):  # a NaN/inf anywhere makes the sum one
             raise NonFiniteFactorError(f"Shampoo layer {self.name}: statistic {factor} has non-finite values "
                                        f"(NaN/Inf gradients); lower the learning rate")
@@ -181,20 +204,31 @@ class ShampooLayer:
             root = torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
         if not torch.isfinite(root).all():
             raise NonFiniteFactorError(f"Shampoo layer {self.name}: root of statistic {factor} is not finite")
-        spare = self._spare.pop(factor, None)
-        self._pending[factor] = spare.copy_(root) if spare is not None else root
+        return root
+
+    def _pack(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        return blocks[0] if len(blocks) == 1 else torch.cat([b.reshape(-1) for b in blocks])
+
+    def _unpack(self, factor: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        dims = self.block_dims[factor]
+        if len(dims) == 1:
+            return [tensor.reshape(dims[0], dims[0])]
+        return [t.reshape(d, d) for t, d in zip(tensor.split([d * d for d in dims]), dims)]
 
     def pending(self, factor: str) -> torch.Tensor:
-        """The pending root as one tensor (for a broadcast to replicas that did not compute it)."""
-        return self._pending[factor]
+        """The pending roots as one tensor (for a broadcast to replicas that did not compute them)."""
+        return self._pack(self._pending[factor])
 
-    def pending_shape(self, factor: str) -> tuple[int, int]:
-        d = self.dims[factor]
-        return (d, d)
+    def pending_shape(self, factor: str) -> tuple[int, ...]:
+        dims = self.block_dims[factor]
+        return (dims[0], dims[0]) if len(dims) == 1 else (sum(d * d for d in dims),)
 
     def set_pending(self, factor: str, tensor: torch.Tensor) -> None:
+        blocks = self._unpack(factor, tensor)
         spare = self._spare.pop(factor, None)
-        self._pending[factor] = spare.copy_(tensor) if spare is not None and spare.shape == tensor.shape else tensor
+        if spare is not None and all(t.shape == b.shape and t.dtype == b.dtype for t, b in zip(spare, blocks)):
+            blocks = [t.copy_(b) for t, b in zip(spare, blocks)]
+        self._pending[factor] = blocks
 
     def activate(self) -> None:
         """Cycle boundary: the pending roots come into force."""
@@ -253,18 +287,25 @@ class ShampooLayer:
         if not ("L" in self.roots and "R" in self.roots) or self.steps <= c.start_preconditioning_step:
             G.copy_(graft)
             return
-        P = self.roots["L"].to(G.dtype) @ m @ self.roots["R"].to(G.dtype)
-        if c.graft != "none":
-            # Roots are positive definite, so P = 0 only where m = 0, and then 0 / tiny = 0.
-            P.mul_(graft.norm() / P.norm().clamp_min(torch.finfo(P.dtype).tiny))
-        G.copy_(P)
+        if m is G:  # G's blocks are overwritten below
+            m = G.clone()
+            graft = m if graft is G else graft
+        tiny = torch.finfo(G.dtype).tiny
+        for (rs, cs), Lr, Rr in zip(self.blocks, self.roots["L"], self.roots["R"]):
+            P = Lr.to(G.dtype) @ m[rs, cs] @ Rr.to(G.dtype)
+            if c.graft != "none":
+                # per block, as Distributed Shampoo grafts; roots are positive definite, so
+                # P = 0 only where m = 0, and then 0 / tiny = 0
+                P.mul_(graft[rs, cs].norm() / P.norm().clamp_min(tiny))
+            G[rs, cs] = P
 
     def state_bytes(self) -> int:
         """Bytes of the resident state: statistics, snapshots (none with k = 1), roots in
         force, pending and spare, β1's average and the graft's second moment."""
         seen, total = set(), 0
-        for t in [*self.statistics.values(), *self.snapshots.values(), *self.roots.values(),
-                  *self._pending.values(), *self._spare.values(), self.exp_avg, self.graft_sq]:
+        lists = [*self.statistics.values(), *self.snapshots.values(), *self.roots.values(),
+                 *self._pending.values(), *self._spare.values()]
+        for t in [t for ts in lists for t in ts] + [self.exp_avg, self.graft_sq]:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
@@ -272,11 +313,12 @@ class ShampooLayer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        sd = {f"stat_{f}": t.clone() for f, t in self.statistics.items()}
+        pack = lambda ts: self._pack(ts).clone()  # noqa: E731
+        sd = {f"stat_{f}": pack(t) for f, t in self.statistics.items()}
         if not self._alias:
-            sd.update({f"snapshot_{f}": t.clone() for f, t in self.snapshots.items()})
-        sd.update({f"root_{f}": t.clone() for f, t in self.roots.items()})
-        sd.update({f"pending_{f}": t.clone() for f, t in self._pending.items()})
+            sd.update({f"snapshot_{f}": pack(t) for f, t in self.snapshots.items()})
+        sd.update({f"root_{f}": pack(t) for f, t in self.roots.items()})
+        sd.update({f"pending_{f}": pack(t) for f, t in self._pending.items()})
         sd.update({n: t.clone() for n, t in (("exp_avg", self.exp_avg), ("graft_sq", self.graft_sq)) if t is not None})
         sd["counts"] = torch.tensor([self.stat_steps, self._snapshot_steps, self.steps])
         return sd
@@ -285,8 +327,10 @@ class ShampooLayer:
         if f"stat_{FACTORS[0]}" in sd:
             self._allocate_stats()
             for f in FACTORS:
-                self.statistics[f].copy_(sd[f"stat_{f}"])
-        pick = lambda prefix: {f: sd[f"{prefix}_{f}"].clone() for f in FACTORS if f"{prefix}_{f}" in sd}  # noqa: E731
+                for S, saved in zip(self.statistics[f], self._unpack(f, sd[f"stat_{f}"])):
+                    S.copy_(saved)
+        pick = lambda prefix: {f: [t.clone() for t in self._unpack(f, sd[f"{prefix}_{f}"])]  # noqa: E731
+                               for f in FACTORS if f"{prefix}_{f}" in sd}
         self.snapshots = dict(self.statistics) if self._alias else pick("snapshot")
         self.roots, self._pending, self._spare = pick("root"), pick("pending"), {}
         self.exp_avg = sd["exp_avg"].clone() if "exp_avg" in sd else None
