@@ -724,6 +724,7 @@ def fair_report(race_: FairRace, args) -> str:
             shown = ", ".join(f"{k}={v}" for k, v in s.items())
             lines.append(f"| {opt} | {shown} | {fmt(r and r['final_val'])} | {'**yes**' if s == chosen else ''} |")
         lines.append(f"| {opt} | ({done}/{len(grid)} grid points done) | | |")
+    figures: dict = {}  # (corpus, optimizer) -> per seed: settled H/T, "missed", or None (unfinished)
     lines += ["", "| corpus | seed | target (AdamW @T) | optimizer | H/T | runs (H: final loss) |", "|---|---|---|---|---|---|"]
     for corpus in args.corpus:
         for seed in args.seeds:
@@ -745,6 +746,24 @@ def fair_report(race_: FairRace, args) -> str:
                         "not reached" if 1.0 in missed else "unfinished")
                 shown = ", ".join(f"{h:.2f}: {fmt(r['final_val'])}" for h, r in sorted(runs.items()))
                 lines.append(f"| {corpus} | {seed} | {fmt(target)} | {opt} | {cell} | {shown} |")
+                figures.setdefault((corpus, opt), []).append(best if settled else "missed" if cell == "not reached"
+                                                             else None)
+    # seconds = H x its per-step cost over T x AdamW's: the paired cost of `--only cost` in this work dir
+    paired = cost_ratios(load_state(race_.work / "race.json"))
+    lines += ["", f"Medians and worst over seeds ({len(args.seeds)} seeds a corpus; a missed seed is worst = missed; "
+              "seconds ratio = H/T x the paired per-step cost ratio of --only cost, '-' until it ran):", "",
+              "| corpus | optimizer | seeds done | median H/T | worst H/T | median s ratio | worst s ratio |",
+              "|---|---|---|---|---|---|---|"]
+    for (corpus, opt), hs in figures.items():
+        done = [h for h in hs if h is not None]
+        vals = [1e9 if h == "missed" else h for h in done]
+        med = statistics.median(vals) if done else None
+        worst = max(vals) if done else None
+
+        def show(v, ratio=1.0):
+            return "-" if v is None or ratio is None else "missed" if v >= 1e9 else f"{v * ratio:.2f}"
+        lines.append(f"| {corpus} | {opt} | {len(done)}/{len(hs)} | {show(med)} | {show(worst)} | "
+                     f"{show(med, paired.get(opt))} | {show(worst, paired.get(opt))} |")
     return "\n".join(lines) + "\n"
 
 
