@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -429,6 +430,10 @@ def compact(state: dict, steps: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=FAIR_PARTS, default=None,
+                    help="the fair race of issue 38 (see fair_main): tune, target, horizon or fair-report")
+    ap.add_argument("--jobs", type=int, default=2, help="--part: runs at once (one thread each)")
+    ap.add_argument("--run-one", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=("tune", "race", "cost", "report"), default=None,
                     help="one part (default: tune, race, cost, then the report)")
     ap.add_argument("--corpus", nargs="+", choices=("pydoc", "licenses"), default=["pydoc", "licenses"])
@@ -447,6 +452,10 @@ def main(argv=None) -> int:
                     help="plans, data, run logs and race.json (every run recorded; the report reads it)")
     ap.add_argument("--json", type=Path, default=None, help="also write the record without per-step times here")
     args = ap.parse_args(argv)
+    if args.run_one:
+        return run_one(args.run_one)
+    if args.part:
+        return fair_main(args)
     if "adamw" not in args.optimizers and args.only != "report":
         print("note: without adamw, the race takes the target from an AdamW run recorded earlier", file=sys.stderr)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -479,6 +488,283 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(compact(state, args.steps), indent=1) + "\n")
     return 0
+
+
+# --- the fair race (issue 38): warm-up and decay to each run's horizon ----------------------------
+FAIR_PARTS = ("tune", "target", "horizon", "fair-report")
+# Every run: linear warm-up over 5% of its horizon, then cosine decay to 0.1 of the peak at its
+# last step (schedule.decay_steps 0), the same shape for every optimizer and horizon.
+WARMUP_FRACTION, FINAL_LR_RATIO = 0.05, 0.1
+# The tuning budget, the same for every optimizer: 3 rates (the constant-rate race's tuned rate
+# x 0.5, 1, 2) x 2 values of one knob of its own = 6 runs of T steps on pydoc, seed 0.
+FAIR_GRID = {"adamw": ("optimizer.adam_lr", (1e-3, 2e-3, 4e-3), "optimizer.adam_betas", ([0.9, 0.99], [0.9, 0.999])),
+             "kfac": ("optimizer.lr", (0.05, 0.1, 0.2), "kfac.damping", (1e-4, 1e-3)),
+             "muon": ("muon.lr", (5e-3, 1e-2, 2e-2), "muon.momentum", (0.9, 0.95)),
+             "shampoo": ("optimizer.lr", (0.1, 0.3, 1.0), "shampoo.beta2", (0.99, 0.999))}
+HORIZONS = tuple(round(0.3 + 0.05 * i, 2) for i in range(15))  # H/T searched by bisection
+
+
+def schedule_settings(horizon: int) -> dict:
+    return {"train.steps": horizon, "schedule.warmup_steps": max(1, round(WARMUP_FRACTION * horizon)),
+            "schedule.decay": "cosine", "schedule.decay_steps": 0, "schedule.final_lr_ratio": FINAL_LR_RATIO}
+
+
+def run_key(opt: str, settings: dict, corpus: str, seed: int, horizon: int) -> str:
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{opt}-{corpus}-s{seed}-H{horizon}-{digest}"
+
+
+def run_one(spec_path: Path) -> int:
+    """One single-process run (runtime.train.train_step, the pipeline's proven reference) of a
+    spec: the plan's k and partition, the config's settings; evaluated as the pipeline
+    evaluates (runtime.evaluate.evaluate_model, stage by stage, mean over micro-batches)."""
+    import torch
+
+    from pfcompile.formats.plan import load_plan
+    from runtime.config import job as job_config
+    from runtime.evaluate import evaluate_model
+    from runtime.io.data import make_stream, open_token_file
+    from runtime.models import build_model, resolve_config, resolve_model
+    from runtime.optimizers import registry
+    from runtime.optimizers.stage import build_optimizer, optim_config
+    from runtime.train import make_optimizer_layers, train_step
+
+    torch.set_num_threads(1)
+    spec = json.loads(spec_path.read_text())
+    plan = load_plan(spec["plan"])
+    cfg = job_config.load(None, [f"{k}={job_config.toml_value(v)}" for k, v in spec["settings"].items()])
+    job_config.apply_plan(cfg, plan, spec["plan"])
+    n, seq = plan.config.micro_batches, plan.model["seq_len"]
+    batch = plan.model["micro_batch"] * n
+    model_spec = resolve_model(resolve_config(plan.model["name"], seq_len=seq))
+    kind = model_spec.cfg.kind
+    if spec["data"]:
+        stream = make_stream(kind, batch, seq, seed=cfg.train.seed,
+                             token_file=open_token_file(spec["data"], model_spec.cfg.vocab, batch, seq))
+        val = make_stream(kind, batch, seq, seed=0,
+                          token_file=open_token_file(spec["val_data"], model_spec.cfg.vocab, batch, seq))
+    else:
+        stream = make_stream(kind, batch, seq, seed=cfg.train.seed)
+        val = make_stream(kind, batch, seq, seed=0, split="val")
+    val_batches = val.fixed_batches(spec["eval_batches"])
+    name = plan.config.optimizer
+    entry = registry.entry(name)
+    model = build_model(model_spec, seed=cfg.train.seed)
+    step_cfg = entry.math_config(cfg)
+    layers = make_optimizer_layers(model, name, step_cfg, n)
+    stage_of = dict(zip(plan.layers, plan.layer_stage))
+    groups = ([g for g in ([l for l in layers if stage_of[l.name] == s] for s in range(plan.num_stages)) if g]
+              if layers and entry.kl_clip else None)  # the pipeline KL-clips per stage
+    opt = build_optimizer(model, layers, optim_config(cfg), optimizer=name)
+    steps, every = cfg.train.steps, spec["eval_every"]
+    val_curve, t0 = [], time.perf_counter()
+    for step in range(steps):
+        train_step(model, layers, opt, stream.batch(step), step, n, step_cfg, kl_groups=groups, seed=cfg.train.seed,
+                   max_grad_norm=cfg.optimizer.max_grad_norm)
+        if step + 1 == steps or (every and (step + 1) % every == 0):
+            loss = evaluate_model(model, val_batches, n, partition=plan.partition)
+            model.train()
+            if not math.isfinite(loss):
+                val_curve.append((step + 1, None))
+                break
+            val_curve.append((step + 1, loss))
+    final = val_curve[-1][1] if val_curve and val_curve[-1][0] == steps else None
+    out = {**{k: spec[k] for k in ("optimizer", "settings", "corpus", "seed", "horizon")}, "engine": "single-process",
+           "val": val_curve, "final_val": final, "wall_s": time.perf_counter() - t0, "commit": commit()}
+    tmp = Path(spec["out"]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(spec["out"])
+    return 0
+
+
+class FairRace:
+    """Per-run JSON results under WORK/runs (keyed by optimizer, settings, corpus, seed,
+    horizon): a finished run is never run again, so every part resumes where it stopped."""
+
+    def __init__(self, args):
+        self.args, self.work = args, args.work
+        (self.work / "runs").mkdir(parents=True, exist_ok=True)
+        self.plans: dict[str, Path] = {}
+        self.data: dict[str, tuple] = {}
+
+    def plan(self, opt: str) -> Path:
+        if opt not in self.plans:
+            path = self.work / "plans" / f"{opt}.json"
+            if not path.exists():
+                make_plan(self.work, opt, self.args.time_limit)
+            self.plans[opt] = path
+        return self.plans[opt]
+
+    def corpus(self, corpus: str) -> tuple:
+        if corpus not in self.data:
+            if corpus == "pydoc":
+                self.data[corpus] = (None, None)
+            else:
+                train = self.work / "data" / "licenses.bin"
+                if not train.exists():
+                    corpus_data(self.work, corpus)
+                self.data[corpus] = (str(train), str(train.with_name("licenses.val.bin")))
+        return self.data[corpus]
+
+    def result(self, opt, settings, corpus, seed, horizon) -> dict | None:
+        path = self.work / "runs" / (run_key(opt, settings, corpus, seed, horizon) + ".json")
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def run(self, opt: str, settings: dict, corpus: str, seed: int, horizon: int) -> dict:
+        done = self.result(opt, settings, corpus, seed, horizon)
+        if done:
+            return done
+        key = run_key(opt, settings, corpus, seed, horizon)
+        out = self.work / "runs" / f"{key}.json"
+        data, val_data = self.corpus(corpus)
+        spec = {"optimizer": opt, "settings": {**settings, **schedule_settings(horizon), "train.seed": seed},
+                "corpus": corpus, "seed": seed, "horizon": horizon, "plan": str(self.plan(opt)), "data": data,
+                "val_data": val_data, "eval_every": self.args.eval_every, "eval_batches": self.args.eval_batches,
+                "out": str(out)}
+        spec_path = self.work / "runs" / f"{key}.spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        load0 = load_avg()
+        with open(self.work / "runs" / f"{key}.log", "w") as log:
+            r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-one", str(spec_path)], cwd=ROOT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+        if r.returncode != 0 or not out.exists():
+            raise SystemExit(f"run {key} failed: see {self.work / 'runs' / (key + '.log')}")
+        res = json.loads(out.read_text())
+        res.update({"settings": settings, "load_before": load0, "load_after": load_avg()})
+        out.write_text(json.dumps(res, indent=1))
+        print(f"{key}: final val. loss {fmt(res['final_val'])} ({res['wall_s']:.0f} s, load {load0} -> "
+              f"{res['load_after']})", flush=True)
+        return res
+
+    # --- tuning -----------------------------------------------------------------------------
+    def grid(self, opt: str) -> list[dict]:
+        lr_key, rates, knob, values = FAIR_GRID[opt]
+        base = {} if opt == "adamw" else self.adamw_part()
+        return [{**FIXED.get(opt, {}), **base, lr_key: lr, knob: v} for lr in rates for v in values]
+
+    def adamw_part(self) -> dict:
+        """The hybrids' AdamW part takes AdamW's tuned rate and betas."""
+        best = self.tuned("adamw")
+        if best is None:
+            raise SystemExit("AdamW's tuning is not finished (run --part tune --optimizers adamw first)")
+        return {k: best[k] for k in ("optimizer.adam_lr", "optimizer.adam_betas")}
+
+    def tuned(self, opt: str) -> dict | None:
+        """The grid point with the lowest final validation loss at T (None until every point ran)."""
+        if opt != "adamw" and self.tuned("adamw") is None:
+            return None
+        finished = [(self.result(opt, s, "pydoc", 0, self.args.steps), s) for s in self.grid(opt)]
+        if any(r is None for r, _ in finished):
+            return None
+        ok = [(r["final_val"], s) for r, s in finished if r["final_val"] is not None]
+        return min(ok, key=lambda x: x[0])[1] if ok else None
+
+    def target(self, corpus: str, seed: int) -> float | None:
+        best = self.tuned("adamw")
+        res = best and self.result("adamw", best, corpus, seed, self.args.steps)
+        return res["final_val"] if res else None
+
+    def horizon(self, opt: str, corpus: str, seed: int) -> dict:
+        """Bisection on HORIZONS for the shortest H whose final loss reaches the target
+        (reaching assumed monotone in H); H = None: not reached even at T."""
+        target, settings, T = self.target(corpus, seed), self.tuned(opt), self.args.steps
+        lo, hi = 0, len(HORIZONS)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            res = self.run(opt, settings, corpus, seed, round(HORIZONS[mid] * T))
+            if res["final_val"] is not None and res["final_val"] <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return {"H": round(HORIZONS[hi] * T) if hi < len(HORIZONS) else None}
+
+
+def parallel(tasks, jobs: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for f in [pool.submit(t) for t in tasks]:
+            f.result()
+
+
+def fair_main(args) -> int:
+    race_ = FairRace(args)
+    opts = [o for o in args.optimizers if o in FAIR_GRID]
+    if args.part == "tune":
+        for opt in opts:  # AdamW first: the others' AdamW part takes its tuned settings
+            parallel([lambda s=s, o=opt: race_.run(o, s, "pydoc", 0, args.steps) for s in race_.grid(opt)], args.jobs)
+    elif args.part == "target":
+        best = race_.tuned("adamw")
+        if best is None:
+            raise SystemExit("AdamW's tuning is not finished (run --part tune --optimizers adamw first)")
+        parallel([lambda c=c, s=s: race_.run("adamw", best, c, s, args.steps) for c in args.corpus for s in args.seeds],
+                 args.jobs)
+    elif args.part == "horizon":
+        parallel([lambda o=o, c=c, s=s: race_.horizon(o, c, s) for o in opts if o != "adamw" and race_.tuned(o)
+                  for c in args.corpus for s in args.seeds if race_.target(c, s) is not None], args.jobs)
+    print(fair_report(race_, args))
+    return 0
+
+
+def fair_report(race_: FairRace, args) -> str:
+    T = args.steps
+    lines = [f"commit {commit()}, load average now {load_avg()}", "",
+             f"Schedule: warm-up {WARMUP_FRACTION:.0%} of the horizon, cosine to {FINAL_LR_RATIO} of the peak at its "
+             f"last step. Tuning: pydoc, seed 0, T = {T}, final validation loss.", "",
+             "| optimizer | settings | final val. loss | chosen |", "|---|---|---|---|"]
+    for opt in FAIR_GRID:
+        try:
+            grid = race_.grid(opt)
+        except SystemExit:
+            continue
+        chosen = race_.tuned(opt)
+        done = 0
+        for s in grid:
+            r = race_.result(opt, s, "pydoc", 0, T)
+            done += r is not None
+            shown = ", ".join(f"{k}={v}" for k, v in s.items())
+            lines.append(f"| {opt} | {shown} | {fmt(r and r['final_val'])} | {'**yes**' if s == chosen else ''} |")
+        lines.append(f"| {opt} | ({done}/{len(grid)} grid points done) | | |")
+    figures: dict = {}  # (corpus, optimizer) -> per seed: settled H/T, "missed", or None (unfinished)
+    lines += ["", "| corpus | seed | target (AdamW @T) | optimizer | H/T | runs (H: final loss) |", "|---|---|---|---|---|---|"]
+    for corpus in args.corpus:
+        for seed in args.seeds:
+            target = race_.target(corpus, seed)
+            for opt in FAIR_GRID:
+                if opt == "adamw":
+                    continue
+                settings = race_.tuned(opt) if target is not None else None
+                if settings is None:
+                    lines.append(f"| {corpus} | {seed} | {fmt(target)} | {opt} | not run | |")
+                    continue
+                runs = {h: race_.result(opt, settings, corpus, seed, round(h * T)) for h in HORIZONS}
+                runs = {h: r for h, r in runs.items() if r}
+                reached = [h for h, r in runs.items() if r["final_val"] is not None and r["final_val"] <= target]
+                missed = [h for h, r in runs.items() if h not in reached]
+                best = min(reached, default=None)
+                settled = best is not None and (best == HORIZONS[0] or round(best - 0.05, 2) in missed)
+                cell = (f"{best:.2f}" if settled else f"<= {best:.2f} (search unfinished)" if best else
+                        "not reached" if 1.0 in missed else "unfinished")
+                shown = ", ".join(f"{h:.2f}: {fmt(r['final_val'])}" for h, r in sorted(runs.items()))
+                lines.append(f"| {corpus} | {seed} | {fmt(target)} | {opt} | {cell} | {shown} |")
+                figures.setdefault((corpus, opt), []).append(best if settled else "missed" if cell == "not reached"
+                                                             else None)
+    # seconds = H x its per-step cost over T x AdamW's: the paired cost of `--only cost` in this work dir
+    paired = cost_ratios(load_state(race_.work / "race.json"))
+    lines += ["", f"Medians and worst over seeds ({len(args.seeds)} seeds a corpus; a missed seed is worst = missed; "
+              "seconds ratio = H/T x the paired per-step cost ratio of --only cost, '-' until it ran):", "",
+              "| corpus | optimizer | seeds done | median H/T | worst H/T | median s ratio | worst s ratio |",
+              "|---|---|---|---|---|---|---|"]
+    for (corpus, opt), hs in figures.items():
+        done = [h for h in hs if h is not None]
+        vals = [1e9 if h == "missed" else h for h in done]
+        med = statistics.median(vals) if done else None
+        worst = max(vals) if done else None
+
+        def show(v, ratio=1.0):
+            return "-" if v is None or ratio is None else "missed" if v >= 1e9 else f"{v * ratio:.2f}"
+        lines.append(f"| {corpus} | {opt} | {len(done)}/{len(hs)} | {show(med)} | {show(worst)} | "
+                     f"{show(med, paired.get(opt))} | {show(worst, paired.get(opt))} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
