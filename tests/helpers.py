@@ -21,6 +21,7 @@ from pfcompile.formats.profile import (
     Profile,
 )
 from pfcompile.formats.verify import model_hash
+from runtime.config import job as job_config
 from runtime.config.job import JobConfig
 from runtime.io.data import make_stream
 from runtime.models import (
@@ -50,7 +51,7 @@ EXAMPLES = str(ROOT / "examples")
 D64 = torch.float64
 
 
-def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0):
+def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0, settings: tuple[str, ...] = ()):
     """The single-process trainer (runtime.train.train_step) with the plan's model, data,
     optimizer (its registry entry's config from the runtime's defaults) and refresh cycle
     (clipping the gradient's global norm to `max_grad_norm` > 0)."""
@@ -59,7 +60,7 @@ def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0
     spec = resolve_model(plan["model"]["name"])
     model = build_model(spec, seed=0, dtype=torch.float64)
     initial = {name: v.clone() for name, v in model.state_dict().items()}
-    defaults = JobConfig()
+    defaults = job_config.load(overrides=list(settings)) if settings else JobConfig()  # the run's --set
     defaults.kfac.refresh_steps = k  # the plan fixes it (runtime.config.job.apply_plan)
     entry = registry.entry(optimizer)
     cfg = entry.math_config(defaults)

@@ -336,13 +336,18 @@ def test_committed_measured_profiles_load():
 
 
 
-def test_committed_optimizers_profile_has_every_optimizers_costs():
-    """benchmarks/race.py plans all four optimizers from it: each layer needs Shampoo's and Muon's ops."""
-    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
-    assert prof.source == "measured" and prof.model["name"] == "bert-tiny"
-    assert prof.provenance["optimizers"] == ["kfac", "shampoo", "muon"] and prof.provenance["muon_ns_dtype"] == "float32"
+@pytest.mark.parametrize("name, model", [("bert-tiny-cpu-optimizers", "bert-tiny"),
+                                         ("bert-mini-cpu-optimizers", "bert-mini"),
+                                         ("llama-tiny-cpu-optimizers", "llama-tiny")])
+def test_committed_optimizers_profile_has_every_optimizers_costs(name, model):
+    """benchmarks/race.py and runtime.py plan every optimizer from these: each layer needs every
+    declared optimizer's ops, measured."""
+    prof = load_profile(str(ROOT / "profiles" / f"{name}.json"))
+    assert prof.source == "measured" and prof.model["name"] == model
+    want = ["kfac", "shampoo", "soap", "muon"]
+    assert prof.provenance["optimizers"] == want and prof.provenance["muon_ns_dtype"] == "float32"
     for layer in prof.covered_layers:
-        assert set(layer.optimizer_ms) == {"kfac", "shampoo", "muon"}
+        assert set(layer.optimizer_ms) == set(want)
         assert all(v > 0 for costs in layer.optimizer_ms.values() for v in costs.values())
 
 # --- every field checked on load: a mutated profile whose hash was recomputed ---------------------

@@ -40,12 +40,13 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
 
 
 
+# (ZB-V runs SOAP's ops, the same kinds and dependencies as Shampoo's: one case covers both.)
 # Shampoo's k is fixed at 3: the planner's own choice on 1F1B (k = 12) would make the run
 # 25 steps long, and any k tests the same thing, a whole cycle with roots in force.
 K3 = ("--refresh-steps", "3")
 SPLIT = ("--precond", "layers")
 CASES = [("shampoo", "1f1b", 2, "cpsat", K3), ("shampoo", "chimera", 2, "cpsat", (*K3, *SPLIT)),
-         ("shampoo", "zb-v", 2, "cpsat", K3), ("soap", "1f1b", 2, "cpsat", K3),
+         ("soap", "1f1b", 2, "cpsat", K3),
          ("soap", "chimera", 2, "cpsat", (*K3, *SPLIT)), ("soap", "zb-v", 2, "cpsat", K3),
          ("muon", "1f1b", 2, "cpsat", ()),
          ("muon", "chimera", 2, "cpsat", SPLIT), ("muon", "zb-v", 2, "none", ())]
@@ -62,10 +63,13 @@ def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule
         assert {"rs_grad", "ag_grad"} <= kinds and loaded["config"]["precond"] == "split"
     k = loaded["config"]["refresh_steps"]
     steps = 2 * k + 1  # a whole cycle with roots in force, and the first step of the next
-    r = torchrun(plan, loaded["config"]["world_size"], "--steps", str(steps),
+    # Shampoo's default ε (1e-12, absolute) on the first cycle's singular statistics amplifies
+    # rounding by ~1e3, and replicas sum the gradient in another order than one process
+    settings = ("shampoo.epsilon=1e-6",) if optimizer == "shampoo" else ()
+    r = torchrun(plan, loaded["config"]["world_size"], "--steps", str(steps), *(x for v in settings for x in ("--set", v)),
                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(steps))
     assert r.returncode == 0, r.stdout[-3000:]
-    initial, want_params = optimizer_reference_params(plan, steps)
+    initial, want_params = optimizer_reference_params(plan, steps, settings=settings)
     # The attention's key bias has an exactly zero gradient (softmax ignores a shift shared by
     # every key): what it gets is rounding noise, ~1e-17, which the replicas' all-reduce sums in
     # another order and AdamW (it covers the biases here, without weight decay) normalises into

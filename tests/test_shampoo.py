@@ -278,6 +278,20 @@ def _dense_ds(cfg: ShampooConfig, grads, w0, lr: float, k: int):
     return w
 
 
+def _run(lin, layer, opt, grads, k: int) -> None:
+    """The layer's ops in a trainer's order, one step per given gradient, then the step."""
+    for t, g in enumerate(grads):
+        if t % k == 0:
+            layer.activate()
+        lin.weight.grad, lin.bias.grad = g.clone(), None
+        layer.stats(cycle_step=t % k)
+        if t % k == 0:
+            layer.inv(factor="L")
+            layer.inv(factor="R")
+        layer.precond()
+        opt.step()
+
+
 DS_CASES = {
     "defaults (adam graft, beta1, decoupled wd)": dict(weight_decay=0.1),
     "adagrad": dict(graft="adagrad"), "rmsprop": dict(graft="rmsprop", graft_beta2=0.9),
@@ -301,16 +315,7 @@ def test_distributed_shampoo_options_equal_dense_float64(case):
     w0 = lin.weight.detach().numpy().copy()
     layer = ShampooLayer("lin", lin, cfg)
     opt = build_optimizer(lin, [layer], OptimConfig(lr=lr, momentum=0.3, weight_decay=0.5), optimizer="shampoo")
-    for t, g in enumerate(grads):
-        if t % k == 0:
-            layer.activate()
-        lin.weight.grad, lin.bias.grad = g.clone(), None
-        layer.stats(cycle_step=t % k)
-        if t % k == 0:
-            layer.inv(factor="L")
-            layer.inv(factor="R")
-        layer.precond()
-        opt.step()
+    _run(lin, layer, opt, grads, k)
     want = _dense_ds(cfg, [g.numpy() for g in grads], w0, lr, k)
     assert np.abs(want - w0).max() > 1e-3
     np.testing.assert_allclose(lin.weight.detach().numpy(), want, rtol=1e-10, atol=1e-11)
@@ -332,16 +337,7 @@ def test_blocks_equal_dense_float64_per_block(graft):
     layer = ShampooLayer("lin", lin, cfg)
     assert len(layer.blocks) == 6 and layer.block_dims["R"] == [4, 4, 1, 4, 4, 1]
     opt = build_optimizer(lin, [layer], OptimConfig(lr=lr), optimizer="shampoo")
-    for t, g in enumerate(grads):
-        if t % k == 0:
-            layer.activate()
-        lin.weight.grad, lin.bias.grad = g.clone(), None
-        layer.stats(cycle_step=t % k)
-        if t % k == 0:
-            layer.inv(factor="L")
-            layer.inv(factor="R")
-        layer.precond()
-        opt.step()
+    _run(lin, layer, opt, grads, k)
     want = np.zeros_like(w0)
     for r0, r1 in ((0, 4), (4, 7)):
         for c0, c1 in ((0, 4), (4, 8), (8, 9)):

@@ -213,6 +213,10 @@ class Optimizer:
         return any(d.divide for d in self.ops)
 
 
+# the copy of a factor's refreshed root from the replica that computed it to the others (all three refreshers')
+ROOT_BROADCAST = OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True,
+                        transfer=BROADCAST)
+
 KFAC = Optimizer(
     name="kfac",
     title="K-FAC",
@@ -241,7 +245,7 @@ KFAC = Optimizer(
         # both factors: the pi-corrected damping splits the damping by their traces
         OpDecl("inv", CYCLE, text="I", reads=("stat:A", "stat:B"), writes=("root:F",), divide=True,
                cost="inv_{factor}.{inverse}"),
-        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        ROOT_BROADCAST,
         OpDecl("precond", STEP, text="P", reads=("grad", "root:A", "root:B"), writes=("grad",), divide=True, cost="precond"),
     ),
 )
@@ -268,6 +272,20 @@ def _newton_schulz_flops(m: int, n: int, factor: str | None) -> float:
     return NS_STEPS * (4 * p * p * q + 2 * p ** 3)
 
 
+# Shampoo's statistics of both sides, their cycle's snapshot and what is refreshed from it,
+# where it preconditions (with k = 1 the snapshot is the statistics themselves): SOAP's too
+TWO_SIDED_STATE = (
+        StateDecl("stat:L", (OUT, OUT), owner_only=True),
+        StateDecl("stat:L@0", (OUT, OUT), owner_only=True, multi_step=True),
+        StateDecl("root:L", (OUT, OUT), copies=2, owner_only=True),
+        StateDecl("stat:R", (IN, IN), owner_only=True),
+        StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
+        StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+)
+TWO_SIDED_STATS = OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"),
+                         divide=True, cost="stats", flops=_two_sided_flops)
+
+
 SHAMPOO = Optimizer(
     name="shampoo",
     title="Shampoo",
@@ -278,12 +296,7 @@ SHAMPOO = Optimizer(
     # where it preconditions: statistics, the cycle's snapshot (k > 1; with k = 1 the snapshot is
     # the statistics themselves), the roots in force and pending
     state=(
-        StateDecl("stat:L", (OUT, OUT), owner_only=True),
-        StateDecl("stat:L@0", (OUT, OUT), owner_only=True, multi_step=True),
-        StateDecl("root:L", (OUT, OUT), copies=2, owner_only=True),
-        StateDecl("stat:R", (IN, IN), owner_only=True),
-        StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
-        StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+        *TWO_SIDED_STATE,
         StateDecl("moments", (OUT, IN), copies=2, owner_only=True),  # β1's average, the graft's second moment
     ),
     doc="Shampoo: L <- b L + (1-b) G G^T and R <- b R + (1-b) G^T G every step from the "
@@ -291,11 +304,10 @@ SHAMPOO = Optimizer(
         "first step's statistics); every step L^-1/4 m R^-1/4 of the gradient's average m, "
         "grafted to the norm of Adam's (AdaGrad's, RMSprop's, SGD's) direction",
     ops=(
-        OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
-               cost="stats", flops=_two_sided_flops),
+        TWO_SIDED_STATS,
         OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
                flops=_root_flops),
-        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        ROOT_BROADCAST,
         OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
                divide=True, cost="precond", flops=_two_sided_flops),
     ),
@@ -316,23 +328,17 @@ SOAP = Optimizer(
     # where it preconditions: Shampoo's statistics and snapshots, the bases in force and
     # pending, Adam's two moments
     state=(
-        StateDecl("stat:L", (OUT, OUT), owner_only=True),
-        StateDecl("stat:L@0", (OUT, OUT), owner_only=True, multi_step=True),
-        StateDecl("root:L", (OUT, OUT), copies=2, owner_only=True),
-        StateDecl("stat:R", (IN, IN), owner_only=True),
-        StateDecl("stat:R@0", (IN, IN), owner_only=True, multi_step=True),
-        StateDecl("root:R", (IN, IN), copies=2, owner_only=True),
+        *TWO_SIDED_STATE,
         StateDecl("moments", (OUT, IN), copies=2, owner_only=True),
     ),
     doc="SOAP: Shampoo's statistics every step; their eigenbasis once per cycle (an eigh, then "
         "one power-iteration-and-QR step per refresh); every step Adam in that basis",
     ops=(
-        OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("stat:L", "stat:R", "stat:L@0", "stat:R@0"), divide=True,
-               cost="stats", flops=_two_sided_flops),
+        TWO_SIDED_STATS,
         # timed and estimated as the first refresh (an eigh), an upper bound on the later QR steps
         OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
                flops=_root_flops),
-        OpDecl("bcast_inv", CYCLE, text="BI", reads=("root:F",), writes=("root:F",), collective=True, transfer=BROADCAST),
+        ROOT_BROADCAST,
         OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
                divide=True, cost="precond", flops=_rotations_flops),
     ),
