@@ -286,6 +286,11 @@ TWO_SIDED_STATS = OpDecl("stats", STEP, text="ST", reads=("grad",), writes=("sta
                          divide=True, cost="stats", flops=_two_sided_flops)
 
 
+# a factor's root (Shampoo) or eigenbasis (SOAP) from the cycle's snapshot, timed as an eigh
+TWO_SIDED_REFRESH = OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True,
+                           cost="inv_{factor}", flops=_root_flops)
+
+
 SHAMPOO = Optimizer(
     name="shampoo",
     title="Shampoo",
@@ -305,8 +310,7 @@ SHAMPOO = Optimizer(
         "grafted to the norm of Adam's (AdaGrad's, RMSprop's, SGD's) direction",
     ops=(
         TWO_SIDED_STATS,
-        OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
-               flops=_root_flops),
+        TWO_SIDED_REFRESH,
         ROOT_BROADCAST,
         OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
                divide=True, cost="precond", flops=_two_sided_flops),
@@ -335,9 +339,7 @@ SOAP = Optimizer(
         "one power-iteration-and-QR step per refresh); every step Adam in that basis",
     ops=(
         TWO_SIDED_STATS,
-        # timed and estimated as the first refresh (an eigh), an upper bound on the later QR steps
-        OpDecl("inv", CYCLE, text="I", reads=("stat:F@0",), writes=("root:F",), divide=True, cost="inv_{factor}",
-               flops=_root_flops),
+        TWO_SIDED_REFRESH,  # timed and estimated as the first refresh (an eigh): an upper bound on the QR steps
         ROOT_BROADCAST,
         OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
                divide=True, cost="precond", flops=_rotations_flops),
