@@ -55,12 +55,12 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"
-OPTIMIZERS = ("adamw", "kfac", "shampoo", "muon")
+OPTIMIZERS = ("adamw", "kfac", "shampoo", "muon", "soap")
 LICENSES_DIR = Path("/usr/share/common-licenses")
 COST_WARMUP = 10  # steps of a step-cost run left untimed: start-up, the first refresh cycles
 
 # The key each optimizer's learning-rate grid varies: the rate of the weights it covers.
-LR_KEY = {"adamw": "optimizer.adam_lr", "kfac": "optimizer.lr", "shampoo": "optimizer.lr", "muon": "muon.lr"}
+LR_KEY = {"adamw": "optimizer.adam_lr", "kfac": "optimizer.lr", "shampoo": "shampoo.lr", "muon": "muon.lr"}
 GRID = {"adamw": (5e-4, 1e-3, 2e-3, 4e-3),
         "kfac": (0.05, 0.1, 0.2),
         "shampoo": (0.1, 0.3, 1.0),
@@ -456,6 +456,10 @@ def main(argv=None) -> int:
         return run_one(args.run_one)
     if args.part:
         return fair_main(args)
+    if "soap" in args.optimizers:
+        if args.optimizers != list(OPTIMIZERS):
+            raise SystemExit("SOAP runs in the fair race only (--part); the constant-rate race has no grid for it")
+        args.optimizers.remove("soap")
     if "adamw" not in args.optimizers and args.only != "report":
         print("note: without adamw, the race takes the target from an AdamW run recorded earlier", file=sys.stderr)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -495,12 +499,16 @@ FAIR_PARTS = ("tune", "target", "horizon", "fair-report")
 # Every run: linear warm-up over 5% of its horizon, then cosine decay to 0.1 of the peak at its
 # last step (schedule.decay_steps 0), the same shape for every optimizer and horizon.
 WARMUP_FRACTION, FINAL_LR_RATIO = 0.05, 0.1
-# The tuning budget, the same for every optimizer: 3 rates (the constant-rate race's tuned rate
-# x 0.5, 1, 2) x 2 values of one knob of its own = 6 runs of T steps on pydoc, seed 0.
-FAIR_GRID = {"adamw": ("optimizer.adam_lr", (1e-3, 2e-3, 4e-3), "optimizer.adam_betas", ([0.9, 0.99], [0.9, 0.999])),
-             "kfac": ("optimizer.lr", (0.05, 0.1, 0.2), "kfac.damping", (1e-4, 1e-3)),
-             "muon": ("muon.lr", (5e-3, 1e-2, 2e-2), "muon.momentum", (0.9, 0.95)),
-             "shampoo": ("optimizer.lr", (0.1, 0.3, 1.0), "shampoo.beta2", (0.99, 0.999))}
+# The tuning budget, the same for every optimizer: 4 rates (the constant-rate race's tuned rate
+# x 0.5, 1, 2, 4; Shampoo and SOAP on Adam's scale, AdamW's) x 2 values of one knob of its own
+# = 8 runs of T steps on pydoc, seed 0. The fourth rate: AdamW's first 3 x 2 grid chose its top
+# edge (results/2026-12-03-race.md), so every grid got one rate more.
+FAIR_GRID = {"adamw": ("optimizer.adam_lr", (1e-3, 2e-3, 4e-3, 8e-3), "optimizer.adam_betas",
+                       ([0.9, 0.99], [0.9, 0.999])),
+             "kfac": ("optimizer.lr", (0.05, 0.1, 0.2, 0.4), "kfac.damping", (1e-4, 1e-3)),
+             "muon": ("muon.lr", (5e-3, 1e-2, 2e-2, 4e-2), "muon.momentum", (0.9, 0.95)),
+             "shampoo": ("shampoo.lr", (1e-3, 2e-3, 4e-3, 8e-3), "shampoo.beta2", (0.99, 0.999)),
+             "soap": ("soap.lr", (1e-3, 2e-3, 4e-3, 8e-3), "soap.beta2", (0.95, 0.99))}
 HORIZONS = tuple(round(0.3 + 0.05 * i, 2) for i in range(15))  # H/T searched by bisection
 
 

@@ -162,7 +162,7 @@ def test_the_built_in_entries_say_what_the_runtime_branched_on():
     assert kfac.kl_clip and kfac.captures and not shampoo.kl_clip and not shampoo.captures
     assert muon.clip_first and not kfac.clip_first and not shampoo.clip_first
     assert (kfac.base_lr, shampoo.base_lr, muon.base_lr, adamw.base_lr) == \
-        ("optimizer.lr", "optimizer.lr", "muon.lr", "optimizer.adam_lr")
+        ("optimizer.lr", "shampoo.lr", "muon.lr", "optimizer.adam_lr")
     assert adamw.math_config(None) is None and adamw.ops.ops == ()
     # every layer has a method for every op kind of its declaration that is not a collective
     model = _model()

@@ -126,6 +126,8 @@ class Kfac:
 
 @dataclass
 class Shampoo:
+    lr: float = setting(1e-3, "Shampoo learning rate of the covered weights (Adam grafting: Adam's scale)",
+                        POSITIVE_FINITE)
     beta2: float = setting(0.999, "EMA of the statistics L, R (1: plain sums, the original Shampoo)",
                            (lambda v: 0 < v <= 1, "in (0, 1]"))
     epsilon: float = setting(1e-12, "damping added to the statistic's eigenvalues before the root", POSITIVE_FINITE)

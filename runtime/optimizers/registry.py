@@ -154,7 +154,7 @@ register(OptimizerEntry("shampoo", config="runtime.optimizers.shampoo:shampoo_co
                         config_class="runtime.optimizers.shampoo:ShampooConfig",
                         make_layer="runtime.optimizers.shampoo:make_layer",
                         stage_optimizer="runtime.optimizers.shampoo:stage_optimizer", section="shampoo",
-                        title="Shampoo", refresh_what="inverse fourth root"))
+                        base_lr="shampoo.lr", title="Shampoo", refresh_what="inverse fourth root"))
 register(OptimizerEntry("soap", config="runtime.optimizers.soap:soap_config",
                         config_class="runtime.optimizers.soap:SoapConfig",
                         make_layer="runtime.optimizers.soap:make_layer",

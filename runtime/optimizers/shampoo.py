@@ -61,6 +61,7 @@ class ShampooConfig:
     momentum: float | None = 0.0      # the step's heavy-ball momentum; None: [optimizer] momentum
     weight_decay: float | None = 0.0  # decoupled; None: [optimizer] weight_decay, added to the gradient
     max_preconditioner_dim: int = 1024  # a weight is split into blocks of at most this many rows and columns
+    lr: float | None = None           # the covered weights' rate; None: [optimizer] lr
 
     def __post_init__(self):
         if self.graft not in GRAFTS:
@@ -89,7 +90,7 @@ def shampoo_config(job) -> ShampooConfig:
                          exponent_override=s.exponent_override,
                          start_preconditioning_step=s.start_preconditioning_step, momentum=s.momentum,
                          weight_decay=s.weight_decay, max_preconditioner_dim=s.max_preconditioner_dim,
-                         refresh_steps=job.kfac.refresh_steps or 1)
+                         refresh_steps=job.kfac.refresh_steps or 1, lr=s.lr)
 
 
 def block_sizes(n: int, most: int) -> list[int]:
@@ -98,12 +99,14 @@ def block_sizes(n: int, most: int) -> list[int]:
 
 
 def stage_optimizer(module: nn.Module, layers, cfg):
-    """Shampoo's directions applied by SGD at [optimizer] lr, with Shampoo's momentum and
-    decoupled weight decay (where set; else the [optimizer] section's); AdamW on the rest."""
+    """Shampoo's directions applied by SGD at Shampoo's rate, with its momentum and decoupled
+    weight decay (each where set; else the [optimizer] section's); AdamW on the rest."""
     from runtime.optimizers.stage import SgdOnCoveredOptimizer
 
     layers = list(layers)
     s = layers[0].cfg if layers else None
+    if s is not None and s.lr is not None:
+        cfg = dataclasses.replace(cfg, lr=s.lr)
     if s is not None and s.momentum is not None:
         cfg = dataclasses.replace(cfg, momentum=s.momentum)
     if s is not None and s.weight_decay is not None:
