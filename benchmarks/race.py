@@ -246,17 +246,18 @@ def tune_table(state: dict) -> str:
 
 
 # --- the per-step cost, paired --------------------------------------------------------------------
-def step_cost(args, state: dict, plans: dict[str, Path], work: Path) -> None:
+def step_cost(args, state: dict, plans: dict[str, Path], work: Path, settings: dict | None = None) -> None:
     """Each optimizer's mean step time in short runs one after another, the order rotated every
     round: on a shared machine the load drifts over a race's minutes, and a ratio of two runs
-    seconds apart is the per-step cost the race's seconds ratio mixes with its steps ratio."""
+    seconds apart is the per-step cost the race's seconds ratio mixes with its steps ratio.
+    `settings`: each optimizer's (default TUNED, the constant-rate race's)."""
     data, _ = corpus_data(work, "pydoc")
     rounds = state.setdefault("cost", {"steps": args.cost_steps, "warmup": COST_WARMUP, "rounds": []})
     for r in range(args.cost_rounds):
         order = args.optimizers[r % len(args.optimizers):] + args.optimizers[:r % len(args.optimizers)]
         record = {}
         for opt in order:
-            res = run(plans[opt], TUNED[opt], 0, args.cost_steps, data, work / "cost" / f"{len(rounds['rounds'])}-{opt}",
+            res = run(plans[opt], (settings or TUNED)[opt], 0, args.cost_steps, data, work / "cost" / f"{len(rounds['rounds'])}-{opt}",
                       0, 1)
             timed = res["step_ms"][COST_WARMUP:]
             if not timed:
@@ -431,7 +432,7 @@ def compact(state: dict, steps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=FAIR_PARTS, default=None,
-                    help="the fair race of issue 38 (see fair_main): tune, target, horizon or fair-report")
+                    help="the fair race of issue 38 (see fair_main): tune, target, horizon, cost or fair-report")
     ap.add_argument("--jobs", type=int, default=2, help="--part: runs at once (one thread each)")
     ap.add_argument("--run-one", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=("tune", "race", "cost", "report"), default=None,
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
 
 
 # --- the fair race (issue 38): warm-up and decay to each run's horizon ----------------------------
-FAIR_PARTS = ("tune", "target", "horizon", "fair-report")
+FAIR_PARTS = ("tune", "target", "horizon", "cost", "fair-report")
 # Every run: linear warm-up over 5% of its horizon, then cosine decay to 0.1 of the peak at its
 # last step (schedule.decay_steps 0), the same shape for every optimizer and horizon.
 WARMUP_FRACTION, FINAL_LR_RATIO = 0.05, 0.1
@@ -709,6 +710,18 @@ def fair_main(args) -> int:
     elif args.part == "horizon":
         parallel([lambda o=o, c=c, s=s: race_.horizon(o, c, s) for o in opts if o != "adamw" and race_.tuned(o)
                   for c in args.corpus for s in args.seeds if race_.target(c, s) is not None], args.jobs)
+    elif args.part == "cost":  # the paired per-step cost of the tuned settings, on the race's 2-rank plans
+        tuned = {o: race_.tuned(o) for o in dict.fromkeys(["adamw", *opts])}
+        args.optimizers = [o for o, t in tuned.items() if t is not None]
+        args.state = args.work / "race.json"
+        state = load_state(args.state)
+        plans = {o: race_.plan(o) for o in args.optimizers}
+        for o, p in plans.items():
+            stats = json.loads(p.read_text())["stats"]
+            state["plans"][o] = {k: stats.get(k) for k in ("step_time_ms", "step_overhead", "refresh_steps",
+                                                           "solver_status", "gap")}
+        step_cost(args, state, plans, args.work, settings={o: {**FIXED.get(o, {}), **t} for o, t in tuned.items()
+                                                             if t is not None})
     print(fair_report(race_, args))
     return 0
 
@@ -757,9 +770,10 @@ def fair_report(race_: FairRace, args) -> str:
                 figures.setdefault((corpus, opt), []).append(best if settled else "missed" if cell == "not reached"
                                                              else None)
     # seconds = H x its per-step cost over T x AdamW's: the paired cost of `--only cost` in this work dir
-    paired = cost_ratios(load_state(race_.work / "race.json"))
+    state = load_state(race_.work / "race.json")
+    paired = cost_ratios(state)
     lines += ["", f"Medians and worst over seeds ({len(args.seeds)} seeds a corpus; a missed seed is worst = missed; "
-              "seconds ratio = H/T x the paired per-step cost ratio of --only cost, '-' until it ran):", "",
+              "seconds ratio = H/T x the paired per-step cost ratio of --part cost, '-' until it ran):", "",
               "| corpus | optimizer | seeds done | median H/T | worst H/T | median s ratio | worst s ratio |",
               "|---|---|---|---|---|---|---|"]
     for (corpus, opt), hs in figures.items():
@@ -772,6 +786,7 @@ def fair_report(race_: FairRace, args) -> str:
             return "-" if v is None or ratio is None else "missed" if v >= 1e9 else f"{v * ratio:.2f}"
         lines.append(f"| {corpus} | {opt} | {len(done)}/{len(hs)} | {show(med)} | {show(worst)} | "
                      f"{show(med, paired.get(opt))} | {show(worst, paired.get(opt))} |")
+    lines += ["", cost_table(state)]
     return "\n".join(lines) + "\n"
 
 

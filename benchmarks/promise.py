@@ -1,0 +1,189 @@
+"""Does a run keep its plan's promise? (issue 39). Not a test: it times.
+
+For each model (default bert-tiny, bert-mini, llama-tiny) a fresh profile is made on this
+machine just before (`pfcompile profile --ranks 2 --cold-cache`, every optimizer's ops,
+the demo's short budget), then every optimizer is planned on 1F1B and on a zero-bubble
+family (ZB-H1), 2 stages, 4 micro-batches: AdamW as the family's order (`--method none`),
+the others by CP-SAT. Every plan runs once per round with `torchrun --nproc-per-node 2 -m
+runtime`, the order reversed every other round, for `--rounds` interleaved rounds. Nothing
+is calibrated. Per cell (model, schedule, optimizer):
+
+- measured / predicted step time (median over rounds, min-max beside it);
+- the optimizer's overhead over AdamW, measured minus planned, in points: per round the
+  paired ratio of the optimizer's run to AdamW's run of that round (same model and
+  schedule), its median over rounds, and the rounds' min-max;
+- where the time went: one more traced run per cell, through `pfcompile inspect TRACE
+  --against PLAN --profile PROFILE --json` (each op kind's share of the step error, the time
+  between ops, and the plan replayed with the run's own op times).
+
+    .venv/bin/python benchmarks/promise.py [--models bert-tiny bert-mini llama-tiny]
+        [--optimizers adamw kfac shampoo soap muon] [--schedules 1f1b zb-h1] [--rounds 5]
+        [--steps 30] [--out out/promise] [--profiles-from DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def _sibling(name: str):
+    """Another benchmark script of this folder, as a module (its launch and table helpers)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench, race = _sibling("runtime"), _sibling("race")
+
+PY = sys.executable
+MODELS = ("bert-tiny", "bert-mini", "llama-tiny")
+OPTIMIZERS = ("adamw", "kfac", "shampoo", "soap", "muon")
+SCHEDULES = ("1f1b", "zb-h1")
+NS_DTYPE = "float32"  # Muon's Newton-Schulz iteration: float32 on a CPU (bfloat16 is a GPU's choice)
+
+
+def profile(model: str, out: Path, reuse: Path | None) -> Path:
+    path = out / f"{model}.json"
+    if reuse is not None:
+        path.write_bytes((reuse / f"{model}.json").read_bytes())
+        return path
+    cmd = [PY, "-m", "pfcompile", "profile", "--model", model, "--repeats", "10", "--warmup", "3",
+           "--entry-budget", "0.5", "--ranks", "2", "--cold-cache", "--muon-ns-dtype", NS_DTYPE, "--quiet",
+           *[x for o in OPTIMIZERS if o not in ("adamw", "kfac") for x in ("--optimizer", o)], "-o", str(path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"promise: profiling {model} failed:\n{r.stderr[-2000:]}")
+    return path
+
+
+def make_plan(prof: Path, out: Path, schedule: str, opt: str, time_limit: float) -> Path:
+    method = ["--method", "none"] if opt == "adamw" else ["--method", "cpsat", "--time-limit", str(time_limit),
+                                                          "--workers", "2"]
+    return bench.plan(str(prof), out, f"{prof.stem}-{schedule}-{opt}", "--schedule", schedule, "--micro-batches", "4",
+                      "--optimizer", opt, *method)
+
+
+def flags_of(opt: str) -> tuple[str, ...]:
+    return ("--set", f"muon.ns_dtype={NS_DTYPE}") if opt == "muon" else ()
+
+
+def where_it_went(plan: Path, prof: Path, steps: int, warmup: int, opt: str, out: Path) -> dict:
+    trace = out / f"{plan.stem}.trace.json"
+    bench.run_ours(plan, steps, warmup, "--trace", str(trace), *flags_of(opt))
+    r = subprocess.run([PY, "-m", "pfcompile", "inspect", str(trace), "--against", str(plan), "--profile", str(prof),
+                        "--json"], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        return {"error": r.stderr.strip()[-300:]}
+    return json.loads(r.stdout)
+
+
+def spread(v: list[float], fmt: str) -> str:
+    return f"{format(min(v), fmt)}–{format(max(v), fmt)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=2, help="raised to one refresh cycle of the slowest-refreshing plan")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per plan")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "promise")
+    ap.add_argument("--profiles-from", type=Path, default=None, help="reuse MODEL.json profiles from here")
+    ap.add_argument("--no-traces", action="store_true", help="skip the traced run per cell")
+    a = ap.parse_args()
+    if "adamw" not in a.optimizers:
+        a.optimizers.insert(0, "adamw")  # every overhead is over AdamW's run of the same round
+    a.out.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    load0 = os.getloadavg()
+    profiles, plans = {}, {}
+    for m in a.models:
+        with console.status(f"profiling {m} (2 ranks, cold caches)"):
+            profiles[m] = profile(m, a.out, a.profiles_from)
+        with console.status(f"planning {m}"):
+            for s in a.schedules:
+                for o in a.optimizers:
+                    plans[(m, s, o)] = make_plan(profiles[m], a.out, s, o, a.time_limit)
+    load1 = os.getloadavg()
+    warmup, steps = bench.run_length(a, {str(k): p for k, p in plans.items()})
+    launches = bench.alternate({key: (lambda p=p, o=key[2]: bench.run_ours(p, steps, warmup, *flags_of(o)))
+                                for key, p in plans.items()}, a.rounds, steps, console)
+    load2 = os.getloadavg()
+    traced = {}
+    if not a.no_traces:
+        for key, p in plans.items():
+            with console.status(f"traced run of {p.stem}"):
+                traced[key] = where_it_went(p, profiles[key[0]], steps, warmup, key[2], a.out)
+    times = {key: [x.step_ms for x in v] for key, v in launches.items()}
+    pred = {key: json.loads(p.read_text())["stats"]["step_time_ms"] for key, p in plans.items()}
+    ks = {key: json.loads(p.read_text())["config"]["refresh_steps"] for key, p in plans.items()}
+
+    print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
+          f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
+          f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.\n")
+    print("| model | schedule | optimizer | k | predicted ms | measured ms (median) | min–max | measured/predicted "
+          "| within ±10%? | overhead measured (paired median) | min–max | planned | measured − planned | "
+          "within ±2 pts? |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|")
+    rows = []
+    for (m, s, o), t in times.items():
+        med = statistics.median(t)
+        ratio = med / pred[(m, s, o)]
+        row = {"model": m, "schedule": s, "optimizer": o, "k": ks[(m, s, o)], "predicted_ms": pred[(m, s, o)],
+               "measured_ms": t, "ratio": ratio}
+        cells = [m, s, o, str(ks[(m, s, o)]), f"{pred[(m, s, o)]:.1f}", f"{med:.1f}", spread(t, ".1f"), f"{ratio:.3f}",
+                 "yes" if abs(ratio - 1) <= 0.10 else "**no**"]
+        if o == "adamw":
+            cells += ["", "", "", "", ""]
+        else:
+            base = times[(m, s, "adamw")]
+            paired = [x / b - 1 for x, b in zip(t, base)]
+            planned = pred[(m, s, o)] / pred[(m, s, "adamw")] - 1
+            over = statistics.median(paired)
+            row.update(overhead_measured=paired, overhead_planned=planned)
+            cells += [f"{over:+.1%}", spread(paired, "+.1%"), f"{planned:+.1%}", f"{100 * (over - planned):+.1f}",
+                      "yes" if abs(over - planned) <= 0.02 else "**no**"]
+        print("| " + " | ".join(cells) + " |")
+        rows.append(row)
+    if traced:
+        print("\nWhere the time went (one traced run per cell; ms per step; `pfcompile inspect --against --profile`):\n")
+        print("| model | schedule | optimizer | measured | predicted | error | largest op kinds (ms) | between ops "
+              "| replay: the run's mean op times | each step's own | measured (cycles) |")
+        print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|")
+        for (m, s, o), d in traced.items():
+            if "error" in d:
+                print(f"| {m} | {s} | {o} | inspect failed: {d['error']} |")
+                continue
+            kinds = sorted(d["kinds"], key=lambda r: -abs(r["explains_ms"]))[:3]
+            shown = ", ".join(f"{r['kind']} {r['explains_ms']:+.1f}" for r in kinds)
+            rp = d.get("replayed") or {}
+            print(f"| {m} | {s} | {o} | {d['measured_step_ms']:.1f} | {d['predicted_step_ms']:.1f} | "
+                  f"{d['error_ms']:+.1f} | {shown} | {d['between_ops_ms']:+.1f} | "
+                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {rp.get('own_ops_step_ms', float('nan')):.1f} | "
+                  f"{rp.get('measured_step_ms', float('nan')):.1f} |")
+    (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
+                                                    "load": [load0, load1, load2]}, indent=1) + "\n")
+
+
+def fmt_load(load) -> str:
+    return ", ".join(f"{x:.2f}" for x in load)
+
+
+if __name__ == "__main__":
+    main()
