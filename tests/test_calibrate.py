@@ -464,3 +464,41 @@ def test_two_message_sizes_fit_latency_and_bandwidth():
     link, recv_ms = fit_receives(recvs, LinkModel(latency_ms=9.0, bytes_per_ms=1.0), statistics.fmean)
     assert link.latency_ms == pytest.approx(0.3, rel=1e-6) and link.bytes_per_ms == pytest.approx(2e6, rel=1e-6)
     assert recv_ms == pytest.approx(0.4)
+
+
+def test_the_profilers_in_run_levels_are_its_probe_runs_fits(tmp_path):
+    """pfcompile.profiler.runtime_probe.in_run_levels: a profile's entries become their times
+    in the probe's runs. Runs written from the cost model with known costs (true_profile): a
+    GPipe run without optimizer work sets the parts' fwd, bwd and AdamW step to the truth's,
+    moves a split backward's B and W with their part's backward (no probe runs them), and a
+    run with K-FAC's work appended sets its per-layer entries and its step; what neither
+    runs (the eigen inversions) keeps its value, and each factor is new over old."""
+    from pfcompile.profiler.runtime_probe import in_run_levels
+
+    prof = load_profile(str(PROFILE))
+    truth = true_profile(prof)
+    traces = {}
+    for opt in ("adamw", "kfac"):
+        plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, optimizer=opt),
+                                PlanOptions("none"))
+        path = tmp_path / f"probe-{opt}.json"
+        plan.save(str(path))
+        traces[opt] = load_measured(str(synthetic_trace(tmp_path, path, truth, steps=plan.refresh_steps + 2)))
+    got = copy.deepcopy(prof)
+    factors = in_run_levels(got, traces["adamw"], {"kfac": traces["kfac"]})
+
+    close = lambda a, b: a == pytest.approx(b, rel=0.01)  # noqa: E731
+    for g, want, was in zip(got.parts, truth.parts, prof.parts):
+        assert close(g.fwd_ms, want.fwd_ms) and close(g.bwd_ms, want.bwd_ms), g.name
+        assert close(g.step_ms["adamw"], want.step_ms["adamw"]), g.name
+        assert close(g.step_ms["kfac"], want.step_ms["kfac"]), g.name  # K-FAC's step: from its own probe
+        b, w = was.split_backward_ms()
+        assert close(g.bwd_input_ms, b * want.bwd_ms / was.bwd_ms) and close(g.bwd_weight_ms, w * want.bwd_ms / was.bwd_ms)
+        assert factors[f"parts.{g.name}.fwd_ms"] == pytest.approx(g.fwd_ms / was.fwd_ms)
+    for g, want, was in zip(got.covered_layers, truth.covered_layers, prof.covered_layers):
+        gk, wk = g.optimizer_ms["kfac"], want.optimizer_ms["kfac"]
+        for key in ("curv_a", "curv_b", "precond", "inv_A.cholesky", "inv_B.cholesky"):
+            assert close(gk[key], wk[key]), (g.name, key)
+            assert factors[f"covered_layers.{g.name}.optimizer_ms.kfac.{key}"] == \
+                pytest.approx(gk[key] / was.optimizer_ms["kfac"][key])
+        assert gk["inv_A.eigen"] == was.optimizer_ms["kfac"]["inv_A.eigen"]  # not run: kept

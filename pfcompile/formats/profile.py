@@ -7,9 +7,10 @@ and imports no torch, so the planner can use it anywhere.
 Units: times in milliseconds for ONE micro-batch (fwd, bwd, curv) or once (inv, precond);
 sizes in bytes. Every `*_ms` entry (and every entry of `optimizer_ms`) is the median of the op timed alone, and `spread[key] =
 [p10, p90]` of those timings where measured, except where a run says more: in a measured
-profile with `provenance.run_tail`, the parts' fwd, bwd (B, W) and step entries are that
-median times the mean over median of their op kind in the profiler's run of the runtime (a
-run's expected op time); in a calibrated one, every fitted entry is the calibration's
+profile with `provenance.in_run`, each entry named there is its mean occupancy in the
+profiler's runs of the runtime (pfcompile.profiler.runtime_probe; `in_run[path]`: that over
+the median alone; older profiles' `run_tail` raised only fwd, bwd and step medians by their
+kind's mean over median); in a calibrated one, every fitted entry is the calibration's
 statistic (`provenance.calibration.statistic`, the mean by default) of the measured runs.
 
     {

@@ -10,19 +10,21 @@
 - optimizer_layers: the other optimizers' per-layer ops (Shampoo's, Muon's) timed, or
   estimated from their FLOPs for reference profiles;
 - messages: the two-rank message benchmark (p2p and all-reduce link fits, send/receive costs);
-- runtime_probe: a short run of the runtime itself for its overheads, the link a run sees,
-  and the run tail that raises the parts' medians to their run means;
+- runtime_probe: short runs of the runtime itself for its overheads, the link a run sees,
+  and every entry's time in a run;
 - neighbours: the other ranks' processes that share the machine under `--ranks`;
 - settings: dtypes, seed, device and model resolved with one-line input errors;
 - provenance: the device's name, the load average and the model's shape a profile records;
 - reference: profiles converted from PipeFisher's published numbers;
 - add_split: adds measured B/W to a measured profile that predates them.
 
-Every entry is timed by calling the function the runtime's interpreter calls for that op.
-Alone in a loop an op's time is tight around its median; in a run it is stalled now and then,
-and a step adds the ops' means: so the runtime probe raises the parts' fwd, bwd and
-optimizer-step medians by their kind's mean over median in the probe (`provenance.run_tail`).
-K-FAC entries, which the probe does not run, stay medians.
+Every entry is timed by calling the function the runtime's interpreter calls for that op,
+first alone in a loop (its median and spread), then in a run: the runtime probe runs a
+2-stage GPipe plan without optimizer work and one with each profiled optimizer's work
+appended, and the entries become those runs' mean occupancies (an op in a run finds its
+caches as the ops before it left them, shares memory bandwidth with the other rank, and is
+stalled now and then; a step adds means). `provenance.in_run`: each entry's in-run time
+over its time alone. Without the probe (`--no-runtime-probe`) the entries are the medians.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from pfcompile.profiler.runtime_probe import measure_runtime, raise_to_run_mean
+from pfcompile.profiler.runtime_probe import OPTIMIZER_PROBE_STEPS, in_run_levels, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
 
 
@@ -131,14 +133,22 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
                 draft = Profile(source="measured", provenance={}, model=model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, covered_layers=layers, comm=link)
-                measured_rt, probe_link, tail, note = measure_runtime(draft, dev)
+                measured_rt, probe_link, tail, note, trace = measure_runtime(draft, dev)
                 comm_prov.update(note)
-                if tail:
-                    raise_to_run_mean(parts, tail)
-                    comm_prov["run_tail"] = tail
+                if trace is not None:
+                    traces = {}
+                    for opt in dict.fromkeys(("kfac", *optimizers)):
+                        bar.update(task, description=f"the runtime itself: {opt}'s work appended (2 ranks)")
+                        sets = (f"muon.ns_dtype={muon_ns_dtype}",) if opt == "muon" else ()
+                        traces[opt], error = probe_trace(draft, dev, opt, OPTIMIZER_PROBE_STEPS, sets)
+                        if traces[opt] is None:
+                            del traces[opt]
+                            comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
+                    comm_prov["in_run"] = in_run_levels(draft, trace, traces)
                     comm_prov["runtime_note"] += (
-                        "; fwd/bwd/step entries: the op's median timed alone x its kind's mean/median "
-                        "in this run (run_tail): a run stalls an op now and then, and a step adds means")
+                        f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "
+                        f"each optimizer's from a run with its work appended ({OPTIMIZER_PROBE_STEPS} steps): "
+                        f"in_run holds each entry's in-run time over its time alone")
                 if measured_rt.any():
                     runtime = measured_rt
                 if probe_link is not None:

@@ -1,6 +1,11 @@
-"""The runtime probe: a short run of the runtime itself, fitted as `pfcompile calibrate` fits
-a trace, for the runtime's overheads around the ops, the p2p link as a run sees it, and each
-op kind's mean over median in a run, which raises the parts' medians to their run means."""
+"""The runtime probe: short runs of the runtime itself, fitted as `pfcompile calibrate` fits
+a trace. A 2-stage GPipe run without optimizer work gives the runtime's overheads around the
+ops, the p2p link as a run sees it and the parts' in-run times; one more run per profiled
+optimizer, its work appended to every step, gives its per-layer ops' in-run times. An op
+timed alone in a loop (`--cold-cache` or not) is not an op in a run: its caches hold what
+the ops before it left, the neighbouring rank shares the core's memory bandwidth, and now
+and then it is stalled. The profile's entries are the run's (`in_run_levels`); what each
+was timed at alone stays in the provenance as the factor between the two."""
 
 from __future__ import annotations
 
@@ -9,11 +14,50 @@ import sys
 
 import torch
 
-from pfcompile.formats.profile import LinkModel, Part, Profile, RuntimeOverheads
+from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
+
+PROBE_STEPS = 24            # the overheads' and parts' run: each stage's fwd and bwd ~90 samples
+OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 samples
+
+
+def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int = PROBE_STEPS,
+                sets: tuple[str, ...] = ()):
+    """A traced run of the runtime: a 2-stage GPipe plan of the profiled model, `optimizer`'s
+    work appended to every step (`--method none`, a refresh every step), `steps` steps (2
+    warm-up) on 2 ranks, one thread each, synthetic tokens. -> (MeasuredTrace, None) or
+    (None, the run's one-line error)."""
+    import subprocess
+    import tempfile
+
+    from pfcompile.calibrate.measured import load_measured
+    from pfcompile.graph.schedules import PipelineConfig
+    from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
+
+    with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
+        plan, _, _ = build_plan(profile, PipelineConfig("gpipe", stages=2, micro_batches=4, optimizer=optimizer),
+                                PlanOptions("none"))
+        plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
+        plan.save(plan_path)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
+               plan_path, "--steps", str(steps), "--warmup", "2", "--data", "synthetic", "--trace", trace_path,
+               "--device", device.type]
+        for s in sets:
+            cmd += ["--set", s]
+        name = profile.model.get("name", "")
+        if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
+            cmd += ["--model-code", name]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode or not os.path.exists(trace_path):
+            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+            # the runtime's own one-line error, not torchrun's banner after it
+            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
+            return None, tail[0][:200]
+        return load_measured(trace_path), None
 
 
 def measure_runtime(profile: Profile, device: torch.device,
-                    steps: int = 24) -> tuple[RuntimeOverheads, LinkModel | None, dict[str, float], dict]:
+                    steps: int = PROBE_STEPS) -> tuple[RuntimeOverheads, LinkModel | None, dict[str, float], dict, object]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
@@ -24,50 +68,59 @@ def measure_runtime(profile: Profile, device: torch.device,
     (None when none was); and the run's tail per op kind (calibrate.fit.run_tail: fwd, bwd
     and the optimizer step's mean over median in the run; {} when it failed). Kept only where
     the run worked; otherwise the message benchmark's link and send/receive times stand (said
-    in the provenance)."""
-    import subprocess
-    import tempfile
-
+    in the provenance); and the trace (None when the run failed), for in_run_levels."""
     from pfcompile.calibrate.fit import fit_runtime
-    from pfcompile.calibrate.measured import load_measured
-    from pfcompile.graph.schedules import PipelineConfig
-    from pfcompile.place.build import build_plan
-    from pfcompile.place.options import PlanOptions
 
-    with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
-        plan, _, _ = build_plan(profile, PipelineConfig("gpipe", stages=2, micro_batches=4, optimizer="adamw"), PlanOptions("none"))
-        plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
-        plan.save(plan_path)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
-               plan_path, "--steps", str(steps), "--warmup", "2", "--data", "synthetic", "--trace", trace_path,
-               "--device", device.type]
-        name = profile.model.get("name", "")
-        if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
-            cmd += ["--model-code", name]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if r.returncode or not os.path.exists(trace_path):
-            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-            # the runtime's own one-line error, not torchrun's banner after it
-            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
-            return RuntimeOverheads(), None, {}, {"runtime_note": f"runtime probe failed ({tail[0][:200]}); overheads "
-                                                              f"from the message benchmark only"}
-        trace = load_measured(trace_path)
+    trace, error = probe_trace(profile, device, steps=steps)
+    if trace is None:
+        return RuntimeOverheads(), None, {}, {"runtime_note": f"runtime probe failed ({error}); overheads "
+                                                          f"from the message benchmark only"}, None
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
     return fit.overheads, link, fit.tail, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
-                                       f"fitted like pfcompile calibrate (mean occupancy)"}
+                                       f"fitted like pfcompile calibrate (mean occupancy)"}, trace
 
 
-def raise_to_run_mean(parts: list[Part], tail: dict[str, float]) -> None:
-    """Each part's fwd, bwd (and its split halves, B and W, which the probe does not run: the
-    backward's) and optimizer-step entries times its kind's run tail (calibrate.fit.run_tail):
-    an op's median timed alone becomes its expected time in a run."""
-    for p in parts:
-        p.fwd_ms *= tail.get("fwd", 1.0)
-        b = tail.get("bwd", 1.0)
-        p.bwd_ms *= b
+def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[str, float]:
+    """Set `profile`'s entries (in place) to their in-run times: the parts' fwd, bwd and
+    AdamW step from `base_trace` (the probe's run without optimizer work), each optimizer's
+    per-layer entries and its step from its own probe run (`optimizer_traces`: name ->
+    trace), each fitted as `pfcompile calibrate` fits it (mean occupancy; parts in
+    proportion within their stage). A split backward's B and W, which no probe runs, move
+    with their part's backward. -> entry path -> in-run time / time alone (the factor)."""
+    import copy
+
+    from pfcompile.calibrate.fit import calibrate
+
+    ref = copy.deepcopy(profile)  # what the probes' plans were made from: every fit is against it
+    factors: dict[str, float] = {}
+
+    def put(path: str, old: float, new: float) -> float:
+        if old > 0:
+            factors[path] = new / old
+        return new
+
+    fitted, _ = calibrate(ref, [base_trace])
+    for p, f in zip(profile.parts, fitted.parts):
+        b = f.bwd_ms / p.bwd_ms if p.bwd_ms > 0 else 1.0
+        p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms)
+        p.bwd_ms = put(f"parts.{p.name}.bwd_ms", p.bwd_ms, f.bwd_ms)
         if p.bwd_input_ms is not None and p.bwd_weight_ms is not None:
-            p.bwd_input_ms, p.bwd_weight_ms = p.bwd_input_ms * b, p.bwd_weight_ms * b
-        p.step_ms = {k: v * tail.get("step", 1.0) for k, v in p.step_ms.items()}
+            p.bwd_input_ms = put(f"parts.{p.name}.bwd_input_ms", p.bwd_input_ms, p.bwd_input_ms * b)
+            p.bwd_weight_ms = put(f"parts.{p.name}.bwd_weight_ms", p.bwd_weight_ms, p.bwd_weight_ms * b)
+        if "adamw" in f.step_ms and "adamw" in p.step_ms:
+            p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"])
+    for name, trace in optimizer_traces.items():
+        fitted, counts = calibrate(ref, [trace])
+        for layer, f in zip(profile.covered_layers, fitted.covered_layers):
+            mine, theirs = layer.optimizer_ms.get(name, {}), f.optimizer_ms.get(name, {})
+            for key in mine:
+                if key in theirs and theirs[key] != mine[key]:  # fitted (an entry the run has no op of keeps its value)
+                    mine[key] = put(f"covered_layers.{layer.name}.optimizer_ms.{name}.{key}", mine[key], theirs[key])
+        if "step" in counts:
+            for p, f in zip(profile.parts, fitted.parts):
+                if name in f.step_ms and name in p.step_ms:
+                    p.step_ms[name] = put(f"parts.{p.name}.step_ms.{name}", p.step_ms[name], f.step_ms[name])
+    return factors
