@@ -18,7 +18,7 @@ is calibrated. Per cell (model, schedule, optimizer):
 
     .venv/bin/python benchmarks/promise.py [--models bert-tiny bert-mini llama-tiny]
         [--optimizers adamw kfac shampoo soap muon] [--schedules 1f1b zb-h1] [--rounds 5]
-        [--steps 30] [--out out/promise] [--profiles-from DIR]
+        [--steps 30] [--out out/promise] [--profile MODEL=PATH ...]
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ SCHEDULES = ("1f1b", "zb-h1")
 NS_DTYPE = "float32"  # Muon's Newton-Schulz iteration: float32 on a CPU (bfloat16 is a GPU's choice)
 
 
-def profile(model: str, out: Path, reuse: Path | None) -> Path:
+def profile(model: str, out: Path, reuse: str | None) -> Path:
     path = out / f"{model}.json"
     if reuse is not None:
-        path.write_bytes((reuse / f"{model}.json").read_bytes())
+        path.write_bytes(Path(reuse).read_bytes())
         return path
     cmd = [PY, "-m", "pfcompile", "profile", "--model", model, "--repeats", "10", "--warmup", "3",
            "--entry-budget", "0.5", "--ranks", "2", "--cold-cache", "--muon-ns-dtype", NS_DTYPE, "--quiet",
@@ -104,18 +104,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="raised to one refresh cycle of the slowest-refreshing plan")
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per plan")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "promise")
-    ap.add_argument("--profiles-from", type=Path, default=None, help="reuse MODEL.json profiles from here")
+    ap.add_argument("--profile", action="append", default=[], metavar="MODEL=PATH",
+                    help="reuse this profile for MODEL instead of profiling it (repeatable)")
     ap.add_argument("--no-traces", action="store_true", help="skip the traced run per cell")
     a = ap.parse_args()
     if "adamw" not in a.optimizers:
         a.optimizers.insert(0, "adamw")  # every overhead is over AdamW's run of the same round
     a.out.mkdir(parents=True, exist_ok=True)
+    reuse = dict(x.split("=", 1) for x in a.profile)
     console = Console(stderr=True)
     load0 = os.getloadavg()
     profiles, plans = {}, {}
     for m in a.models:
         with console.status(f"profiling {m} (2 ranks, cold caches)"):
-            profiles[m] = profile(m, a.out, a.profiles_from)
+            profiles[m] = profile(m, a.out, reuse.get(m))
         with console.status(f"planning {m}"):
             for s in a.schedules:
                 for o in a.optimizers:

@@ -101,6 +101,13 @@ def check_split_backward(out: str) -> None:
     assert [r.split("|")[1].strip().split(":")[0] for r in rows] == ["whole backward", "ours", "torch"], out
 
 
+def check_promise(out: str) -> None:
+    cells = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    # adamw and muon in the promise table and in the traced runs' table
+    assert [row[3] for row in cells] == ["adamw", "muon", "adamw", "muon"], out
+    assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
+
+
 # script -> (its smallest run's arguments; {tmp}: a fresh folder), the check of its output
 SMOKE = {
     "planner.py": (["--only", "scaling", "--sizes", "4x4", "--instance-limit", "5"], check_planner),
@@ -115,6 +122,9 @@ SMOKE = {
                  "--work", "{tmp}"], check_race),
     "race.py --part": (["--part", "tune", "--optimizers", "adamw", "--steps", "2", "--eval-every", "0",
                         "--eval-batches", "1", "--time-limit", "1", "--jobs", "2", "--work", "{tmp}"], check_fair_race),
+    "promise.py": (["--models", "bert-tiny", "--profile", "bert-tiny=profiles/bert-tiny-cpu-optimizers.json",
+                    "--optimizers", "adamw", "muon", "--schedules", "1f1b", "--rounds", "1", "--steps", "4",
+                    "--warmup", "1", "--time-limit", "1", "--out", "{tmp}"], check_promise),
     "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
     "split_backward.py": (["--model", "bert-tiny", "--parts", "block0", "--micro-batch", "2", "--seq-len", "16",
