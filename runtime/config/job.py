@@ -223,7 +223,7 @@ class Runtime:
     p2p_tags: bool | None = setting(None, "match messages by tag (gloo only), else per pair in issue order as NCCL; "
                                           "default: true on cpu, false on cuda")
     recv_ahead: int | None = setting(None, "receives posted ahead of the op that needs them (0 on cuda); "
-                                           "default: 1 on cpu, 0 on cuda", between(0, 64))
+                                           "default: all of a step's (up to 64) on cpu, 0 on cuda", between(0, 64))
     timeout: float = setting(60.0, "seconds before a silent peer is an error",
                              (lambda v: math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
                               f"a number of seconds in (0, {MAX_TIMEOUT_S}]"))

@@ -5,8 +5,8 @@ Why each choice:
 - Sends are posted with `isend` and completed later (`Mailbox.drain`): a plan may send
   before it receives in both directions (Chimera), and a blocking send there deadlocks.
 - Receives block (`irecv(...).wait(timeout)`): the op after a receive needs the data. On
-  gloo the next receive of the rank's op list is posted ahead (`Mailbox.post`, the
-  interpreter's `recv_ahead`): gloo pairs a send with its receive before moving the data,
+  gloo the rank's next receives are posted ahead (`Mailbox.post`, the
+  interpreter's `recv_ahead`, by default all of the step's): gloo pairs a send with its receive before moving the data,
   so a receive posted only when it is needed, after its send was posted, waits for the
   sender's gloo thread to answer while the sender computes (a delay on every message);
   posted ahead, the data moves when the send is posted. Not on NCCL: its point-to-point ops run in issue order on one stream per
