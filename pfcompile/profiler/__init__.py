@@ -133,7 +133,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
                 draft = Profile(source="measured", provenance={}, model=model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, covered_layers=layers, comm=link)
-                measured_rt, probe_link, tail, note, trace = measure_runtime(draft, dev)
+                measured_rt, probe_link, note, trace = measure_runtime(draft, dev)
                 comm_prov.update(note)
                 if trace is not None:
                     traces = {}

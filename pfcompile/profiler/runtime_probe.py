@@ -57,7 +57,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
 
 
 def measure_runtime(profile: Profile, device: torch.device,
-                    steps: int = PROBE_STEPS) -> tuple[RuntimeOverheads, LinkModel | None, dict[str, float], dict, object]:
+                    steps: int = PROBE_STEPS) -> tuple[RuntimeOverheads, LinkModel | None, dict, object]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
@@ -65,19 +65,18 @@ def measure_runtime(profile: Profile, device: torch.device,
     posting, a receive's completion, and the op times' spread (runtime.op_spread: 24 steps
     give each stage's fwd and bwd ~90 samples), and the p2p link as the run sees it: the
     latency of its receives posted before their send ended, at the benchmark's bandwidth
-    (None when none was); and the run's tail per op kind (calibrate.fit.run_tail: fwd, bwd
-    and the optimizer step's mean over median in the run; {} when it failed). Kept only where
-    the run worked; otherwise the message benchmark's link and send/receive times stand (said
-    in the provenance); and the trace (None when the run failed), for in_run_levels."""
+    (None when none was). Kept only where the run worked; otherwise the message benchmark's
+    link and send/receive times stand (said in the provenance). Also returns the trace (None
+    when the run failed), for in_run_levels."""
     from pfcompile.calibrate.fit import fit_runtime
 
     trace, error = probe_trace(profile, device, steps=steps)
     if trace is None:
-        return RuntimeOverheads(), None, {}, {"runtime_note": f"runtime probe failed ({error}); overheads "
+        return RuntimeOverheads(), None, {"runtime_note": f"runtime probe failed ({error}); overheads "
                                                           f"from the message benchmark only"}, None
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
-    return fit.overheads, link, fit.tail, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
+    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}, trace
