@@ -16,6 +16,7 @@ from helpers import uniform_profile
 from pfcompile.check.deps import PlanLayout, op_dependencies
 from pfcompile.formats.dataflow import producers
 from pfcompile.formats.optimizers import OPTIMIZERS as DECLARATIONS
+from pfcompile.formats.optimizers import optimizer as declaration
 from pfcompile.formats.plan import task_at
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import build_task_graph
@@ -55,17 +56,34 @@ EXPECTED = {
     ("soap", "precond", None, True): ["stats (grad)"],
     # its momentum is its own previous step's
     ("muon", "orth", None, True): ["gradient (grad)"],
+    # deferred statistics fold the gradient the previous step's update kept: they wait for
+    # nothing of their step; the update waits for them (it overwrites what they read)
+    ("shampoo+defer", "stats", None, True): [],
+    ("shampoo+defer", "inv", "L", False): ["stats@0 (stat:L@0)"],
+    ("shampoo+defer", "bcast_inv", "L", True): ["inv.L on source (root:L)"],
+    ("shampoo+defer", "precond", None, True): ["gradient (grad)", "stats (kept_grad)"],
+    ("soap+defer", "stats", None, False): [],
+    ("soap+defer", "inv", "R", True): ["stats@0 (stat:R@0)"],
+    ("soap+defer", "bcast_inv", "R", True): ["inv.R on source (root:R)"],
+    ("soap+defer", "precond", None, False): ["gradient (grad)", "stats (kept_grad)"],
 }
+
+
+def _declaration(name: str):
+    """A built-in declaration, or with "+defer" its deferred-statistics variant."""
+    base, _, defer = name.partition("+")
+    return declaration(base, defer_stats=bool(defer))
 
 
 @pytest.mark.parametrize("key", EXPECTED, ids=lambda k: "-".join(map(str, k)))
 def test_each_declared_op_waits_for_what_its_reads_and_writes_say(key):
     name, kind, factor, replicas = key
-    assert [_text(p) for p in producers(DECLARATIONS[name], kind, factor, replicas=replicas)] == EXPECTED[key]
+    assert [_text(p) for p in producers(_declaration(name), kind, factor, replicas=replicas)] == EXPECTED[key]
 
 
 def test_the_list_covers_every_declared_op():
     declared = {(o.name, d.kind) for o in DECLARATIONS.values() for d in o.ops}
+    declared |= {(o.name + "+defer", d.kind) for o in DECLARATIONS.values() if o.can_defer_stats for d in o.ops}
     assert declared == {(name, kind) for name, kind, _, _ in EXPECTED}
 
 
@@ -120,14 +138,17 @@ def _units(tg):
 # replicas and work, also divided layer by layer
 AGREE = [(schedule, kw, opt, "all") for schedule, kw in CASES for opt in OPTIMIZERS] + \
         [(schedule, kw, opt, "layers") for schedule, kw in CASES for opt in OPTIMIZERS
-         if (kw.get("replicas", 1) > 1 or schedule == "chimera") and opt != "adamw"]
+         if (kw.get("replicas", 1) > 1 or schedule == "chimera") and opt != "adamw"] + \
+        [(schedule, kw, opt + "+defer", precond) for schedule, kw in CASES if schedule in ("1f1b", "chimera", "zb-v")
+         for opt in ("shampoo", "soap") for precond in (("all", "layers") if schedule == "chimera" else ("all",))]
 
 
 @pytest.mark.parametrize("schedule,kw,optimizer,precond", AGREE)
 def test_graph_and_replay_dependency_rules_agree(schedule, kw, optimizer, precond):
     prof = _profile()
+    optimizer, _, defer = optimizer.partition("+")
     cfg = PipelineConfig(schedule, refresh_steps=1 if optimizer == "muon" else 2, optimizer=optimizer,
-                         precond=precond, **kw)
+                         precond=precond, defer_stats=bool(defer), **kw)
     tg = build_task_graph(prof, cfg)
     plan = assemble.assemble(prof, tg, assemble.appended_steps(tg), "none")
     if precond == "layers":  # each layer's work on its owner, gathered by ag_grad

@@ -45,7 +45,9 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
 # 25 steps long, and any k tests the same thing, a whole cycle with roots in force.
 K3 = ("--refresh-steps", "3")
 SPLIT = ("--precond", "layers")
+DEFER = ("--defer-stats",)  # the statistics in the bubbles, folding the previous step's kept gradient
 CASES = [("shampoo", "1f1b", 2, "cpsat", K3), ("shampoo", "chimera", 2, "cpsat", (*K3, *SPLIT)),
+         ("shampoo", "1f1b", 2, "cpsat", (*K3, *DEFER)), ("soap", "chimera", 2, "cpsat", (*K3, *SPLIT, *DEFER)),
          ("soap", "1f1b", 2, "cpsat", K3),
          ("soap", "chimera", 2, "cpsat", (*K3, *SPLIT)), ("soap", "zb-v", 2, "cpsat", K3),
          ("muon", "1f1b", 2, "cpsat", ()),
@@ -53,7 +55,8 @@ CASES = [("shampoo", "1f1b", 2, "cpsat", K3), ("shampoo", "chimera", 2, "cpsat",
 
 
 @pytest.mark.parametrize("optimizer,schedule,D,method,extra", CASES,
-                         ids=[f"{o}-{s}-{m}{'-split' if '--precond' in e else ''}" for o, s, _, m, e in CASES])
+                         ids=[f"{o}-{s}-{m}{'-split' if '--precond' in e else ''}{'-deferred' if DEFER[0] in e else ''}"
+                              for o, s, _, m, e in CASES])
 def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule, D, method, extra):
     plan, loaded = plan_with(tmp_path, optimizer, schedule, D, method, *extra)
     kinds = {o["op"] for r in loaded["ranks"] for s in r["steps"] for o in s}
@@ -69,6 +72,12 @@ def test_pipelined_optimizer_equals_single_process(tmp_path, optimizer, schedule
     r = torchrun(plan, loaded["config"]["world_size"], "--steps", str(steps), *(x for v in settings for x in ("--set", v)),
                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(steps))
     assert r.returncode == 0, r.stdout[-3000:]
+    if DEFER[0] in extra:  # the plan sets it on the pipeline; the single process is told the same
+        assert loaded["config"]["defer_stats"] is True
+        early = [o for r in loaded["ranks"] for s in r["steps"]
+                 for o in s[:next(i for i, o in enumerate(s) if o["op"] in ("bwd", "bwd_input"))] if o["op"] == "stats"]
+        assert early  # listed before the step's backward: it cannot read that step's gradient
+        settings += (f"{optimizer}.defer_stats=true",)
     initial, want_params = optimizer_reference_params(plan, steps, settings=settings)
     # The attention's key bias has an exactly zero gradient (softmax ignores a shift shared by
     # every key): what it gets is rounding noise, ~1e-17, which the replicas' all-reduce sums in

@@ -239,10 +239,12 @@ def _dense_ds(cfg: ShampooConfig, grads, w0, lr: float, k: int):
     p = cfg.exponent_override or 4.0
 
     def root(S, t):
-        if cfg.bias_correction and cfg.beta2 < 1:
+        if cfg.bias_correction and cfg.beta2 < 1 and t:
             S = S / (1 - cfg.beta2 ** t)
         lam, Q = np.linalg.eigh(S)
         lam = np.maximum(lam, 0)
+        if lam[-1] <= 0:  # no gradient folded yet (deferred statistics' first step)
+            return np.eye(len(S))
         eps = cfg.epsilon * lam[-1] if cfg.epsilon_mode == "relative" else cfg.epsilon
         return Q @ np.diag((lam + eps) ** (-1 / p)) @ Q.T
 
@@ -251,9 +253,12 @@ def _dense_ds(cfg: ShampooConfig, grads, w0, lr: float, k: int):
             roots, pending = pending, None
         b2 = cfg.beta2
         a = 1.0 if b2 == 1 else 1 - b2  # β2 = 1: plain sums
-        L = b2 * L + a * g @ g.T
-        R = b2 * R + a * g.T @ g
-        s_steps += 1
+        # deferred statistics: step t folds the previous step's gradient (none at the first)
+        folded = (grads[t - 1] if t else None) if cfg.defer_stats else g
+        if folded is not None:
+            L = b2 * L + a * folded @ folded.T
+            R = b2 * R + a * folded.T @ folded
+            s_steps += 1
         if t % k == 0:
             pending = (root(L, s_steps), root(R, s_steps))
         avg = cfg.beta1 * avg + (1 - cfg.beta1) * g
@@ -300,6 +305,8 @@ DS_CASES = {
     "absolute epsilon, beta2 1": dict(epsilon=1e-3, beta2=1.0),
     "exponent 2": dict(exponent_override=2.0), "start step 5": dict(start_preconditioning_step=5),
     "no bias correction": dict(bias_correction=False, beta2=0.9),
+    "deferred statistics": dict(defer_stats=True, weight_decay=0.1),
+    "deferred statistics, beta2 1, no graft": dict(defer_stats=True, beta2=1.0, graft="none", epsilon=1e-3),
 }
 
 

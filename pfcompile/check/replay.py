@@ -106,7 +106,8 @@ def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
     # messages and collectives costed by the link they cross
     return Costs(profile, plan.partition, L.R, plan.config.inverse, plan.config.optimizer, cluster=plan.config.cluster,
                  stage_ranks=[L.replica_ranks(s) for s in range(L.S)], precond_owner=L.precond_owner,
-                 split_backward=plan.config.schedule in SPLIT_BACKWARD_SCHEDULES, refresh_steps=plan.refresh_steps)
+                 split_backward=plan.config.schedule in SPLIT_BACKWARD_SCHEDULES, refresh_steps=plan.refresh_steps,
+                 defer_stats=plan.config.defer_stats)
 
 
 # the spread kind of an op kind, where they differ (formats.profile.SPREAD_KINDS)

@@ -60,6 +60,9 @@ def register(sub) -> None:
                         " (kfac the default; adamw the first-order baseline: no extra work), or a plugin's "
                         "package.module:name")
     p.add_argument("--no-kfac", action="store_true", help="the first-order baseline (= --optimizer adamw)")
+    p.add_argument("--defer-stats", action="store_true",
+                   help="Shampoo, SOAP: each step's statistics fold the previous step's gradient (kept by its "
+                        "update), so they may run in any bubble of the step; the runtime follows the plan")
     p.add_argument("--inverse", default="cholesky", choices=("cholesky", "eigen"), help="factor inversion method")
     p.add_argument("--inversion", default="balanced", choices=INVERSION_POLICIES,
                    help="which replicas invert a factor: balanced (one, chosen by the planner, then broadcast), "
@@ -117,7 +120,8 @@ def config_from_args(args, profile) -> PipelineConfig:
         schedule=args.schedule, stages=args.stages, micro_batches=args.micro_batches, replicas=replicas,
         virtual_stages=args.virtual_stages, optimizer="adamw" if args.no_kfac else args.optimizer, inverse=args.inverse,
         memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit else None,
-        inversion=args.inversion, precond="all" if args.precond == "auto" else args.precond)
+        inversion=args.inversion, precond="all" if args.precond == "auto" else args.precond,
+        defer_stats=args.defer_stats)
     cfg.cluster = cluster_from_args(args, profile, cfg.world_size)
     cfg.validate()
     if cfg.num_stages > len(profile.parts):

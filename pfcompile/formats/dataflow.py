@@ -139,7 +139,7 @@ def producers(spec: Optimizer, kind: str, factor: str | None = None, *, replicas
     """What an op of `kind` (keyed by `factor`, when its kind is) waits for in a plan of
     `spec`; `replicas`: whether the stage has replicas (collectives are present). In the
     order of its reads, then of what it overwrites (module docstring)."""
-    key = (spec.name, kind, factor, replicas)
+    key = (spec.name, spec.deferred_stats, kind, factor, replicas)
     got = _DERIVED.get(key)
     if got is None or got[0] is not spec:
         got = _DERIVED[key] = (spec, _derive(spec, kind, factor, replicas))

@@ -39,6 +39,7 @@ and Shampoo's inverse fourth root, `precond` either's preconditioning; the plan'
 | `root:F` | factor F's inverse (K-FAC), inverse root (Shampoo) or eigenbasis (SOAP) computed this cycle, in force next cycle |
 | `momentum` | Muon's momentum buffer |
 | `moments` | SOAP's Adam moments (in the eigenbasis); Shampoo's gradient average and graft's second moment |
+| `kept_grad` | deferred statistics (`Optimizer.with_deferred_stats`): the raw gradient the update keeps before overwriting it, folded into the statistics in the next step |
 
 This module is the contract: torch-, networkx- and ortools-free.
 """
@@ -48,7 +49,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MICRO_BATCH, STEP, CYCLE = "micro_batch", "step", "cycle"
 # the passes a micro-batch op may read from: the forward (a layer's input) or the pass after
@@ -62,6 +63,8 @@ ALLREDUCE, BROADCAST = "allreduce", "broadcast"
 INVERSE_METHODS = ("cholesky", "eigen")
 # a state tensor's dimensions, from its covered layer (StateDecl.shape)
 IN, IN_BIAS, OUT = "in", "in+bias", "out"
+# the raw gradient an optimizer with deferred statistics keeps for the next step's statistics
+KEPT_GRAD = "kept_grad"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class Optimizer:
     # its factors', "stat:A"); None: the state element size (float32, float64 in a float64 run)
     covered_element_of: str | None = None
     step_like: str = "adamw"  # whose profiled per-part step entry its step uses where it has none
+    deferred_stats: bool = False  # its per-step statistics fold the previous step's kept gradient
 
     @property
     def label(self) -> str:
@@ -211,6 +215,33 @@ class Optimizer:
     def divisible(self) -> bool:
         """Whether the replicas of a stage may divide the per-layer work (--precond split|layers)."""
         return any(d.divide for d in self.ops)
+
+    @property
+    def can_defer_stats(self) -> bool:
+        """Whether it has per-step statistics of the gradient that its update overwrites."""
+        stats, update = self.op(self.step_stats or ""), self.op(self.update or "")
+        return stats is not None and update is not None and "grad" in stats.reads and "grad" in update.writes
+
+    def with_deferred_stats(self) -> Optimizer:
+        """The same optimizer with deferred statistics: the update keeps the raw gradient
+        (`kept_grad`) before overwriting it, and the next step's statistics fold that one.
+        The statistics then wait for nothing of their own step, only the update waits for
+        them (it overwrites what they read): the planner may put them into any bubble of
+        the step, before the step's gradient exists. The cost: one gradient-sized buffer
+        per layer, and roots one step older."""
+        if self.deferred_stats:
+            return self
+        if not self.can_defer_stats:
+            raise ValueError(f"optimizer {self.name!r} has no per-step statistics to defer")
+        ops = []
+        for d in self.ops:
+            if d.kind == self.step_stats:
+                d = replace(d, reads=tuple(KEPT_GRAD if r == "grad" else r for r in d.reads))
+            elif d.kind == self.update:
+                d = replace(d, writes=(*d.writes, KEPT_GRAD))
+            ops.append(d)
+        return replace(self, ops=tuple(ops), deferred_stats=True,
+                       state=(*self.state, StateDecl(KEPT_GRAD, (OUT, IN), owner_only=True)))
 
 
 # the copy of a factor's refreshed root from the replica that computed it to the others (all three refreshers')
@@ -437,8 +468,9 @@ def unregister(name: str) -> None:
     ALL_FACTORS[:] = [f for f in ALL_FACTORS if f in refreshed]
 
 
-def optimizer(name: str) -> Optimizer:
-    """The declaration of `name`. A name "package.module:attribute" imports the module first:
+def optimizer(name: str, defer_stats: bool = False) -> Optimizer:
+    """The declaration of `name` (`defer_stats`: its variant with deferred statistics,
+    Optimizer.with_deferred_stats; a ValueError where it has none). A name "package.module:attribute" imports the module first:
     it registers its optimizer under that name, or its attribute is the declaration (or an
     object whose `declaration` is, as a runtime registry entry), registered now. A plugin
     keeps the declaration and its math in that one module. A ValueError lists the known ones."""
@@ -453,7 +485,16 @@ def optimizer(name: str) -> Optimizer:
         if name not in OPTIMIZERS and isinstance(declared, Optimizer) and declared.name == name:
             register(declared)
     try:
-        return OPTIMIZERS[name]
+        spec = OPTIMIZERS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(OPTIMIZERS)}, "
                          "or package.module:name for a plugin)") from None
+    if not defer_stats:
+        return spec
+    got = _DEFERRED.get(name)
+    if got is None or got[0] is not spec:  # (re-registered under the same name)
+        got = _DEFERRED[name] = (spec, spec.with_deferred_stats())
+    return got[1]
+
+
+_DEFERRED: dict[str, tuple[Optimizer, Optimizer]] = {}  # name -> (declaration, its deferred variant)

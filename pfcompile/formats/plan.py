@@ -95,11 +95,12 @@ class PlanConfig:
     memory_limit_bytes: int | None = None
     fixed_order: bool = True
     cluster: Cluster | None = None
+    defer_stats: bool = False  # the statistics fold the previous step's kept gradient (Optimizer.with_deferred_stats)
 
     @property
     def optimizer_spec(self):
         """The optimizer's declaration (pfcompile.formats.optimizers.Optimizer)."""
-        return optimizer_decl(self.optimizer)
+        return optimizer_decl(self.optimizer, defer_stats=self.defer_stats)
 
     @property
     def optimizer_work(self) -> bool:
@@ -120,6 +121,8 @@ class PlanConfig:
             out["precond_division"] = self.precond_division
         if self.precond_owner is not None:
             out["precond_owner"] = list(self.precond_owner)
+        if self.defer_stats:
+            out["defer_stats"] = True
         return out
 
 
@@ -282,6 +285,12 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
     precond = cfg.opt("precond", str, "all", check=lambda s: s in ("all", "split"), why="must be 'all' or 'split'")
     division = cfg.opt("precond_division", str, None, **one_of(PRECOND_DIVISIONS))
     fixed_order = cfg.opt("fixed_order", bool, True)
+    defer_stats = cfg.opt("defer_stats", bool, False)
+    if defer_stats:
+        try:
+            optimizer_spec(optimizer, defer_stats=True)
+        except ValueError as e:
+            raise cfg.fail("defer_stats", str(e)) from None
     owners = None
     if precond == "split":
         owners = cfg.req("precond_owner", list)
@@ -306,7 +315,7 @@ def _config_from_json(cfg: Fields) -> PlanConfig:
                       world_size=world, method=method, optimizer=optimizer, refresh_steps=k, virtual_stages=virtual_stages,
                       inverse=inverse, inversion=inversion, precond=precond, precond_division=division,
                       precond_owner=owners, memory_limit_bytes=memory_limit, fixed_order=fixed_order,
-                      cluster=cluster)
+                      cluster=cluster, defer_stats=defer_stats)
 
 
 def load_plan(path: str) -> Plan:

@@ -65,7 +65,7 @@ class PlanLayout(Layout):
         self.N = c.micro_batches
         self.k = plan.refresh_steps
         self.W = plan.world_size
-        self.spec = optimizer_spec(c.optimizer)  # pfcompile.formats.optimizers
+        self.spec = optimizer_spec(c.optimizer, defer_stats=c.defer_stats)  # pfcompile.formats.optimizers
         self.work = self.spec.has_work
         schedule = c.schedule
         self.backward = backward_kinds(schedule)  # ("bwd",) or split: ("bwd_input", "bwd_weight")

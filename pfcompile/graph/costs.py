@@ -68,9 +68,10 @@ class Costs:
     precond_owner: list | None = None  # split preconditioning: replica per layer (None: replica_share)
     split_backward: bool = False  # a zero-bubble family: kept_a shares W's kept input (module doc)
     refresh_steps: int = 1  # k: with k = 1 Shampoo's snapshot is its statistics themselves
+    defer_stats: bool = False  # deferred statistics: the update keeps the raw gradient (its memory)
 
     def __post_init__(self):
-        self.spec = optimizer_spec(self.optimizer)
+        self.spec = optimizer_spec(self.optimizer, defer_stats=self.defer_stats)
         self.work = self.spec.has_work
         if self.spec.cost_keys():  # its ops' costs must be in the profile
             for i, layer in enumerate(self.profile.covered_layers):
@@ -423,7 +424,7 @@ def costs_of(profile: Profile, cfg: PipelineConfig) -> Costs:
     partition = stage_partition(profile, cfg)
     costs = Costs(profile, partition, cfg.replicas, cfg.inverse, cfg.optimizer, cluster=cfg.cluster,
                   stage_ranks=[cfg.replica_ranks(s) for s in range(cfg.num_stages)],
-                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps)
+                  split_backward=cfg.split_backward, refresh_steps=cfg.refresh_steps, defer_stats=cfg.defer_stats)
     if cfg.optimizer_work and cfg.replicas > 1 and cfg.precond != "all":
         costs.precond_owner = precond_share(costs, cfg.replicas, cfg.precond)
     return costs

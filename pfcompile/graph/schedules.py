@@ -62,6 +62,7 @@ class PipelineConfig:
     rank_map: tuple[int, ...] | None = None
     precond: str = "all"  # "split": PipeFisher's split preconditioning between a stage's replicas;
     # "layers": the same, each stage's layers divided one by one (costs.precond_share)
+    defer_stats: bool = False  # the optimizer's per-step statistics fold the previous step's gradient
     _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (shape, Layout)
 
     def __post_init__(self):
@@ -77,6 +78,10 @@ class PipelineConfig:
             optimizer(self.optimizer)
         except ValueError as e:
             raise InputError("--optimizer", None, str(e)) from None
+        try:
+            optimizer(self.optimizer, defer_stats=self.defer_stats)
+        except ValueError as e:
+            raise InputError("--defer-stats", None, str(e)) from None
         if self.schedule not in SCHEDULES:
             raise InputError("--schedule", None, f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         for flag, val in (("--stages", D), ("--micro-batches", N), ("--replicas", R), ("--virtual-stages", v)):
@@ -118,8 +123,8 @@ class PipelineConfig:
 
     @property
     def optimizer_spec(self) -> Optimizer:
-        """The optimizer's declaration."""
-        return optimizer(self.optimizer)
+        """The optimizer's declaration (its deferred-statistics variant with defer_stats)."""
+        return optimizer(self.optimizer, defer_stats=self.defer_stats)
 
     @property
     def optimizer_work(self) -> bool:

@@ -32,7 +32,8 @@ def assemble(profile: Profile, tg: TaskGraph, steps: dict[int, list[list[Op]]], 
         inverse=cfg.inverse, inversion=cfg.inversion, precond="split" if tg.precond_owner is not None else "all",
         precond_division=cfg.precond,
         precond_owner=tuple(tg.precond_owner) if tg.precond_owner is not None else None,
-        memory_limit_bytes=cfg.memory_limit_bytes, fixed_order=fixed_order, cluster=cfg.cluster)
+        memory_limit_bytes=cfg.memory_limit_bytes, fixed_order=fixed_order, cluster=cfg.cluster,
+        defer_stats=cfg.defer_stats)
     ranks = [[[PlannedOp(op, 0.0, 0.0) for op in steps[q][t]] for t in range(k)] for q in range(cfg.world_size)]
     return Plan(
         config=config, model=dict(profile.model), partition=[list(g) for g in tg.partition],
@@ -68,7 +69,7 @@ def canonical_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
 def baseline_plan(profile: Profile, cfg: PipelineConfig, *, check_memory: bool = True,
                   graphs: TaskGraphs | None = None) -> tuple[Plan, ReplayResult]:
     """The family's plan without K-FAC: the bubble baseline."""
-    base_cfg = replace(cfg, optimizer="adamw", refresh_steps=1)
+    base_cfg = replace(cfg, optimizer="adamw", defer_stats=False, refresh_steps=1)
     tg = build_task_graph(profile, base_cfg, graphs=graphs)
     plan = assemble(profile, tg, canonical_steps(tg), "none")
     result = finish(plan, profile, {"solver_status": "fixed", "gap": None, "solve_seconds": 0.0,

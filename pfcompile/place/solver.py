@@ -443,7 +443,7 @@ def tight_baseline(profile: Profile, cfg: PipelineConfig, options: PlanOptions |
     first_order = PlanOptions(method="cpsat", time_limit=min(options.time_limit, TIGHT_BASELINE_TIME_LIMIT_S),
                               workers=options.workers, fixed_order=True)
     planning = planning or Planning()  # its budget and graphs, not its progress reports
-    return solve_plan(profile, replace(cfg, optimizer="adamw", memory_limit_bytes=None), first_order,
+    return solve_plan(profile, replace(cfg, optimizer="adamw", defer_stats=False, memory_limit_bytes=None), first_order,
                       Planning(budget=planning.budget, graphs=planning.graphs))
 
 

@@ -147,6 +147,8 @@ class Shampoo:
                                      FINITE_NONNEGATIVE)
     weight_decay: float | None = setting(0.0, "decoupled weight decay (times lr; unset: [optimizer] weight_decay, "
                                          "added to the gradient)", FINITE_NONNEGATIVE)
+    defer_stats: bool = setting(False, "fold each step's gradient into the statistics in the next step (kept until "
+                                "then): a plan may then run them in any bubble; a --defer-stats plan sets it")
 
 
 @dataclass
@@ -160,6 +162,8 @@ class Soap:
     tie_break: float = setting(1e-6, "a fixed distinct diagonal added before the eigenbasis, relative to the "
                                "mean eigenvalue: a singular statistic's basis is then not rounding's choice",
                                FINITE_NONNEGATIVE)
+    defer_stats: bool = setting(False, "fold each step's gradient into the statistics in the next step (kept until "
+                                "then): a plan may then run them in any bubble; a --defer-stats plan sets it")
 
 
 @dataclass
@@ -392,6 +396,13 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
                             f"({plan_path} {plan_field}); remove the key or plan again")
         section, _, name = key.partition(".")
         setattr(getattr(cfg, section), name, fixed)
+    if getattr(plan.config, "defer_stats", False):  # the plan may run the statistics before the gradient exists
+        section = plan.config.optimizer
+        key = f"{section}.defer_stats"
+        if key in cfg.source and not cfg.get(key):
+            raise cfg.error(key, f"is false but {plan_path} config.defer_stats plans deferred statistics; "
+                            "remove the key or plan again without --defer-stats")
+        getattr(cfg, section).defer_stats = True
     k = cfg.kfac
     if k.fisher != "empirical" and plan.config.optimizer == "kfac":
         raise cfg.error("kfac.fisher", f"{k.fisher!r}: the pipeline runtime computes only the empirical Fisher")

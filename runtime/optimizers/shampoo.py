@@ -22,6 +22,11 @@ Cycle semantics (refresh every k steps), the same as runtime.optimizers.kfac's:
     passes through unchanged). With k = 1, step t is preconditioned with the roots of the
     statistics through step t - 1.
 
+Deferred statistics (defer_stats): `precondition()` keeps the raw gradient before it
+overwrites it, and the next step's `update_stats` folds that one instead of its own step's
+(KeptGradient). The statistics of step t then hold G_0 .. G_{t-1}, and a plan may run them
+anywhere in step t: before its backward passes, in its bubbles.
+
 The statistics use the gradient as back-propagated and synchronised, before global-norm
 clipping: update_stats then needs nothing from other layers. Preconditioning and grafting are
 positively homogeneous of degree 1 in G, so clipping the preconditioned gradient afterwards
@@ -62,6 +67,7 @@ class ShampooConfig:
     weight_decay: float | None = 0.0  # decoupled; None: [optimizer] weight_decay, added to the gradient
     max_preconditioner_dim: int = 1024  # a weight is split into blocks of at most this many rows and columns
     lr: float | None = None           # the covered weights' rate; None: [optimizer] lr
+    defer_stats: bool = False         # fold each step's gradient in the next step (module doc)
 
     def __post_init__(self):
         if self.graft not in GRAFTS:
@@ -90,7 +96,42 @@ def shampoo_config(job) -> ShampooConfig:
                          exponent_override=s.exponent_override,
                          start_preconditioning_step=s.start_preconditioning_step, momentum=s.momentum,
                          weight_decay=s.weight_decay, max_preconditioner_dim=s.max_preconditioner_dim,
-                         refresh_steps=job.kfac.refresh_steps or 1, lr=s.lr)
+                         refresh_steps=job.kfac.refresh_steps or 1, lr=s.lr, defer_stats=s.defer_stats)
+
+
+class KeptGradient:
+    """What a layer's statistics fold: its weight's gradient of the step, or, with deferred
+    statistics, the raw gradient the previous step's update kept before overwriting it (None
+    at the first step, or after a step without a gradient: nothing to fold)."""
+
+    def __init__(self, weight: nn.Parameter, defer: bool):
+        self.weight, self.defer = weight, defer
+        self.kept: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # reused from step to step
+
+    def for_stats(self) -> torch.Tensor | None:
+        return self.kept if self.defer else self.weight.grad
+
+    def keep(self) -> None:
+        """Called by the update before it overwrites weight.grad."""
+        if not self.defer:
+            return
+        G = self.weight.grad
+        if G is None:
+            self.kept = None
+            return
+        if self._buffer is None or self._buffer.shape != G.shape or self._buffer.dtype != G.dtype:
+            self._buffer = torch.empty_like(G)
+        self.kept = self._buffer.copy_(G)
+
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+
+    def state_dict(self) -> dict:
+        return {} if self.kept is None else {"kept_grad": self.kept.clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.kept = self._buffer = sd["kept_grad"].clone() if "kept_grad" in sd else None
 
 
 def block_sizes(n: int, most: int) -> list[int]:
@@ -150,6 +191,7 @@ class ShampooLayer:
         self.steps = 0           # precondition() calls with a gradient: β1's and the graft's bias correction
         self.exp_avg: torch.Tensor | None = None  # β1's EMA of the gradient
         self.graft_sq: torch.Tensor | None = None  # the graft's sum or EMA of g²
+        self.gradient = KeptGradient(module.weight, cfg.defer_stats)  # what update_stats folds
 
     def _allocate_stats(self) -> None:
         if not self.statistics:
@@ -162,7 +204,7 @@ class ShampooLayer:
         """Fold weight.grad into every block's L and R; on the first step of a cycle also snapshot them
         (a missing gradient, as torch's optimizers skip one, leaves the statistics as they are)."""
         self._allocate_stats()
-        G = self.module.weight.grad
+        G = self.gradient.for_stats()
         if G is not None:
             G = G.to(self.statistics["L"][0].dtype)
             b = self.cfg.beta2
@@ -260,6 +302,7 @@ class ShampooLayer:
         adam: m̂ / (√v̂ + ε), v̂ bias-corrected); without roots in force, or before
         start_preconditioning_step, the graft's direction itself (none: m̂ preconditioned,
         or m̂)."""
+        self.gradient.keep()
         G = self.module.weight.grad
         if G is None:
             self.raw_grad_sq = None
@@ -312,7 +355,7 @@ class ShampooLayer:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
-        return total
+        return total + self.gradient.nbytes()
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -324,6 +367,7 @@ class ShampooLayer:
         sd.update({f"pending_{f}": pack(t) for f, t in self._pending.items()})
         sd.update({n: t.clone() for n, t in (("exp_avg", self.exp_avg), ("graft_sq", self.graft_sq)) if t is not None})
         sd["counts"] = torch.tensor([self.stat_steps, self._snapshot_steps, self.steps])
+        sd.update(self.gradient.state_dict())
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -340,6 +384,7 @@ class ShampooLayer:
         self.graft_sq = sd["graft_sq"].clone() if "graft_sq" in sd else None
         if "counts" in sd:
             self.stat_steps, self._snapshot_steps, self.steps = (int(v) for v in sd["counts"])
+        self.gradient.load_state_dict(sd)
 
 
 def make_layer(name: str, linear: nn.Linear, cfg: ShampooConfig, micro_batches: int) -> ShampooLayer:

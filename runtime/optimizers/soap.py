@@ -19,7 +19,8 @@ exactly; the second moment V cannot be rotated and is only reordered with its ba
 columns, as the authors' code does. Before the first basis is in force the basis is the
 identity: the update is AdamW's.
 
-Cycle semantics (refresh every k steps) are Shampoo's (runtime.optimizers.shampoo): the
+Cycle semantics (refresh every k steps) and deferred statistics (defer_stats) are Shampoo's
+(runtime.optimizers.shampoo): the
 statistics are snapshotted on the refresh step t0, the basis computed from them (anywhere in
 the cycle) is in force from t0 + k. Power iteration starts from the basis in force when it
 runs, the one computed in the previous cycle. A pending basis travels as one (d + 1) x d
@@ -39,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from runtime.optimizers.kfac import NonFiniteFactorError
+from runtime.optimizers.shampoo import KeptGradient
 
 FACTORS = ("L", "R")
 
@@ -53,6 +55,7 @@ class SoapConfig:
     weight_decay: float = 0.01   # decoupled, as AdamW's
     tie_break: float = 1e-6      # a fixed distinct diagonal, relative to the mean eigenvalue (see refresh_basis)
     refresh_steps: int = 1       # k, fixed by the plan
+    defer_stats: bool = False    # fold each step's gradient in the next step (runtime.optimizers.shampoo)
 
     def __post_init__(self):
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.shampoo_beta < 1 and self.eps > 0
@@ -70,7 +73,8 @@ def soap_config(job) -> SoapConfig:
     once apply_plan has filled it in; 1 before)."""
     s = job.soap
     return SoapConfig(lr=s.lr, beta1=s.beta1, beta2=s.beta2, shampoo_beta=s.shampoo_beta, eps=s.eps,
-                      weight_decay=s.weight_decay, tie_break=s.tie_break, refresh_steps=job.kfac.refresh_steps or 1)
+                      weight_decay=s.weight_decay, tie_break=s.tie_break, refresh_steps=job.kfac.refresh_steps or 1,
+                      defer_stats=s.defer_stats)
 
 
 def eigenbasis(S: torch.Tensor) -> torch.Tensor:
@@ -107,6 +111,7 @@ class SoapLayer:
         self.exp_avg_sq: torch.Tensor | None = None   # V
         self.t = 0                                    # Adam's step count (bias correction)
         self.raw_grad_sq = None
+        self.gradient = KeptGradient(module.weight, cfg.defer_stats)  # what update_stats folds
 
     def _like(self) -> dict:
         w = self.module.weight
@@ -118,7 +123,7 @@ class SoapLayer:
             self.statistics = {f: torch.zeros(d, d, **self._like()) for f, d in self.dims.items()}
             if self._alias:
                 self.snapshots = dict(self.statistics)
-        G = self.module.weight.grad
+        G = self.gradient.for_stats()
         if G is not None:
             G = G.to(self.statistics["L"].dtype)
             b = self.cfg.statistics_beta
@@ -135,6 +140,9 @@ class SoapLayer:
             raise NonFiniteFactorError(f"SOAP layer {self.name}: statistic {factor} has non-finite values "
                                        f"(NaN/Inf gradients); lower the learning rate")
         d = S.shape[0]
+        if not bool(S.any()):  # nothing folded yet (deferred statistics' first step): no basis, none in force
+            self._pending[factor] = torch.cat([torch.eye(d, **self._like()), torch.full((1, d), -1.0, **self._like())])
+            return
         # A statistic of fewer gradients than its size is singular: its null space is one
         # degenerate eigenspace whose basis eigh picks from rounding, so two runs that sum
         # the same gradient in another order (replicas) would diverge. A fixed diagonal
@@ -168,9 +176,11 @@ class SoapLayer:
         old = {f: self.bases.get(f) for f in FACTORS}
         new = dict(old)
         for f, packed in self._pending.items():
+            order = packed[-1].round().long()
+            if order[0] < 0:  # refreshed from an empty statistic: the basis stays as it is
+                continue
             new[f] = packed[:-1]
             if self.exp_avg_sq is not None:
-                order = packed[-1].round().long()
                 self.exp_avg_sq = self.exp_avg_sq.index_select(0 if f == "L" else 1, order)
         if self.exp_avg is not None:
             M = self._rotate_back(self.exp_avg, old)
@@ -209,6 +219,7 @@ class SoapLayer:
 
     def precondition(self) -> None:
         """weight.grad <- Adam's direction in the basis in force (unchanged if no gradient)."""
+        self.gradient.keep()
         G = self.module.weight.grad
         if G is None:
             self.raw_grad_sq = None
@@ -234,7 +245,7 @@ class SoapLayer:
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
-        return total
+        return total + self.gradient.nbytes()
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -246,6 +257,7 @@ class SoapLayer:
         if self.exp_avg is not None:
             sd.update(exp_avg=self.exp_avg.clone(), exp_avg_sq=self.exp_avg_sq.clone())
         sd["t"] = torch.tensor(self.t)
+        sd.update(self.gradient.state_dict())
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -256,6 +268,7 @@ class SoapLayer:
         self.exp_avg = sd["exp_avg"].clone() if "exp_avg" in sd else None
         self.exp_avg_sq = sd["exp_avg_sq"].clone() if "exp_avg_sq" in sd else None
         self.t = int(sd.get("t", 0))
+        self.gradient.load_state_dict(sd)
 
 
 def make_layer(name: str, linear: nn.Linear, cfg: SoapConfig, micro_batches: int) -> SoapLayer:
