@@ -197,6 +197,10 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
             h = schedule_from_steps(cm, greedy_steps)
             if h is not None:
                 cands.append(("greedy", h))
+        if cfg.defer_stats:
+            h = _undeferred_warm_start(profile, cfg, k, opts, planning, cm)
+            if h is not None:
+                cands.append(("undeferred warm start", h))
         pinned = {cm.index[t]: ref_sched.start[j] for j, t in enumerate(ref_cm.tasks)}
         packed = list_schedule(p, pinned=pinned, order_key=by_head)
         cands.append(("timeline+first-fit", packed))
@@ -232,6 +236,16 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
         status = "OPTIMAL"
     result = Result(status, best, best.makespan, bound, 0.0)
     return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages, lower)
+
+
+def _undeferred_warm_start(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions, planning: Planning,
+                           cm: CycleModel) -> Schedule | None:
+    """The best warm start of the same k without deferred statistics, as a schedule of the
+    deferred model (an undeferred order is a deferred one too). The list schedules start a
+    deferred `stats` as soon as it is ready, at its step's start, where on the first stage
+    it delays every pass; the undeferred order keeps it after the gradient."""
+    plain = solve_cycle(profile, replace(cfg, defer_stats=False), k, opts, planning, time_limit=0.0, warm_only=True)
+    return schedule_from_steps(cm, steps_from_schedule(plain.cm, plain.schedule))
 
 
 def balanced_options(p) -> set[int]:
