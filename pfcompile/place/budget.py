@@ -40,6 +40,19 @@ class Budget:
         left = self.left()
         return share if left >= share else (left if left >= MIN_SOLVE_S else 0.0)
 
+    @contextmanager
+    def share(self, fraction: float):
+        """Within it, the deadline is `fraction` of the time left from now (one of several
+        plannings that share the limit: a planning that cannot prove its optimum would
+        otherwise spend the others' time); what it leaves unused goes to the next."""
+        saved = self.deadline
+        if saved is not None:
+            self.deadline = min(saved, time.monotonic() + self.reserve + fraction * max(0.0, self.left()))
+        try:
+            yield
+        finally:
+            self.deadline = saved
+
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 

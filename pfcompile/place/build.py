@@ -72,15 +72,18 @@ def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, 
         return _build_division(profile, replace(cfg, precond="all"), options, where, planning)
     budget = planning.budget
     tried, skipped, longest = [], [], 0.0
-    for division in ("all", "split", "layers"):
-        # under a wall-clock limit, a division is tried only if the time left holds another
-        # planning like the longest so far (the limit is hard: the Python counts)
+    divisions = ("all", "split", "layers")
+    for n, division in enumerate(divisions):
+        # under a wall-clock limit a division gets an equal share of what is left, and is
+        # tried only if that holds the Python (graph, warm starts, replay) of the longest so
+        # far: the limit is hard, and only the search stops at its share
         if tried and budget.left() < longest:
             skipped.append(division)
             continue
-        t0 = time.monotonic()
-        tried.append(_build_division(profile, replace(cfg, precond=division), options, where, planning))
-        longest = max(longest, time.monotonic() - t0)
+        t0, searched = time.monotonic(), budget.seconds["solve"]
+        with budget.share(1 / (len(divisions) - n)):
+            tried.append(_build_division(profile, replace(cfg, precond=division), options, where, planning))
+        longest = max(longest, time.monotonic() - t0 - (budget.seconds["solve"] - searched))
     best = min(tried, key=lambda t: (round(t[0].stats["step_time_ms"], 3), t[0].refresh_steps))
     best[0].stats["precond_auto"] = {t[0].config.precond_division: round(t[0].stats["step_time_ms"], 3)
                                      for t in tried}
