@@ -106,6 +106,7 @@ def check_promise(out: str) -> None:
     # adamw and muon in the promise table and in the traced runs' table
     assert [row[3] for row in cells] == ["adamw", "muon", "adamw", "muon"], out
     assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
+    assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
 
 
 # script -> (its smallest run's arguments; {tmp}: a fresh folder), the check of its output
