@@ -292,25 +292,6 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
     assert made.stats["expected_step_time_ms"] > made.stats["step_time_ms"]
 
 
-def test_run_tail_is_a_runs_mean_over_its_median_per_op_kind(tmp_path):
-    """The profiler raises its medians by the probe run's tail (calibrate.fit.run_tail). A
-    run (known durations, written from the cost model's definition) whose every op takes 3x
-    its time in one step of five and its own time otherwise: each op's median is its time,
-    its mean 0.8 + 0.2 x 3 = 1.4 times that, so every kind's tail is 1.4; without stalls, 1."""
-    from pfcompile.calibrate.fit import fit_runtime
-
-    prof = load_profile(str(PROFILE))
-    plan, _, _ = build_plan(prof, PipelineConfig("gpipe", stages=4, micro_batches=4, optimizer="adamw"), PlanOptions("greedy"))
-    plan_path = tmp_path / "gpipe4.json"
-    plan.save(str(plan_path))
-    truth = true_profile(prof)
-    stalled = synthetic_trace(tmp_path, plan_path, truth, steps=41, name=".stalled",
-                              vary=lambda op, step: 3.0 if (step - 1) % 5 == 0 else 1.0)
-    steady = synthetic_trace(tmp_path, plan_path, truth, steps=41, name=".steady")
-    assert fit_runtime([load_measured(str(stalled))], prof).tail == pytest.approx({"fwd": 1.4, "bwd": 1.4, "step": 1.4}, rel=1e-3)
-    assert fit_runtime([load_measured(str(steady))], prof).tail == pytest.approx({"fwd": 1.0, "bwd": 1.0, "step": 1.0}, rel=1e-3)
-
-
 def test_calibration_recovers_a_split_backward(tmp_path):
     """A zero-bubble run (zb-h1, one part per stage): B and W are fitted per part, apart
     from each other and from the whole backward the plan does not run."""

@@ -162,21 +162,6 @@ def fit_spread(samples_by_key: dict[tuple, list[float]]) -> dict[str, list[float
     return out
 
 
-def run_tail(samples_by_key: dict[tuple, list[float]], kinds: tuple[str, ...] = ("fwd", "bwd", "step")) -> dict[str, float]:
-    """Per op kind, how far a run's mean occupancy lies above its median: the sum over the
-    kind's entries (each stage of each trace) of the samples' mean over the sum of their
-    medians. An op timed in a loop on its own runs undisturbed, and its median is its
-    time; in a run it is now and then stalled (the other rank's communication threads wake
-    on its core, the launcher polls, the allocator finds no free block), and a step, a sum
-    of op times, adds means. The profiler raises its medians by this (profile_model)."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for key, values in samples_by_key.items():
-        if key[0] in kinds and values:
-            sums[key[0]][0] += statistics.fmean(values)
-            sums[key[0]][1] += statistics.median(values)
-    return {k: round(mean / median, 4) for k, (mean, median) in sums.items() if median > 0}
-
-
 @dataclass
 class RuntimeFit:
     entries: dict[tuple, float]      # samples() keys -> the statistic, less op_ms (>= 0)
@@ -184,7 +169,6 @@ class RuntimeFit:
     link: LinkModel                  # the p2p link (the profile's when no receive was traced)
     receives: int                    # receives the link and recv_ms were fitted from
     overhead_entries: int            # of the four overheads, how many the traces gave
-    tail: dict[str, float]           # run_tail: fwd, bwd and step's mean over median
 
 
 def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = "mean") -> RuntimeFit:
@@ -209,7 +193,7 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
                                  op_spread={**old.op_spread, **fit_spread(by_key)})
     given = sum(1 for key in (("between steps",), ("send",)) if key in entries) + bool(gaps) + bool(recvs)
-    return RuntimeFit(entries, overheads, link, len(recvs), given, run_tail(by_key))
+    return RuntimeFit(entries, overheads, link, len(recvs), given)
 
 
 def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "mean") -> tuple[Profile, dict]:

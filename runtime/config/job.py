@@ -396,8 +396,11 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
                             f"({plan_path} {plan_field}); remove the key or plan again")
         section, _, name = key.partition(".")
         setattr(getattr(cfg, section), name, fixed)
-    if getattr(plan.config, "defer_stats", False):  # the plan may run the statistics before the gradient exists
-        section = plan.config.optimizer
+    if plan.config.defer_stats:  # the plan may run the statistics before the gradient exists
+        from runtime.optimizers import registry
+
+        entry = registry.entry(plan.config.optimizer)
+        section = entry.section or entry.name
         key = f"{section}.defer_stats"
         if key in cfg.source and not cfg.get(key):
             raise cfg.error(key, f"is false but {plan_path} config.defer_stats plans deferred statistics; "
