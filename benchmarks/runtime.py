@@ -286,12 +286,13 @@ def our_pipeline(plan_path: str, rank: int, world_size: int, world, total_steps:
     metrics = Metrics(None, total_steps, 0, 1) if rank == 0 else None
     pending: list[tuple] = []
     log_every = job.config.log.every
+    logged = loop.LoggedSteps(world, losses, metrics)
 
     def one_step(step: int) -> float:
         pending.append(loop.train_step(parts, step))
         share = pending[-1][1]
         if len(pending) >= log_every:
-            loop.flush(world, pending, losses, metrics)
+            logged.post(pending)
         return share
 
     return one_step

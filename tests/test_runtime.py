@@ -313,3 +313,26 @@ def test_split_preconditioning_matches_single_process(tmp_path, schedule, args):
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
     assert_same_params(distributed_params(tmp_path / "ckpt", 3, plan), want, initial)
+
+
+def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
+    """The plan starts a rank's next step after its own last op. The runtime too: the
+    divergence check and the logged losses are all-reduced in the background
+    (Interpreter.agree, runtime.pipeline.loop.LoggedSteps), so in a 4-stage 1F1B the last
+    stage, which ends its step three backward passes before the first, starts the next one
+    (its first receive) while the first stage still runs its last backward passes. A barrier
+    at the step's end would start it after the first stage's last op."""
+    from pfcompile.calibrate.measured import load_measured
+
+    plan = make_plan(tmp_path, "1f1b", 4, kfac=False)
+    trace = tmp_path / "trace.json"
+    r = torchrun(plan, 4, "--steps", "8", "--trace", str(trace))
+    assert r.returncode == 0, r.stdout[-3000:]
+    ops = load_measured(str(trace)).by_rank()
+    last_end = {o.step: o.end_ms for o in ops[0]}  # in execution order: the step's last op wins
+    first_start: dict[int, float] = {}
+    for o in ops[3]:
+        first_start.setdefault(o.step, o.start_ms)
+    steps = sorted(s for s in last_end if s + 1 in first_start)  # the trace's steps after warm-up
+    ahead = [first_start[s + 1] < last_end[s] for s in steps]
+    assert len(steps) >= 5 and sum(ahead) >= len(steps) - 1, [first_start[s + 1] - last_end[s] for s in steps]

@@ -176,8 +176,28 @@ MIN = dist.ReduceOp.MIN
 
 def all_reduce(tensor: torch.Tensor, what: str, timeout: timedelta, op=None, group=None) -> None:
     """One tensor reduced in place over the group (default: the world; op default: sum)."""
+    post_all_reduce(tensor, what, timeout, op, group).wait()
+
+
+class InFlight:
+    """A collective posted now and completed later (`wait`, with the group's timeout): a rank
+    does not stop at the end of its step for the others, so the ranks run the plan as it is
+    planned, where a rank's next step follows its own last op, not the last rank's."""
+
+    def __init__(self, work, tensor: torch.Tensor, what: str, timeout: timedelta):
+        self.work, self.tensor, self.what, self.timeout = work, tensor, what, timeout
+
+    def wait(self) -> torch.Tensor:
+        with talking(self.what, self.timeout):
+            self.work.wait(self.timeout)
+        return self.tensor
+
+
+def post_all_reduce(tensor: torch.Tensor, what: str, timeout: timedelta, op=None, group=None) -> InFlight:
+    """`all_reduce`, posted: the tensor holds the result once the returned InFlight's wait returns."""
     with talking(what, timeout):
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True).wait(timeout)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    return InFlight(work, tensor, what, timeout)
 
 
 # --- point-to-point --------------------------------------------------------------------

@@ -135,6 +135,7 @@ class Interpreter:
         self.loss_sum = 0.0  # sum over this rank's last-stage micro-batches of loss_m / N
         self.finite: dict[int, torch.Tensor] = {}  # stage -> all its forwards' outputs finite this step
         self.factor_failed: int = NO_DIVERGENCE  # divergence_code of the first failed inversion this step
+        self.verdict: tuple[int, comm.InFlight] | None = None  # (step, its divergence check in flight)
         # plan layer index -> the optimizer's layer, over all stages of this rank
         self.layers = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
         self.optimizer = registry.entry(plan.config.optimizer)
@@ -172,9 +173,13 @@ class Interpreter:
         self.step_index = step
         refresh = step % self.k == 0
         if refresh and step > 0:
-            for layer in self.layers.values():  # the inverses or roots of the last cycle come into force
+            for i, layer in self.layers.items():  # the inverses or roots of the last cycle come into force
                 if hasattr(layer, "activate"):
-                    layer.activate()
+                    try:
+                        layer.activate()
+                    except kfac.NonFiniteFactorError:  # the step after a divergence (agree): it stops at the end
+                        self.factor_failed = min(self.factor_failed, divergence_code(
+                            layer=i, factors=self.optimizer.ops.factors))
         self.capturing = refresh
         tl, mem = self.timeline, self.memory
         mem.begin_step()
@@ -217,16 +222,38 @@ class Interpreter:
         host read of the flags the forwards set without waiting, see _fwd, and the first
         failed inversion) goes into one all-reduce (MIN) of one integer over the world, and
         every rank raises the same NonFiniteError. A diverged rank alone stopping would
-        leave the others waiting on it until the timeout."""
+        leave the others waiting on it until the timeout.
+
+        The all-reduce is posted here and read at the end of the next step (or at `settle`):
+        waiting for it here would make every rank wait for the last one at every step's end,
+        a barrier the plan does not have (it places a rank's next step after its own last op,
+        and fills one rank's tail with work while the other starts the next step). So a
+        divergence stops the run one step after it, every rank in the same step, naming the
+        step it happened in; `settle` runs before anything reads the parameters."""
         flags, self.finite = self.finite, {}
         code, self.factor_failed = self.factor_failed, NO_DIVERGENCE
         if flags and not bool(torch.stack([ok for _, ok in sorted(flags.items())]).all()):
             code = min(code, divergence_code(stage=min(s for s, ok in flags.items() if not bool(ok))))
-        self._raise_if_any(code, step)
+        self.settle()
+        verdict = torch.tensor([code], dtype=torch.int64, device=self.world.device)
+        self.verdict = (step, comm.post_all_reduce(verdict, f"the divergence check of step {step}",
+                                                   self.world.timeout, op=comm.MIN))
+
+    def settle(self) -> None:
+        """Read the divergence check in flight (agree) and raise if any rank diverged: before
+        an evaluation, a checkpoint or the model file, and at the end of the run."""
+        if self.verdict is None:
+            return
+        (step, pending), self.verdict = self.verdict, None
+        code = int(pending.wait())
+        if code != NO_DIVERGENCE:
+            raise NonFiniteError(divergence_message(code, step, self.plan))
 
     def agree_parameters(self, step: int) -> None:
         """As `agree`, for the parameters after the update of `step` (before a checkpoint
-        or the model file is written: what is saved is always finite)."""
+        or the model file is written: what is saved is always finite), once the step's own
+        check is settled."""
+        self.settle()
         code = min((divergence_code(stage=s, params=True) for s, sr in sorted(self.stages.items())
                     if not all(bool(all_finite(p.detach())) for p in sr.module.parameters())), default=NO_DIVERGENCE)
         self._raise_if_any(code, step)

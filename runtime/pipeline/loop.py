@@ -110,6 +110,7 @@ def run(job) -> measure.Summary | None:
         poison = faults.poison_hook(world.rank, stages)
         losses = torch.zeros(steps, dtype=torch.float64)  # filled on rank 0 by the reductions
         pending: list[tuple] = []  # train_step's rows until the next reduction
+        logged = LoggedSteps(world, losses, metrics)
         every, log_every = cfg.eval.every, cfg.log.every
         val_batches = r.val_batches
         comm.barrier("the barrier before the first step", world.timeout)
@@ -124,14 +125,18 @@ def run(job) -> measure.Summary | None:
             done = step + 1
             evaluate_now = val_batches and ((every and done % every == 0) or done == steps)
             if len(pending) >= log_every or done == steps or evaluate_now:
-                flush(world, pending, losses, metrics)
+                logged.post(pending)
             if evaluate_now:
+                interp.settle()
+                logged.settle()  # the steps' rows before the evaluation's
                 _evaluate(interp, stages, world, val_batches, N, done, metrics, say)
             if ckpt.every and done % ckpt.every == 0:
                 interp.agree_parameters(step)  # the last good checkpoint stays the last one written
                 checkpoint.save_rank(ckpt.dir, done, world, stages, keep=ckpt.keep)
                 if ckpt.save_model_every_checkpoint:
                     _save_model(job, world, stages, len(val_batches or []))
+        interp.settle()  # the last step's divergence check
+        logged.settle()
 
         if ckpt.save_model:
             interp.agree_parameters(steps - 1)
@@ -169,21 +174,38 @@ def _data(job, batch_size: int, seq_len: int):
     return stream, (val.fixed_batches(cfg.eval.batches) if val else None)
 
 
-def flush(world, pending: list, losses: torch.Tensor, metrics) -> None:
-    """One all-reduce of the buffered steps' loss and squared-norm shares; rank 0 logs them."""
-    if not pending:
-        return
-    shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=world.device)
-    comm.all_reduce(shares, "the all-reduce of the logged losses", world.timeout)
-    shares = shares.cpu()
-    if world.rank == 0:
+class LoggedSteps:
+    """The buffered steps' loss and squared-norm shares, all-reduced in one message and
+    logged on rank 0. The reduction is posted (`post`) and read at the next post or at
+    `settle`, like the divergence check (Interpreter.agree): waiting for it would stop
+    every rank at the slowest one every few steps."""
+
+    def __init__(self, world, losses: torch.Tensor, metrics):
+        self.world, self.losses, self.metrics = world, losses, metrics
+        self.in_flight: tuple[list[tuple], comm.InFlight] | None = None
+
+    def post(self, pending: list) -> None:
+        if not pending:
+            return
+        self.settle()
+        shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=self.world.device)
+        self.in_flight = (list(pending), comm.post_all_reduce(shares, "the all-reduce of the logged losses",
+                                                              self.world.timeout))
+        pending.clear()
+
+    def settle(self) -> None:
+        if self.in_flight is None:
+            return
+        (rows_of, reduction), self.in_flight = self.in_flight, None
+        shares = reduction.wait().cpu()
+        if self.world.rank != 0:
+            return
         rows = []
-        for (step, _, _, ms, lr, refresh), (loss, norm_sq) in zip(pending, shares.tolist()):
-            losses[step] = loss
+        for (step, _, _, ms, lr, refresh), (loss, norm_sq) in zip(rows_of, shares.tolist()):
+            self.losses[step] = loss
             rows.append({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(max(norm_sq, 0.0)),
                          "step_ms": ms, "refresh": refresh})
-        metrics.steps(rows)
-    pending.clear()
+        self.metrics.steps(rows)
 
 
 def _evaluate(interp, stages, world, batches, N: int, step: int, metrics, say) -> float:
