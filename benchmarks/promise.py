@@ -137,6 +137,7 @@ def main() -> None:
             with console.status(f"traced run of {p.stem}"):
                 traced[key] = where_it_went(p, profiles[key[0]], steps, warmup, key[2], a.out)
     times = {key: [x.step_ms for x in v] for key, v in launches.items()}
+    op_ratios = {key: [x.op_ratio for x in v if x.op_ratio] for key, v in launches.items()}
     pred = {key: json.loads(p.read_text())["stats"]["step_time_ms"] for key, p in plans.items()}
     ks = {key: json.loads(p.read_text())["config"]["refresh_steps"] for key, p in plans.items()}
     expected = {key: json.loads(p.read_text())["stats"].get("expected_step_time_ms") for key, p in plans.items()}
@@ -145,19 +146,20 @@ def main() -> None:
           f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
           f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.\n")
     print("| model | schedule | optimizer | k | predicted ms | measured ms (median) | min–max | measured/predicted "
-          "| within ±10%? | measured/expected | overhead measured (paired median) | min–max | planned | "
-          "measured − planned | within ±2 pts? |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+          "| within ±10%? | measured/expected | compute ops measured/profiled | overhead measured (paired median) "
+          "| min–max | planned | measured − planned | within ±2 pts? |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for (m, s, o), t in times.items():
         med = statistics.median(t)
         ratio = med / pred[(m, s, o)]
         row = {"model": m, "schedule": s, "optimizer": o, "k": ks[(m, s, o)], "predicted_ms": pred[(m, s, o)],
-               "measured_ms": t, "ratio": ratio}
+               "measured_ms": t, "ratio": ratio, "op_ratio": op_ratios[(m, s, o)]}
         e = expected[(m, s, o)]
         row["expected_ms"] = e
         cells = [m, s, o, str(ks[(m, s, o)]), f"{pred[(m, s, o)]:.1f}", f"{med:.1f}", spread(t, ".1f"), f"{ratio:.3f}",
-                 "yes" if abs(ratio - 1) <= 0.10 else "**no**", "-" if not e else f"{med / e:.3f}"]
+                 "yes" if abs(ratio - 1) <= 0.10 else "**no**", "-" if not e else f"{med / e:.3f}",
+                 f"{statistics.median(op_ratios[(m, s, o)]):.3f}" if op_ratios[(m, s, o)] else "-"]
         if o == "adamw":
             cells += ["", "", "", "", ""]
         else:
