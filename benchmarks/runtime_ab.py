@@ -8,6 +8,7 @@ min-max) and the paired ratio this tree / COMMIT per round. The plans must be re
 both (the plan format did not change between them).
 
     .venv/bin/python benchmarks/runtime_ab.py COMMIT PLAN [PLAN ...] [--rounds 5] [--steps 40]
+    .venv/bin/python benchmarks/runtime_ab.py --smoke   # HEAD against this tree, one bert-tiny plan (tests)
 """
 
 from __future__ import annotations
@@ -44,17 +45,34 @@ def run(tree: Path, plan: Path, steps: int, warmup: int, flags: list[str]) -> fl
     return json.loads(lines[-1])["step_ms"]
 
 
+def smoke_plan(folder: Path) -> Path:
+    path = folder / "bert-tiny-1f1b-adamw.json"
+    r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", "profiles/bert-tiny-cpu.json", "--schedule", "1f1b",
+                        "--stages", "2", "--micro-batches", "4", "--optimizer", "adamw", "--method", "none",
+                        "-o", str(path)], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"runtime_ab: planning the smoke plan failed:\n{r.stderr[-2000:]}")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("commit")
-    ap.add_argument("plans", nargs="+", type=Path)
+    ap.add_argument("commit", nargs="?", default="HEAD")
+    ap.add_argument("plans", nargs="*", type=Path)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40, help="steps per run, warm-up included")
     ap.add_argument("--set", action="append", default=[], help="a runtime --set for every run (repeatable)")
+    ap.add_argument("--smoke", action="store_true", help="HEAD against this tree: one bert-tiny 1F1B plan, 1 round of 4 steps")
     a = ap.parse_args()
     flags = [x for s in a.set for x in ("--set", s)]
     with tempfile.TemporaryDirectory(prefix="pfcompile-ab-") as tmp:
-        sides = {a.commit: export(a.commit, Path(tmp)), "this tree": ROOT}
+        if a.smoke:
+            a.commit, a.rounds, a.steps, a.plans = "HEAD", 1, 4, [smoke_plan(Path(tmp))]
+        if not a.plans:
+            ap.error("give the plans to run (or --smoke)")
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        sides = {a.commit: export(a.commit, tree), "this tree": ROOT}
         times: dict[tuple[str, str], list[float]] = {}
         for r in range(a.rounds):
             for plan in a.plans:

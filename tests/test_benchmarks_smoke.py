@@ -109,6 +109,11 @@ def check_promise(out: str) -> None:
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
 
 
+def check_runtime_ab(out: str) -> None:
+    rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    assert [r[1] for r in rows] == ["bert-tiny-1f1b-adamw"] and float(rows[0][6]) > 0, out  # the paired ratio
+
+
 # script -> (its smallest run's arguments; {tmp}: a fresh folder), the check of its output
 SMOKE = {
     "planner.py": (["--only", "scaling", "--sizes", "4x4", "--instance-limit", "5"], check_planner),
@@ -128,6 +133,7 @@ SMOKE = {
                     "--warmup", "1", "--time-limit", "1", "--out", "{tmp}"], check_promise),
     "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
+    "runtime_ab.py": (["--smoke"], check_runtime_ab),
     "split_backward.py": (["--model", "bert-tiny", "--parts", "block0", "--micro-batch", "2", "--seq-len", "16",
                            "--repeats", "2", "--warmup", "1"], check_split_backward),
 }

@@ -235,9 +235,7 @@ class Interpreter:
         if flags and not bool(torch.stack([ok for _, ok in sorted(flags.items())]).all()):
             code = min(code, divergence_code(stage=min(s for s, ok in flags.items() if not bool(ok))))
         self.settle()
-        verdict = torch.tensor([code], dtype=torch.int64, device=self.world.device)
-        self.verdict = (step, comm.post_all_reduce(verdict, f"the divergence check of step {step}",
-                                                   self.world.timeout, op=comm.MIN))
+        self._post_verdict(code, step)
 
     def settle(self) -> None:
         """Read the divergence check in flight (agree) and raise if any rank diverged: before
@@ -256,13 +254,13 @@ class Interpreter:
         self.settle()
         code = min((divergence_code(stage=s, params=True) for s, sr in sorted(self.stages.items())
                     if not all(bool(all_finite(p.detach())) for p in sr.module.parameters())), default=NO_DIVERGENCE)
-        self._raise_if_any(code, step)
+        self._post_verdict(code, step)
+        self.settle()
 
-    def _raise_if_any(self, code: int, step: int) -> None:
+    def _post_verdict(self, code: int, step: int) -> None:
         verdict = torch.tensor([code], dtype=torch.int64, device=self.world.device)
-        comm.all_reduce(verdict, f"the divergence check of step {step}", self.world.timeout, op=comm.MIN)
-        if int(verdict) != NO_DIVERGENCE:
-            raise NonFiniteError(divergence_message(int(verdict), step, self.plan))
+        self.verdict = (step, comm.post_all_reduce(verdict, f"the divergence check of step {step}",
+                                                   self.world.timeout, op=comm.MIN))
 
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
