@@ -16,7 +16,9 @@ is calibrated. Per cell (model, schedule, optimizer):
   schedule), its median over rounds, and the rounds' min-max;
 - where the time went: one more traced run per cell, through `pfcompile inspect TRACE
   --against PLAN --profile PROFILE --json` (each op kind's share of the step error, the time
-  between ops, and the plan replayed with the run's own op times). Its measured step is the
+  between ops with the runtime's own work in it (the trace's runtime row) against what the
+  plan counts for it, and the plan replayed with the run's own op times, its level split by
+  op kind). Its measured step is the
   median of the per-step spans, the rounds' the run's mean (the runtime's step_ms): both
   definitions are reported, each over predicted.
 
@@ -175,9 +177,10 @@ def main() -> None:
     if traced:
         print("\nWhere the time went (one traced run per cell; ms per step; `pfcompile inspect --against --profile`):\n")
         print("| model | schedule | optimizer | measured (median step) | predicted | median/predicted | error "
-              "| largest op kinds (ms) | between ops | replay: the run's mean op times | each step's own "
+              "| largest op kinds (ms) | between ops | runtime's work: measured / planned (per rank) "
+              "| longest runtime stall | replay: the run's mean op times | level by op kind (alone) | each step's own "
               "| measured (cycles) |")
-        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---:|")
         for (m, s, o), d in traced.items():
             if "error" in d:
                 print(f"| {m} | {s} | {o} | inspect failed: {d['error']} |")
@@ -186,10 +189,16 @@ def main() -> None:
             shown = ", ".join(f"{r['kind']} {r['explains_ms']:+.1f}" for r in kinds)
             rp = d.get("replayed") or {}
             ratio = d["measured_step_ms"] / d["predicted_step_ms"] if d["predicted_step_ms"] else float("nan")
+            spans = d.get("runtime_spans") or {}
+            work = sum(v["per_step_ms"] for v in spans.values())
+            stall = max(spans.items(), key=lambda kv: kv[1]["max_ms"], default=None)
+            stall = f"{stall[0]} {stall[1]['max_ms']:.1f}" if stall else "-"
+            level = ", ".join(f"{kind} {ms:+.1f}" for kind, ms in list((rp.get("level_by_kind_ms") or {}).items())[:3])
             print(f"| {m} | {s} | {o} | {d['measured_step_ms']:.1f} | {d['predicted_step_ms']:.1f} | {ratio:.3f} | "
                   f"{d['error_ms']:+.1f} | {shown} | {d['between_ops_ms']:+.1f} | "
-                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {rp.get('own_ops_step_ms', float('nan')):.1f} | "
-                  f"{rp.get('measured_step_ms', float('nan')):.1f} |")
+                  f"{work:.2f} / {d.get('runtime_planned_ms', float('nan')):.2f} | {stall} | "
+                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {level or '-'} | "
+                  f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} |")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
                                                     "load": [load0, load1, load2]}, indent=1) + "\n")
 

@@ -483,3 +483,60 @@ def test_the_profilers_in_run_levels_are_its_probe_runs_fits(tmp_path):
             assert factors[f"covered_layers.{g.name}.optimizer_ms.kfac.{key}"] == \
                 pytest.approx(gk[key] / was.optimizer_ms["kfac"][key])
         assert gk["inv_A.eigen"] == was.optimizer_ms["kfac"]["inv_A.eigen"]  # not run: kept
+
+
+def test_the_op_times_level_is_split_by_op_kind(tmp_path):
+    """`inspect --against --profile` names the op kinds whose level moved the step: the plan
+    replayed with one kind at its measured mean occupancy, the others at their profiled
+    times. A run written from the cost model (not the replay) in which only the
+    preconditioning takes 3x its profiled time: precond's entry is the step that 3x gives
+    in the replay, every other kind's is zero."""
+    from pfcompile.calibrate.compare import replayed_with_measured
+
+    prof = load_profile(str(PROFILE))
+    slow = copy.deepcopy(prof)
+    for layer in slow.covered_layers:
+        layer.optimizer_ms["kfac"]["precond"] *= 3.0
+    plan_path = make_plan(tmp_path, prof, "f1b", schedule="1f1b", stages=2)
+    plan = load_plan(str(plan_path))
+    k = plan.refresh_steps
+    trace = synthetic_trace(tmp_path, plan_path, slow, steps=8 * k + 1)
+    r = replayed_with_measured(load_measured(str(trace)), plan, prof)
+    level = r["level_by_kind_ms"]
+    want = replay(plan, slow, cycles=r["cycles"]).step_time_ms - replay(plan, prof, cycles=r["cycles"]).step_time_ms
+    assert want > 0.05  # the plan's updates wait for the preconditioning: it is on the critical path
+    assert level["precond"] == pytest.approx(want, rel=1e-6)
+    assert {"fwd", "bwd", "step", "curv_a", "inv"} <= set(level)
+    assert all(ms == pytest.approx(0.0, abs=1e-9) for kind, ms in level.items() if kind != "precond"), level
+    assert next(iter(level)) == "precond"  # the largest first
+
+
+def test_a_measured_trace_keeps_the_runtimes_spans_apart_from_its_ops(tmp_path):
+    """The runtime's own work between ops (Timeline.span) goes to its own row of the
+    trace; load_measured keeps it apart from the ops (whose names it parses), and the
+    comparison sums each span per step and rank, with its longest instance (a stall)."""
+    from pfcompile.calibrate.compare import format_runtime_spans, runtime_spans
+
+    tls = []
+    for q in range(2):
+        tl = measure.Timeline(q, 0.0)
+        for step in range(4):
+            t = 10.0 * step
+            tl.spans.append((step, "batch", t, t + 0.5 + q))
+            tl.record(step, "F0.0" if q == 0 else "F1.0", "fwd", t + 2, t + 5)
+            tl.spans.append((step, "verdict", t + 5, t + 5.25 + (3.0 if step == 3 else 0.0)))
+            tl.steps.append((step, t + 2, t + 5))
+        tls.append(tl)
+    path = tmp_path / "measured.json"
+    plan_path = make_plan(tmp_path, load_profile(str(PROFILE)), "gpipe2", stages=2)
+    measure.write_measured_trace(str(path), tls, {"plan": str(plan_path), "steps": 4, "warmup_steps": 1,
+                                                  **measure.plan_identity(str(plan_path), load_plan(str(plan_path)))})
+    trace = load_measured(str(path))
+    assert [str(o.op) for o in trace.ops].count("F0.0") == 3 and len(trace.ops) == 6  # steps 1-3
+    assert len(trace.spans) == 12 and {s.name for s in trace.spans} == {"batch", "verdict"}
+    got = runtime_spans(trace, ranks=2, steps=3)
+    assert got["batch"]["per_step_ms"] == pytest.approx((0.5 + 1.5) / 2)
+    assert got["verdict"]["per_step_ms"] == pytest.approx((0.25 + 0.25 + 3.25) * 2 / 3 / 2)
+    assert got["verdict"]["max_ms"] == pytest.approx(3.25) and got["verdict"]["median_ms"] == pytest.approx(0.25)
+    text = "\n".join(format_runtime_spans({"runtime_spans": got, "runtime_planned_ms": 1.0}))
+    assert "batch" in text and "the plan counts 1.000" in text and "longest 3.250" in text

@@ -66,7 +66,7 @@ def test_matches_single_process(tmp_path, schedule, D, R, model, tags, ahead):
     # The measured trace has every op of every rank, and rank 0 printed the summary line.
     loaded = json.loads(plan.read_text())
     expected = sum(len(loaded["ranks"][q]["steps"][t % K]) for q in range(W) for t in range(3))
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] != "runtime"]
     assert len(events) == expected
     assert {e["pid"] for e in events} == set(range(W))
     assert all(e["dur"] >= 0 for e in events)
@@ -336,3 +336,33 @@ def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
     steps = sorted(s for s in last_end if s + 1 in first_start)  # the trace's steps after warm-up
     ahead = [first_start[s + 1] < last_end[s] for s in steps]
     assert len(steps) >= 5 and sum(ahead) >= len(steps) - 1, [first_start[s + 1] - last_end[s] for s in steps]
+
+
+def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
+    """A measured trace has a "runtime" row per rank (pfcompile.formats.ops.RUNTIME_SPANS):
+    every step's batch, receives posted ahead (on a rank that receives), sends completed
+    and divergence check, K-FAC's activation of the new inverses on each refresh step after
+    the first and never on another step, and the periodic collection. Each span lies
+    between the rank's ops, never inside one, so "between ops" can be split by them; the
+    loader keeps them apart from the ops."""
+    from pfcompile.calibrate.measured import load_measured
+
+    plan = make_plan(tmp_path, "1f1b", 2)
+    k = K  # the hand plan's refresh cycle
+    trace_path = tmp_path / "trace.json"
+    steps = 3 * k + 1
+    r = torchrun(plan, 2, "--steps", str(steps), "--warmup", "0", "--trace", str(trace_path))
+    assert r.returncode == 0, r.stdout[-3000:]
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    rows = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert {(0, "runtime"), (1, "runtime")} <= rows
+    trace = load_measured(str(trace_path))
+    assert trace.ops and all(o.op.kind != "batch" for o in trace.ops)
+    for q, ops in trace.by_rank().items():
+        spans = [s for s in trace.spans if s.rank == q]
+        for name in ("batch", "post_recv", "drain", "verdict"):
+            assert sorted(s.step for s in spans if s.name == name) == list(range(steps)), (q, name)
+        assert sorted(s.step for s in spans if s.name == "activate") == list(range(k, steps, k)), q
+        assert [s.step for s in spans if s.name == "gc"] == [0]
+        for s in spans:  # between ops: no op of this rank overlaps a span
+            assert not any(o.start_ms < s.end_ms - 1e-6 and s.start_ms < o.end_ms - 1e-6 for o in ops), (q, s)

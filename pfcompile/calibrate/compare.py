@@ -74,8 +74,40 @@ def per_kind_rows(trace: MeasuredTrace, plan: Plan, profile: Profile | None = No
     explained = sum(r["explains_ms"] for r in rows)
     total = {"measured_step_ms": measured_step, "predicted_step_ms": predicted_step,
              "error_ms": measured_step - predicted_step, "between_ops_ms": measured_step - predicted_step - explained,
-             "steps": steps}
+             "steps": steps, "runtime_spans": runtime_spans(trace, W, steps)}
+    if profile is not None:
+        # what the plan gives the runtime's own work per step and rank (module doc)
+        total["runtime_planned_ms"] = profile.runtime.step_ms + profile.runtime.op_ms * sum(
+            len(ops) for ops_of_rank in plan.ranks for ops in ops_of_rank) / (k * W)
     return rows, total
+
+
+def runtime_spans(trace: MeasuredTrace, ranks: int, steps: int) -> dict[str, dict[str, float]]:
+    """The runtime's own work between ops, from the trace's runtime row, per span name
+    (pfcompile.formats.ops.RUNTIME_SPANS): mean ms per step and rank, and the longest one
+    (a stall). Empty for a trace that predates the runtime row."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for sp in trace.spans:
+        by_name[sp.name].append(sp.ms)
+    return {name: {"per_step_ms": sum(v) / steps / ranks, "median_ms": statistics.median(v), "max_ms": max(v),
+                   "count": len(v)}
+            for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))}
+
+
+def format_runtime_spans(total: dict) -> list[str]:
+    spans = total.get("runtime_spans") or {}
+    if not spans:
+        return []
+    from pfcompile.formats.ops import RUNTIME_SPANS
+
+    planned = total.get("runtime_planned_ms")
+    whole = sum(v["per_step_ms"] for v in spans.values())
+    lines = [f"  of which the runtime's own work (the trace's runtime row), ms per step and rank: {whole:.3f}"
+             + (f" (the plan counts {planned:.3f}: runtime.step_ms and each op's dispatch)" if planned is not None else "")]
+    for name, v in spans.items():
+        lines.append(f"    {name:<10} {v['per_step_ms']:>7.3f}   median {v['median_ms']:.3f}, longest {v['max_ms']:.3f}"
+                     f"   {RUNTIME_SPANS.get(name, '')}")
+    return lines
 
 
 def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan, profile: Profile | None = None) -> str:
@@ -89,6 +121,7 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan, profile: Pr
         lines.append(f"{r['kind']:<11} {r['count']:>6} {r['predicted_ms']:>13.3f} {r['measured_median_ms']:>16.3f} "
                      f"{r['measured_p90_ms']:>9.3f} {ratio:>7} {r['explains_ms']:>+14.3f}")
     lines.append(f"{'between ops':<11} {'':>6} {'':>13} {'':>16} {'':>9} {'':>7} {total['between_ops_ms']:>+14.3f}")
+    lines += format_runtime_spans(total)
     ratio = total["measured_step_ms"] / total["predicted_step_ms"] if total["predicted_step_ms"] else float("nan")
     lines.append(f"step: measured {total['measured_step_ms']:.2f} ms (median), predicted {total['predicted_step_ms']:.2f} ms, "
                  f"measured/predicted {ratio:.3f}, error {total['error_ms']:+.2f} ms")
@@ -122,8 +155,10 @@ def whole_cycles(trace: MeasuredTrace, k: int) -> tuple[int, int, float] | None:
 
 def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | None:
     """The plan replayed with this run's own op times, to split a prediction's error in
-    three. Each op's time is its occupancy (its start to its rank's next op start: the op,
-    the runtime's gap after it and, for a step's last op, the work between steps); receives
+    three. Each op's time is its occupancy (its start to its rank's next op start: the op
+    and the runtime's gap after it; a step's last op, its own time and dispatch), and the
+    work between steps (the last op's end to the next step's first op) goes into the step's
+    `step` ops, as the cost model has it (Costs.between_steps_ms); receives
     and collectives stay as the cost model has them (their measured time is mostly waiting,
     which the replay must produce itself). Over the run's whole refresh cycles after
     warm-up:
@@ -147,21 +182,45 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     X = CycleIndex(plan, PlanLayout(plan))
     lo, hi = c0 * k, (c0 + cycles) * k
     own: dict[int, float] = {}
+    op_ms = profile.runtime.op_ms
     for q, ops in trace.by_rank().items():
+        between: dict[int, float] = {}  # step -> its last op's end (and dispatch) to the next step's first op
         for o, nxt in zip(ops, ops[1:] + [None]):
+            if nxt is not None and nxt.step != o.step:
+                between[o.step] = max(0.0, nxt.start_ms - o.end_ms - op_ms)
+                nxt = None  # the last op of its step: its own time and dispatch
             if not lo <= o.step < hi or o.op.kind.startswith("recv_") or o.op.kind in COLLECTIVE_KINDS:
                 continue
             j = X.find(o.step % k, q, o.op)
             if j >= 0:
-                own[(o.step // k - c0) * X.M + j] = (nxt.start_ms if nxt is not None else o.end_ms) - o.start_ms
+                own[(o.step // k - c0) * X.M + j] = (nxt.start_ms if nxt is not None else o.end_ms + op_ms) - o.start_ms
+        # the work between steps goes where the cost model has it, into the step's `step` ops
+        # (Costs.between_steps_ms: one share per stage the rank holds)
+        for o in ops:
+            if o.op.kind == "step" and lo <= o.step < hi and o.step in between:
+                j = X.find(o.step % k, q, o.op)
+                shares = sum(1 for op in plan.ops(q, o.step % k) if op.kind == "step")
+                if j >= 0:
+                    own[(o.step // k - c0) * X.M + j] += between[o.step] / shares
     sums: dict[int, list[float]] = defaultdict(list)
     for x, ms in own.items():
         sums[x % X.M].append(ms)
     mean = {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
     out = {"measured_step_ms": measured, "cycles": cycles}
+
+    def step_with(durations: dict[int, float]) -> float:
+        return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
+
     for key, durations in (("mean_ops_step_ms", mean), ("own_ops_step_ms", own)):
-        r = replay(plan, profile, cycles=cycles, check_memory=False, durations=durations)
-        out[key] = r.step_time_ms  # the spacing of its cycle ends over k
+        out[key] = step_with(durations)  # the spacing of its cycle ends over k
+    # the level by op kind: the step with this kind's ops at their mean occupancy and every
+    # other op at its profiled time, against the profile's step. Kinds interact (a later op
+    # hides behind an earlier one's delay), so these need not add up to the level.
+    predicted = step_with({})
+    kinds = sorted({X.ops[j].kind for j in sums})
+    out["level_by_kind_ms"] = dict(sorted(
+        ((kind, step_with({x: ms for x, ms in mean.items() if X.ops[x % X.M].kind == kind}) - predicted)
+         for kind in kinds), key=lambda kv: -abs(kv[1])))
     return out
 
 
@@ -179,6 +238,9 @@ def format_replayed(r: dict | None, predicted_ms: float) -> str:
         delta = f"  {ms - prev:+7.2f}  {why}" if prev is not None else ""
         lines.append(f"  {name:<36} {ms:8.2f} ms/step{delta}")
         prev = ms
+        if why == "the op times' level" and r.get("level_by_kind_ms"):
+            shown = [f"{kind} {ms:+.2f}" for kind, ms in r["level_by_kind_ms"].items() if abs(ms) >= 0.005]
+            lines.append(f"    by op kind, each alone at its measured mean: {', '.join(shown) or 'none moves the step'}")
     return "\n".join(lines)
 
 

@@ -31,10 +31,25 @@ class MeasuredOp:
 
 
 @dataclass
+class MeasuredSpan:
+    """The runtime's own work between a rank's ops (pfcompile.formats.ops.RUNTIME_SPANS)."""
+    rank: int
+    step: int
+    name: str
+    start_ms: float
+    end_ms: float
+
+    @property
+    def ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass
 class MeasuredTrace:
     path: str
     meta: dict
     ops: list[MeasuredOp] = field(default_factory=list)   # after the warm-up, every rank
+    spans: list[MeasuredSpan] = field(default_factory=list)  # likewise (none in a trace that predates them)
 
     @property
     def layout(self) -> dict:
@@ -83,14 +98,19 @@ def load_measured(path: str) -> MeasuredTrace:
     for i, e in enumerate(obj.get("traceEvents", [])):
         if e.get("ph") != "X":
             continue
+        span = e.get("cat") == "runtime"
         try:
             step = int(e["args"]["step"])
-            op = parse_op(e["name"])
+            op = str(e["name"]) if span else parse_op(e["name"])
             start, dur = float(e["ts"]) / 1000.0, float(e["dur"]) / 1000.0
             rank = int(e["pid"])
         except (KeyError, TypeError, ValueError) as err:
             raise InputError(path, f"traceEvents[{i}]", f"not a measured op event ({type(err).__name__}: {err})") from None
-        if step >= warm:
+        if step < warm:
+            continue
+        if span:
+            trace.spans.append(MeasuredSpan(rank, step, op, start, start + dur))
+        else:
             trace.ops.append(MeasuredOp(rank, step, op, start, start + dur))
     if not trace.ops:
         raise InputError(path, "traceEvents", f"no op after the {warm} warm-up steps: run more steps")

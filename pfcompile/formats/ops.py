@@ -114,7 +114,20 @@ COLLECTIVE_KINDS = {"sync_grad", "rs_grad", "ag_grad"} | OPTIMIZER_COLLECTIVE_KI
 # The optimizers' ops are compute unless they are declared collective.
 COMPUTE_KINDS = {"fwd", "bwd", "bwd_input", "bwd_weight", "step"} | (OPTIMIZER_KINDS - COLLECTIVE_KINDS)
 FACTORS = ALL_FACTORS
-STREAMS = ("compute", "p2p", "collective")  # display order too (pfcompile.formats.trace)
+STREAMS = ("compute", "p2p", "collective", "runtime")  # display order too (pfcompile.formats.trace)
+# The runtime's own work between a rank's ops, which a measured trace records on its
+# "runtime" row (runtime.observe.measure.Timeline.span) and `pfcompile inspect --against`
+# splits "between ops" by: name -> what it is.
+RUNTIME_SPANS = {
+    "batch": "the step's batch made and split into micro-batches",
+    "activate": "the refresh's new inverses or roots put into force",
+    "post_recv": "the step's receives posted ahead",
+    "drain": "the step's sends completed",
+    "verdict": "the divergence check (the last one read, this one posted)",
+    "finish": "the clipped updates after the global norm's all-reduce",
+    "flush": "the logged losses' reduction posted",
+    "gc": "the garbage collector",
+}
 
 
 def stream_of(kind: str) -> str:

@@ -17,6 +17,7 @@ instant t0, so the ranks still line up. On CPU the marks are perf_counter instan
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
 import time
@@ -36,6 +37,8 @@ class Timeline:
     steps: list[tuple[int, float, float]] = field(default_factory=list)
     # peak bytes of each step on this rank: (step, bytes)
     memory: list[tuple[int, int]] = field(default_factory=list)
+    # the runtime's own work between ops (pfcompile.formats.ops.RUNTIME_SPANS): (step, name, start_ms, end_ms)
+    spans: list[tuple[int, str, float, float]] = field(default_factory=list)
     device_type: str = "cpu"
     host: str = field(default_factory=socket.gethostname)
     cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.pipeline.affinity)
@@ -43,6 +46,7 @@ class Timeline:
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
         self._pending: list[tuple[int, str, str, object, object]] = []
+        self._pending_spans: list[tuple[int, str, object, object]] = []
 
     def start(self) -> None:
         """Make now the origin of every time (all ranks call it right after a barrier)."""
@@ -71,37 +75,68 @@ class Timeline:
         else:
             self._pending.append((step, text, kind, start, end))
 
+    @contextlib.contextmanager
+    def span(self, step: int, name: str):
+        """The runtime's own work of `name` (RUNTIME_SPANS) in the block, on the trace's
+        "runtime" row: what a rank does between its ops, timed like an op (host instants on
+        a CPU; on CUDA events on the stream, read when the step ends or at `flush_spans`)."""
+        start = self.mark()
+        try:
+            yield
+        finally:
+            end = self.mark()
+            if isinstance(start, float):
+                self.spans.append((step, name, start, end))
+            else:
+                self._pending_spans.append((step, name, start, end))
+
+    def _read_events(self) -> None:
+        """The pending events' times (the caller has waited for the latest one)."""
+        ms = lambda ev: float(self._origin.elapsed_time(ev))  # noqa: E731
+        self.ops.extend((st, text, kind, ms(a), ms(b)) for st, text, kind, a, b in self._pending)
+        self.spans.extend((st, name, ms(a), ms(b)) for st, name, a, b in self._pending_spans)
+        self._pending.clear()
+        self._pending_spans.clear()
+
+    def flush_spans(self) -> None:
+        """Read the spans recorded after the last step ended (CUDA), before the timeline is sent."""
+        if self._pending_spans:
+            self._pending_spans[-1][-1].synchronize()
+            self._read_events()
+
     def end_step(self, step: int, start, end, peak_bytes: int | None = None) -> None:
         """Close a step: read its events (waiting for the last one) and keep its peak memory."""
         if not isinstance(start, float):
             end.synchronize()
-            ms = lambda ev: float(self._origin.elapsed_time(ev))  # noqa: E731
-            self.ops.extend((st, text, kind, ms(a), ms(b)) for st, text, kind, a, b in self._pending)
-            self._pending.clear()
-            start, end = ms(start), ms(end)
+            self._read_events()
+            start, end = float(self._origin.elapsed_time(start)), float(self._origin.elapsed_time(end))
         self.steps.append((step, start, end))
         if peak_bytes is not None:
             self.memory.append((step, int(peak_bytes)))
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
-                "t0": self.t0, "host": self.host, "cpus": self.cpus}
+                "spans": self.spans, "t0": self.t0, "host": self.host, "cpus": self.cpus}
 
     @staticmethod
     def from_json(d: dict) -> Timeline:
         return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
+                        [tuple(s) for s in d.get("spans", [])],
                         host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])])
 
     def shifted(self, ms: float) -> Timeline:
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
-                        [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory), self.device_type, self.host,
+                        [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory),
+                        [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], self.device_type, self.host,
                         list(self.cpus))
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
-                for step, text, kind, s, e in self.ops]
+                for step, text, kind, s, e in self.ops] + \
+               [(self.rank, "runtime", name, s, e, {"step": step, "span": name})
+                for step, name, s, e in self.spans]
 
 
 def align(timelines: list[Timeline]) -> list[Timeline]:

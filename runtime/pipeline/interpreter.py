@@ -172,32 +172,37 @@ class Interpreter:
         self.tokens, self.targets, self.loss_sum = tokens, targets, 0.0
         self.step_index = step
         refresh = step % self.k == 0
-        if refresh and step > 0:
-            for i, layer in self.layers.items():  # the inverses or roots of the last cycle come into force
-                if hasattr(layer, "activate"):
+        tl, mem = self.timeline, self.memory
+        activating = [(i, layer) for i, layer in self.layers.items() if hasattr(layer, "activate")]
+        if refresh and step > 0 and activating:
+            with tl.span(step, "activate"):
+                for i, layer in activating:  # the inverses or roots of the last cycle come into force
                     try:
                         layer.activate()
                     except kfac.NonFiniteFactorError:  # the step after a divergence (agree): it stops at the end
                         self.factor_failed = min(self.factor_failed, divergence_code(
                             layer=i, factors=self.optimizer.ops.factors))
         self.capturing = refresh
-        tl, mem = self.timeline, self.memory
         mem.begin_step()
         # Marks are host instants on CPU, CUDA events on the current stream on CUDA (read by
         # end_step, never a synchronise per op: see runtime.observe.measure).
         step_start = tl.mark()
         ops = self.plan.ops(self.world.rank, step)
         self.upcoming = [op for op in ops if op.kind in ("recv_act", "recv_grad")] if self.recv_ahead else []
-        self._post_ahead()
+        if self.upcoming:
+            with tl.span(step, "post_recv"):
+                self._post_ahead()
         for op in ops:
             start = tl.mark()
             self.handlers[op.kind](op)
             tl.record(step, str(op), op.kind, start, tl.mark())
             mem.after(op.kind, op.stage, op.mb, op.layer)
-        self.mailbox.drain()
+        with tl.span(step, "drain"):
+            self.mailbox.drain()
         self.upcoming = []
         tl.end_step(step, step_start, tl.mark(), mem.end_step())
-        self.agree(step)
+        with tl.span(step, "verdict"):
+            self.agree(step)
         return float(self.loss_sum)
 
     def run_forward(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:

@@ -72,10 +72,16 @@ def train_step(r: RankParts, step: int) -> tuple:
     interp = r.interp
     config = interp.plan.config
     lr = r.base_lr * r.optim_cfg.lr_factor(step)  # every stage follows the same schedule
-    mbs = split_micro_batches(r.stream.batch(step), interp.N)
     device = interp.world.device
-    loss = interp.run_step(step, [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs])
-    norm_sq = r.update.finish_step()
+    with r.timeline.span(step, "batch"):
+        mbs = split_micro_batches(r.stream.batch(step), interp.N)
+        tokens, targets = [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs]
+    loss = interp.run_step(step, tokens, targets)
+    if r.update.max_grad_norm > 0:
+        with r.timeline.span(step, "finish"):
+            norm_sq = r.update.finish_step()
+    else:
+        norm_sq = r.update.finish_step()
     refresh = step % interp.k == 0 and config.optimizer_spec.refreshes
     return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, refresh)
 
@@ -118,14 +124,16 @@ def run(job) -> measure.Summary | None:
         gc.disable()  # collections at chosen steps, not whenever a rank allocates (a straggler)
         for step in range(first, steps):
             if (step - first) % GC_EVERY == 0:
-                gc.collect(1)
+                with timeline.span(step, "gc"):
+                    gc.collect(1)
             before_step(step)
             poison(step)
             pending.append(train_step(r, step))
             done = step + 1
             evaluate_now = val_batches and ((every and done % every == 0) or done == steps)
             if len(pending) >= log_every or done == steps or evaluate_now:
-                logged.post(pending)
+                with timeline.span(step, "flush"):
+                    logged.post(pending)
             if evaluate_now:
                 interp.settle()
                 logged.settle()  # the steps' rows before the evaluation's
@@ -142,6 +150,7 @@ def run(job) -> measure.Summary | None:
             interp.agree_parameters(steps - 1)
             _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
+        timeline.flush_spans()
         gathered = comm.gather_json(world, timeline.to_json())
         if ckpt.every:  # every rank has saved (the gather met them all): prune for real
             checkpoint.prune(ckpt.dir, world.rank, world.world_size, ckpt.keep)
