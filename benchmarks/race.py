@@ -531,6 +531,7 @@ def run_one(spec_path: Path) -> int:
 
     from pfcompile.formats.plan import load_plan
     from runtime.config import job as job_config
+    from runtime.config.precision import flush_denormals
     from runtime.evaluate import evaluate_model
     from runtime.io.data import make_stream, open_token_file
     from runtime.models import build_model, resolve_config, resolve_model
@@ -542,6 +543,7 @@ def run_one(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     plan = load_plan(spec["plan"])
     cfg = job_config.load(None, [f"{k}={job_config.toml_value(v)}" for k, v in spec["settings"].items()])
+    flush_denormals("cpu", cfg.runtime.flush_denormal)  # as the runtime's ranks
     job_config.apply_plan(cfg, plan, spec["plan"])
     n, seq = plan.config.micro_batches, plan.model["seq_len"]
     batch = plan.model["micro_batch"] * n

@@ -109,6 +109,11 @@ def check_promise(out: str) -> None:
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
 
 
+def check_denormals(out: str) -> None:
+    rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    assert [r[1] for r in rows] == ["adamw", "kfac"] and all(float(r[6]) > 0 for r in rows), out  # the paired ratio
+
+
 def check_runtime_ab(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1] for r in rows] == ["bert-tiny-1f1b-adamw"] and float(rows[0][6]) > 0, out  # the paired ratio
@@ -121,6 +126,8 @@ SMOKE = {
                       "--time-limit", "1", "--out", "{tmp}"], check_partition),
     "compare_commits.py": (["--smoke"], check_compare_commits),
     "convergence.py": (["--smoke"], check_convergence),
+    "denormals.py": (["--optimizers", "adamw", "kfac", "--rounds", "1", "--steps", "6", "--time-limit", "1",
+                      "--out", "{tmp}"], check_denormals),
     "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
     "exactness_snapshot.py": (["--smoke"], check_exactness_snapshot),
     "race.py": (["--only", "race", "--corpus", "pydoc", "--seeds", "0", "--optimizers", "adamw", "kfac",

@@ -585,3 +585,24 @@ def test_a_user_models_profile_runs_the_runtime_probe_with_its_code(tmp_path):
     prof = load_profile(str(out))
     assert prof.provenance["runtime_note"].startswith("runtime overheads measured by running the runtime")
     assert prof.runtime.step_ms > 0 and prof.runtime.recv_ms > 0
+
+
+def test_a_profile_flushes_subnormals_as_a_run_does_and_restores_the_callers_setting():
+    """A run's ranks flush subnormal floats to zero by default (runtime.flush_denormal): met
+    in x86 arithmetic they take a microcode path many times slower. The profiler times the
+    ops the same way (provenance.denormals_flushed) and leaves its caller's setting as it
+    was. Under the flag a float32 product below 1.2e-38 is 0; without it, it is not."""
+    import torch
+
+    from pfcompile.profiler import profile_model
+    from runtime.config.precision import denormals_flushed, flushing_denormals
+
+    tiny = torch.tensor([1e-30], dtype=torch.float32)
+    assert not denormals_flushed() and float(tiny * 1e-15) > 0  # the process's default
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05, progress=False)
+    assert prof.provenance["denormals_flushed"] is True
+    assert not denormals_flushed() and float(tiny * 1e-15) > 0  # restored
+    with flushing_denormals("cpu"):
+        assert float(tiny * 1e-15) == 0.0
+    with flushing_denormals("cuda"):  # a GPU run's host arithmetic is left as it is
+        assert not denormals_flushed()

@@ -366,3 +366,17 @@ def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
         assert [s.step for s in spans if s.name == "gc"] == [0]
         for s in spans:  # between ops: no op of this rank overlaps a span
             assert not any(o.start_ms < s.end_ms - 1e-6 and s.start_ms < o.end_ms - 1e-6 for o in ops), (q, s)
+
+
+def test_ranks_flush_subnormals_unless_told_not_to(tmp_path):
+    """Each rank's arithmetic flushes subnormal floats to zero by default
+    (runtime.flush_denormal), read back from the rank's own CPU state into the summary; the
+    setting turns it off. (A K-FAC run whose values drift below 1.2e-38 slowed its backward
+    passes 3x within 120 steps without it: benchmarks/results/2026-12-04-denormals.md.)"""
+    plan = make_plan(tmp_path, "1f1b", 2)
+    for setting, want in ((None, True), ("false", False)):
+        log = tmp_path / f"run-{setting}"
+        extra = ["--set", f"runtime.flush_denormal={setting}"] if setting else []
+        r = torchrun(plan, 2, "--steps", "2", "--log-dir", str(log), *extra)
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert json.loads((log / "summary.json").read_text())["denormals_flushed"] == [want, want]

@@ -49,9 +49,19 @@ from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from pfcompile.profiler.runtime_probe import OPTIMIZER_PROBE_STEPS, in_run_levels, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
+from runtime.config.precision import denormals_flushed
 
 
-def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
+def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", **kw) -> Profile:
+    """`measure_model`, with subnormal floats flushed on a CPU as a run's ranks flush them by
+    default (runtime.flush_denormal; the caller's setting is restored)."""
+    from runtime.config.precision import flushing_denormals
+
+    with flushing_denormals(str(device).split(":")[0]):
+        return measure_model(model, micro_batch, seq_len, device, **kw)
+
+
+def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", dtype: str = "float32",
                   repeats: int = 20, warmup: int = 5, threads: int = 1, comm: bool = True,
                   entry_budget_s: float = 2.0, clock: str = "wall", progress: bool = True,
                   ranks: int = 1, probe: bool = True, cold: bool = False,
@@ -178,6 +188,7 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         # other processes share the CPU: the 1-minute load average before and after says how much
         "load_avg": [load_before, load_average()], "cpus": os.cpu_count(),
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
+        "denormals_flushed": denormals_flushed(),
         **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
                  "capture on (a refresh step), and the split backward's B/W (runtime.pipeline.split_backward) likewise; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "

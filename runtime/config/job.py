@@ -233,6 +233,8 @@ class Runtime:
                               f"a number of seconds in (0, {MAX_TIMEOUT_S}]"))
     threads: int = setting(1, "torch threads per rank", between(1, MAX_THREADS))
     pin_cpus: bool = setting(False, "bind local rank i of n to the i-th contiguous share of the job's cores")
+    flush_denormal: bool = setting(True, "on a cpu, flush subnormal floats to zero (x86 FTZ/DAZ): met in "
+                                         "arithmetic they run many times slower, and runs drift into them")
     warmup: int | None = setting(None, "steps excluded from the measured step time; default: one refresh cycle "
                                        "if the steps allow, else 1", at_least(0))
     trace: str | None = setting(None, "write the measured timeline (Perfetto trace) to this file", NOT_EMPTY)

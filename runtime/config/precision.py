@@ -41,6 +41,35 @@ class Precision:
         return t.to(self.compute_dtype) if t.is_floating_point() and t.dtype != self.compute_dtype else t
 
 
+def flush_denormals(device_type: str, on: bool = True) -> bool:
+    """On a CPU, make subnormal floats (below 1.2e-38 in float32, 2.2e-308 in float64) zero
+    in this thread's arithmetic (x86 FTZ/DAZ, torch.set_flush_denormal), or stop. x86 runs
+    an instruction that meets one through microcode, many times slower: a run whose
+    gradients or second-order statistics drift toward zero slows step after step, and no
+    profile of fresh weights sees it. A subnormal's value is below every tolerance a
+    float32 or float64 run compares to. The flag is the calling thread's (one torch thread
+    per rank here). -> whether this thread now flushes them (denormals_flushed)."""
+    if device_type == "cpu":
+        torch.set_flush_denormal(on)
+    return denormals_flushed()
+
+
+@contextlib.contextmanager
+def flushing_denormals(device_type: str, on: bool = True):
+    """`flush_denormals` for a block; the thread's setting before it is restored."""
+    before = denormals_flushed()
+    flush_denormals(device_type, on)
+    try:
+        yield
+    finally:
+        flush_denormals(device_type, before)
+
+
+def denormals_flushed() -> bool:
+    """Whether this thread's float32 arithmetic flushes a subnormal result to zero."""
+    return float(torch.tensor([1e-30], dtype=torch.float32) * 1e-15) == 0.0
+
+
 def precision(name: str) -> Precision:
     if name == "bfloat16":
         return Precision(name, torch.float32, torch.bfloat16)

@@ -42,6 +42,7 @@ class Timeline:
     device_type: str = "cpu"
     host: str = field(default_factory=socket.gethostname)
     cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.pipeline.affinity)
+    denormals_flushed: bool | None = None  # its arithmetic flushes subnormals (runtime.config.precision); None: unknown
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
@@ -116,21 +117,23 @@ class Timeline:
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
-                "spans": self.spans, "t0": self.t0, "host": self.host, "cpus": self.cpus}
+                "spans": self.spans, "t0": self.t0, "host": self.host, "cpus": self.cpus,
+                "denormals_flushed": self.denormals_flushed}
 
     @staticmethod
     def from_json(d: dict) -> Timeline:
         return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
                         [tuple(s) for s in d.get("spans", [])],
-                        host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])])
+                        host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])],
+                        denormals_flushed=d.get("denormals_flushed"))
 
     def shifted(self, ms: float) -> Timeline:
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
                         [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory),
                         [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], self.device_type, self.host,
-                        list(self.cpus))
+                        list(self.cpus), self.denormals_flushed)
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
@@ -178,6 +181,9 @@ class Summary:
     # n steps that is 1/n of a backward pass more.
     period_ms: float | None = None
     refresh_steps: int | None = None  # the plan's k (memory_lines: the run's steady state)
+    # Whether each rank's arithmetic flushed subnormal floats to zero (runtime.flush_denormal),
+    # read back from the rank's CPU state; None where unknown.
+    denormals_flushed: list[bool | None] = field(default_factory=list)
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -256,7 +262,8 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
     return Summary(total_steps, loss, wall / len(kept), bubble, predicted_ms, resumed_at, list(losses or []),
                    op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit,
                    expected_ms, [tl.cpus for tl in sorted(timelines, key=lambda t: t.rank)],
-                   step_period(timelines, kept), refresh_steps)
+                   step_period(timelines, kept), refresh_steps,
+                   [tl.denormals_flushed for tl in sorted(timelines, key=lambda t: t.rank)])
 
 
 def step_period(timelines: list[Timeline], kept: list[int]) -> float | None:

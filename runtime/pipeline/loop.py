@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pfcompile.formats.jsonio import write_atomic
+from runtime.config.precision import flush_denormals
 from runtime.io import checkpoint, export
 from runtime.io.data import make_stream, split_micro_batches
 from runtime.observe import faults, measure
@@ -93,6 +94,7 @@ def run(job) -> measure.Summary | None:
     if rt.pin_cpus:  # before the process group and torch's thread pool start their threads
         affinity.pin(affinity.share(rt.threads))
     torch.set_num_threads(rt.threads)
+    flushed = flush_denormals(job.device_type, rt.flush_denormal)
     world = comm.init_world(rt.timeout, job.device_type)
     clean = False
     try:
@@ -150,6 +152,7 @@ def run(job) -> measure.Summary | None:
             interp.agree_parameters(steps - 1)
             _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
+        timeline.denormals_flushed = flushed
         timeline.flush_spans()
         gathered = comm.gather_json(world, timeline.to_json())
         if ckpt.every:  # every rank has saved (the gather met them all): prune for real
