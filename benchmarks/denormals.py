@@ -29,16 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
-def _sibling(name: str):
-    """Another benchmark script of this folder, as a module (its launch and plan helpers)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-promise, race = _sibling("promise"), _sibling("race")
-bench = promise.bench
+# promise.py's plans, launches and table helpers (and through it race.py's and runtime.py's)
+_spec = importlib.util.spec_from_file_location("bench_promise", Path(__file__).with_name("promise.py"))
+promise = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(promise)
+race, bench = promise.race, promise.bench
 SETTINGS = {"flushed": "true", "kept": "false"}  # runtime.flush_denormal
 
 
