@@ -49,14 +49,12 @@ from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from pfcompile.profiler.runtime_probe import OPTIMIZER_PROBE_STEPS, in_run_levels, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
-from runtime.config.precision import denormals_flushed
+from runtime.config.precision import denormals_flushed, flushing_denormals
 
 
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", **kw) -> Profile:
     """`measure_model`, with subnormal floats flushed on a CPU as a run's ranks flush them by
     default (runtime.flush_denormal; the caller's setting is restored)."""
-    from runtime.config.precision import flushing_denormals
-
     with flushing_denormals(str(device).split(":")[0]):
         return measure_model(model, micro_batch, seq_len, device, **kw)
 

@@ -9,12 +9,11 @@ import torch
 
 from pfcompile.profiler.parts import PartBench
 from pfcompile.profiler.settings import DTYPES, resolve_spec
+from runtime.config.precision import flush_denormals
 
 
 def _neighbour(model: str, micro_batch: int, seq_len: int, dtype: str, threads: int, stop) -> None:
     """One other 'rank': the whole model's forward and backward, again and again, until stopped."""
-    from runtime.config.precision import flush_denormals
-
     torch.set_num_threads(threads)
     flush_denormals("cpu")  # as the ranks of a run do (runtime.flush_denormal)
     spec = resolve_spec(model, seq_len)
