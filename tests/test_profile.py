@@ -99,7 +99,7 @@ def test_measured_comm_is_a_real_two_rank_fit(measured):
 @pytest.mark.e2e
 def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
     """The plan's messages cost what the probe run's did: its receives posted before their
-    send ended (rank 1 waits for every activation of a GPipe step) give the latency at the
+    send ended (rank 1 waits for activations in the warm-up and steady state of 1F1B) give the latency at the
     ping-pong's bandwidth; the ping-pong's own fit of its samples stays in the provenance."""
     pv, c = measured.provenance, measured.comm
     pong = pv["p2p_pingpong"]
@@ -112,7 +112,7 @@ def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
 
 @pytest.mark.e2e
 def test_runtime_overheads_are_measured_by_running_the_runtime(measured):
-    """The short GPipe run of the real runtime (torchrun, 2 ranks) gave every overhead: a
+    """The short 1F1B run of the real runtime (torchrun, 2 ranks) gave every overhead: a
     dispatch gap per op, work between steps, a send's posting, a receive's completion."""
     rt = measured.runtime
     assert "measured by running the runtime" in measured.provenance["runtime_note"]

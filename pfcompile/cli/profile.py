@@ -50,7 +50,7 @@ def register(sub) -> None:
                    help="CPU: before each timed repeat, sweep a 64 MiB buffer so every op starts with cold caches, "
                         "as in a run where other ops ran in between (default: back-to-back repeats, warm caches)")
     p.add_argument("--no-runtime-probe", action="store_true",
-                   help="skip the short 2-rank GPipe run that measures the runtime's own costs around the ops "
+                   help="skip the short 2-rank 1F1B run that measures the runtime's own costs around the ops "
                         "(per-op dispatch, work between steps, sends, receives); costed from the message "
                         "benchmark alone")
     # every declared optimizer with per-layer costs to time (adamw has none)

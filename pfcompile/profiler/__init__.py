@@ -20,7 +20,7 @@
 
 Every entry is timed by calling the function the runtime's interpreter calls for that op,
 first alone in a loop (its median and spread), then in a run: the runtime probe runs a
-2-stage GPipe plan without optimizer work and one with each profiled optimizer's work
+2-stage 1F1B plan without optimizer work and one with each profiled optimizer's work
 appended, and the entries become those runs' mean occupancies (an op in a run finds its
 caches as the ops before it left them, shares memory bandwidth with the other rank, and is
 stalled now and then; a step adds means). `provenance.in_run`: each entry's in-run time
@@ -138,7 +138,7 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
             link, comm_prov, runtime = measure_comm(act_bytes, dev, repeats, warmup)
             bar.advance(task)
             if probe:
-                bar.update(task, description="the runtime itself (2 ranks, a short GPipe run)")
+                bar.update(task, description="the runtime itself (2 ranks, a short 1F1B run)")
                 draft = Profile(source="measured", provenance={}, model=model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, covered_layers=layers, comm=link)
                 measured_rt, probe_link, note, trace = measure_runtime(draft, dev)

@@ -1,5 +1,5 @@
 """The runtime probe: short runs of the runtime itself, fitted as `pfcompile calibrate` fits
-a trace. A 2-stage GPipe run without optimizer work gives the runtime's overheads around the
+a trace. A 2-stage 1F1B run without optimizer work gives the runtime's overheads around the
 ops, the p2p link as a run sees it and the parts' in-run times; one more run per profiled
 optimizer, its work appended to every step, gives its per-layer ops' in-run times. An op
 timed alone in a loop (`--cold-cache` or not) is not an op in a run: its caches hold what
@@ -17,12 +17,17 @@ import torch
 from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
 
 PROBE_STEPS = 24            # the overheads' and parts' run: each stage's fwd and bwd ~90 samples
+# The probe's schedule: 1F1B, the family most plans run. Its steady state keeps both ranks
+# computing while messages cross, as a plan with work in its bubbles does; GPipe's
+# all-forwards-then-all-backwards leaves one rank idle at each turn, and its runs posted
+# sends and completed receives at half the cost that runs of the plans later met.
+PROBE_SCHEDULE = "1f1b"
 OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 samples
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int = PROBE_STEPS,
                 sets: tuple[str, ...] = ()):
-    """A traced run of the runtime: a 2-stage GPipe plan of the profiled model, `optimizer`'s
+    """A traced run of the runtime: a 2-stage PROBE_SCHEDULE plan of the profiled model, `optimizer`'s
     work appended to every step (`--method none`, a refresh every step), `steps` steps (2
     warm-up) on 2 ranks, one thread each, synthetic tokens. -> (MeasuredTrace, None) or
     (None, the run's one-line error)."""
@@ -35,7 +40,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
     from pfcompile.place.options import PlanOptions
 
     with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
-        plan, _, _ = build_plan(profile, PipelineConfig("gpipe", stages=2, micro_batches=4, optimizer=optimizer),
+        plan, _, _ = build_plan(profile, PipelineConfig(PROBE_SCHEDULE, stages=2, micro_batches=4, optimizer=optimizer),
                                 PlanOptions("none"))
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
@@ -58,7 +63,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
 
 def measure_runtime(profile: Profile, device: torch.device,
                     steps: int = PROBE_STEPS) -> tuple[RuntimeOverheads, LinkModel | None, dict, object]:
-    """The runtime's own costs around the ops, measured by running it: a 2-stage GPipe plan of
+    """The runtime's own costs around the ops, measured by running it: a 2-stage 1F1B plan of
     the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
     synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
     (pfcompile.calibrate.fit): the dispatch gap per op, the work between steps, a send's
@@ -76,7 +81,7 @@ def measure_runtime(profile: Profile, device: torch.device,
                                                           f"from the message benchmark only"}, None
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
-    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage GPipe without "
+    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage {PROBE_SCHEDULE} without "
                                        f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}, trace
