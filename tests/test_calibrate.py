@@ -94,21 +94,30 @@ def true_profile(prof: Profile) -> Profile:
     return t
 
 
-def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "") -> Path:
+def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "",
+                    activation: bool = False) -> Path:
     """The run as the cost model says it goes, written from the model's definition (not with
     the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
     it, the runtime's step work follows the step; a send takes its posting time and its data
     reaches a waiting receiver one link time after it ends; a receive lasts at least its
     completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank.
-    `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance."""
+    `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance.
+    `activation`: each refresh step after the first starts with the activation of the
+    rank's layers (Costs.activation_ms), a span of the runtime row, as the runtime does it."""
     plan = load_plan(str(plan_path))
+    k = plan.refresh_steps
     costs = Costs(truth, plan.partition, plan.config.replicas, plan.config.inverse,
-                  plan.config.optimizer)
+                  plan.config.optimizer, refresh_steps=k)
     rt = truth.runtime
     timelines = [measure.Timeline(q) for q in range(plan.world_size)]
     clock = [0.0] * plan.world_size
     for step in range(steps):
         ops = [plan.ops(q, step) for q in range(plan.world_size)]
+        if activation and step % k == 0 and step > 0:
+            for q, tl in enumerate(timelines):
+                a = sum(costs.activation_ms(op.stage) for op in ops[q] if op.kind == "step")
+                tl.spans.append((step, "activate", clock[q], clock[q] + a))
+                clock[q] += a
         pos = [0] * plan.world_size
         starts = list(clock)
         arrival: dict = {}
@@ -540,3 +549,53 @@ def test_a_measured_trace_keeps_the_runtimes_spans_apart_from_its_ops(tmp_path):
     assert got["verdict"]["max_ms"] == pytest.approx(3.25) and got["verdict"]["median_ms"] == pytest.approx(0.25)
     text = "\n".join(format_runtime_spans({"runtime_spans": got, "runtime_planned_ms": 1.0}))
     assert "batch" in text and "the plan counts 1.000" in text and "longest 3.250" in text
+
+
+def test_soaps_activation_is_costed_at_each_cycles_end_and_fitted_from_the_runtime_row(tmp_path):
+    """SOAP puts a cycle's new bases into force at the next cycle's start (its moments
+    rotated into them: Optimizer.activation). The cost model charges each stage's layers'
+    activation to the step op that ends a cycle, and only to it; calibration fits each
+    layer's entry from the trace's `activate` spans (a rank's activation shared by its
+    layers as their entries were) and keeps it out of the work between steps. A run
+    written from the cost model with known activation costs: the fit recovers each stage's
+    sum and the runtime's step work, and the refitted profile predicts the true step."""
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    assert all("activate" not in layer.optimizer_ms["soap"] for layer in prof.covered_layers)  # made before it was timed
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="soap"),
+                            PlanOptions("cpsat", time_limit=2, refresh_steps=3))
+    plan_path = tmp_path / "soap.json"
+    plan.save(str(plan_path))
+    k = plan.refresh_steps
+    truth = copy.deepcopy(prof)
+    for j, layer in enumerate(truth.covered_layers):
+        layer.optimizer_ms["soap"]["activate"] = 0.3 + 0.05 * j
+    truth.runtime = RuntimeOverheads(op_ms=0.01, step_ms=0.8, send_ms=0.15, recv_ms=0.2)
+    costs = Costs(truth, plan.partition, 1, optimizer="soap", refresh_steps=k)
+    stage_sum = [sum(truth.covered_layers[l].optimizer_ms["soap"]["activate"] for l in costs.stage_layers[s])
+                 for s in range(2)]
+    for s in range(2):
+        step = Op("step", stage=s)
+        assert costs.duration(step, k - 1) - costs.duration(step, 0) == pytest.approx(stage_sum[s]) and stage_sum[s] > 1
+        assert costs.duration(step, 1) == costs.duration(step, 0) == costs.duration(step)
+        assert costs.activation_ms(s) == pytest.approx(stage_sum[s])
+    assert Costs(prof, plan.partition, 1, optimizer="soap", refresh_steps=k).activation_ms(0) == 0.0  # none profiled
+    without = copy.deepcopy(truth)
+    for layer in without.covered_layers:
+        del layer.optimizer_ms["soap"]["activate"]
+    # stage 0's activation delays every later op of the cycle: the step grows by its share
+    assert replay(plan, truth).step_time_ms - replay(plan, without).step_time_ms == pytest.approx(stage_sum[0] / k)
+
+    trace = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=6 * k + 1, activation=True)))
+    assert {sp.name for sp in trace.spans} == {"activate"}
+    fitted, counts = calibrate(prof, [trace])
+    assert counts["activate"] == 2
+    for s in range(2):
+        got = sum(fitted.covered_layers[l].optimizer_ms["soap"]["activate"] for l in costs.stage_layers[s])
+        assert got == pytest.approx(stage_sum[s], rel=1e-6)
+    assert fitted.runtime.step_ms == pytest.approx(0.8, rel=1e-6)  # the activation is not work between steps
+    # the refitted profile predicts what the activation adds (the same run without it, refitted, against it)
+    plain = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=6 * k + 1, name="-plain")))
+    fitted_plain, counts_plain = calibrate(prof, [plain])
+    assert "activate" not in counts_plain
+    assert replay(plan, fitted).step_time_ms - replay(plan, fitted_plain).step_time_ms == pytest.approx(
+        replay(plan, truth).step_time_ms - replay(plan, without).step_time_ms, rel=1e-6)

@@ -606,3 +606,43 @@ def test_a_profile_flushes_subnormals_as_a_run_does_and_restores_the_callers_set
         assert float(tiny * 1e-15) == 0.0
     with flushing_denormals("cuda"):  # a GPU run's host arithmetic is left as it is
         assert not denormals_flushed()
+
+
+def test_soaps_activation_is_timed_as_at_a_later_cycles_start(monkeypatch):
+    """SOAP declares an activation (its first moment rotated out of the basis in force into
+    the refreshed one, at the next cycle's start). The profiler times the runtime's own
+    `activate` on the state it meets then: moments kept, a basis in force, a refreshed one
+    pending (each timed call restores that state first). The entry lands in the layer's
+    SOAP map and shows in `inspect`; a profile made before it was timed loads without it."""
+    import torch
+
+    from pfcompile.profiler.clocks import Clock
+    from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
+    from runtime.optimizers.soap import SoapLayer
+
+    seen = []
+    real = SoapLayer.activate
+
+    def watched(self):
+        seen.append((self.exp_avg is not None, bool(self._pending), bool(self.bases)))
+        return real(self)
+
+    monkeypatch.setattr(SoapLayer, "activate", watched)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 20)
+    linear.weight.grad = torch.randn_like(linear.weight)
+    ms, timings = measure_optimizer_layer("soap", "fc", linear, Clock(torch.device("cpu"), repeats=3, warmup=1))
+    assert ms["activate"] > 0 and timings["activate"].samples == 3
+    assert seen[0] == (False, True, False)  # the first basis comes into force: nothing to rotate
+    assert seen[1:] == [(True, True, True)] * 4  # warm-up and repeats: moments, a basis, a pending one
+
+    from pfcompile.profiler import profile_model
+
+    prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05,
+                         progress=False, optimizers=("soap",))
+    assert all(layer.optimizer_ms["soap"]["activate"] > 0 for layer in prof.covered_layers)
+    again = profile_from_json(json.loads(json.dumps(prof.to_json())))
+    assert [layer.optimizer_ms for layer in again.covered_layers] == [layer.optimizer_ms for layer in prof.covered_layers]
+    assert "activate" in format_profile(prof).split("SOAP per layer")[1].splitlines()[1]
+    old = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    assert all("activate" not in layer.optimizer_ms["soap"] for layer in old.covered_layers)

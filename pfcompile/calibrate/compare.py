@@ -50,7 +50,7 @@ def per_kind_rows(trace: MeasuredTrace, plan: Plan, profile: Profile | None = No
     for q, steps in enumerate(plan.ranks):
         for t, ops in enumerate(steps):
             for po in ops:
-                predicted[(q, t, str(po.op))] = max(0.0, po.end - po.start - runtime_ms(po.op))
+                predicted[(q, t, str(po.op))] = max(0.0, po.end - po.start - runtime_ms(po.op, t))
     by_kind: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"measured": [], "predicted": []})
     for o in trace.ops:
         p = predicted.get((o.rank, o.step % k, str(o.op)))
@@ -77,8 +77,8 @@ def per_kind_rows(trace: MeasuredTrace, plan: Plan, profile: Profile | None = No
              "steps": steps, "runtime_spans": runtime_spans(trace, W, steps)}
     if profile is not None:
         # what the plan gives the runtime's own work per step and rank (module doc)
-        total["runtime_planned_ms"] = profile.runtime.step_ms + profile.runtime.op_ms * sum(
-            len(ops) for ops_of_rank in plan.ranks for ops in ops_of_rank) / (k * W)
+        total["runtime_planned_ms"] = sum(runtime_ms(po.op, t) for steps_of_rank in plan.ranks
+                                          for t, ops in enumerate(steps_of_rank) for po in ops) / (k * W)
     return rows, total
 
 
@@ -103,7 +103,7 @@ def format_runtime_spans(total: dict) -> list[str]:
     planned = total.get("runtime_planned_ms")
     whole = sum(v["per_step_ms"] for v in spans.values())
     lines = [f"  of which the runtime's own work (the trace's runtime row), ms per step and rank: {whole:.3f}"
-             + (f" (the plan counts {planned:.3f}: runtime.step_ms and each op's dispatch)" if planned is not None else "")]
+             + (f" (the plan counts {planned:.3f}: runtime.step_ms, each op's dispatch and the activation)" if planned is not None else "")]
     for name, v in spans.items():
         lines.append(f"    {name:<10} {v['per_step_ms']:>7.3f}   median {v['median_ms']:.3f}, longest {v['max_ms']:.3f}"
                      f"   {RUNTIME_SPANS.get(name, '')}")

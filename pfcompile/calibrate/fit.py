@@ -80,14 +80,24 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
     (kind, key) -> ms, key = (trace index, stage) for parts, (layer, factor) for the per-layer
     ops with a cost key in the traced plan's optimizer's declaration;
     ("send",) for sends; ("between steps",) -> a rank's last op's end to its next step's
-    first op, less op_ms (the runtime's work between steps)."""
+    first op, less op_ms and less the activation in it (the runtime's work between steps);
+    ("activate", trace index, stages of the rank) -> the rank's activation at a cycle's start
+    (the trace's runtime row), which the cost model counts apart (Costs.activation_ms)."""
     out: dict[tuple, list[float]] = defaultdict(list)
     for i, tr in enumerate(traces):
         spec = optimizer(optimizer_of(tr.layout))
-        for ops in tr.by_rank().values():
+        activation: dict[tuple[int, int], float] = defaultdict(float)
+        for sp in tr.spans:
+            if sp.name == "activate":
+                activation[(sp.rank, sp.step)] += sp.ms
+        for rank, ops in tr.by_rank().items():
+            stages = tuple(sorted({o.op.stage for o in ops if o.op.kind == "step"}))
             for a, b in zip(ops, ops[1:] + [None]):
                 if b is not None and b.step != a.step:
-                    out[("between steps",)].append(b.start_ms - a.end_ms - op_ms)
+                    act = activation.get((rank, b.step), 0.0)
+                    out[("between steps",)].append(b.start_ms - a.end_ms - op_ms - act)
+                    if act > 0 and spec.activation is not None:
+                        out[("activate", i, stages)].append(act)
                 occ = b.start_ms - a.start_ms - op_ms if b is not None and b.step == a.step else a.ms
                 k = a.op.kind
                 if k in PART_KINDS:
@@ -217,6 +227,22 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
             continue
         new.covered_layers[key[1]].optimizer_ms.setdefault(name, {})[spec.cost_key(kind, key[2], method)] = ms
         counts[kind] += 1
+
+    # each layer's activation: the rank's measured activation shared by its stages' layers in
+    # proportion to their entries (the run times a rank's activation as one span)
+    if spec.activation is not None:
+        key_act = spec.activation
+        for key, ms in fitted.items():
+            if key[0] != "activate":
+                continue
+            parts = {p for st in key[2] for p in traces[key[1]].layout["partition"][st]}
+            layers = [l for l, layer in enumerate(profile.covered_layers) if layer.part in parts]
+            old = [profile.covered_layers[l].optimizer_ms.get(name, {}).get(key_act, 0.0) for l in layers]
+            total = sum(old)
+            for l, o in zip(layers, old):
+                new.covered_layers[l].optimizer_ms.setdefault(name, {})[key_act] = \
+                    ms * o / total if total > 0 else ms / len(layers)
+            counts["activate"] += 1
 
     # per part: proportional within each measured stage, mean over observations
     fits: dict[tuple[str, str], list[float]] = defaultdict(list)

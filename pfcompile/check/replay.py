@@ -140,7 +140,7 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
         mult = spread.get(kind)
         if mult is None:
             continue
-        work = costs.work_ms(op)
+        work = costs.work_ms(op, X.step[j])
         for c, m in enumerate(rng.choice(np.asarray(mult), size=cycles).tolist()):
             durations[c * X.M + j] = work * m + op_ms
     return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
@@ -156,7 +156,7 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     X = CycleIndex(plan, L)
     M, W = X.M, L.W
     ops, first = X.ops, X.first
-    dur = [costs.duration(op) for op in ops]
+    dur = [costs.duration(op, t) for op, t in zip(ops, X.step)]
     # a receive waits for its send's end plus the transfer time of the message (by its link)
     lag = [[[costs.message_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
            for b in (0, 1)]

@@ -20,7 +20,9 @@ plan's `layers`). An optimizer declares, for every op of its work:
 - for a kind the renderer has no colour of its own for, `render`: its legend label and fill;
 
 and, for the optimizer as a whole, the `factors` it refreshes once per cycle (K-FAC's A and B,
-Shampoo's L and R), the `state` it keeps per covered layer (each tensor's shape from the
+Shampoo's L and R), the `activation`: the cost key of the per-layer work of putting a
+cycle's refreshed roots into force at the next cycle's start (the layer's `activate`, which
+the runtime calls between steps: SOAP rotates its first moment into the new basis), the `state` it keeps per covered layer (each tensor's shape from the
 layer's in/out features or a byte field of the profile, how many copies, whether only the
 replica doing the layer's divisible work keeps it), what its step keeps per covered
 parameter (`step_moments`) and whose profiled step its own falls back to (`step_like`).
@@ -131,6 +133,10 @@ class Optimizer:
     covered_element_of: str | None = None
     step_like: str = "adamw"  # whose profiled per-part step entry its step uses where it has none
     deferred_stats: bool = False  # its per-step statistics fold the previous step's kept gradient
+    # the cost key of a layer's activation (module doc); optional in a profile (older ones: 0),
+    # and its FLOPs on an out x in layer, for reference profiles
+    activation: str | None = None
+    activation_flops: Callable[[int, int, str | None], float] | None = None
 
     @property
     def label(self) -> str:
@@ -375,6 +381,9 @@ SOAP = Optimizer(
         OpDecl("precond", STEP, text="P", reads=("grad", "root:L", "root:R", "moments"), writes=("grad", "moments"),
                divide=True, cost="precond", flops=_rotations_flops),
     ),
+    # the first moment out of the old basis and into the new one: two two-sided products
+    activation="activate",
+    activation_flops=_rotations_flops,
 )
 
 MUON = Optimizer(

@@ -43,8 +43,9 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
 `covered_layers` (version 4; LAYERS_KEY_V3 before) are the layers an optimizer's extra work
 covers (pfcompile.formats.optimizers). `optimizer_ms` maps each profiled optimizer to its
 ops' costs on the layer, one entry per cost key its declaration names
-(`Optimizer.cost_keys`: K-FAC's inversion once per factor and method); an optimizer a profile
-has no map for cannot be planned from it. Versions 1 to 3 kept K-FAC's costs in fields of
+(`Optimizer.cost_keys`: K-FAC's inversion once per factor and method), and its activation
+where it declares one (`Optimizer.activation`, SOAP's `activate`: optional, 0 in a profile
+made before it was timed); an optimizer a profile has no map for cannot be planned from it. Versions 1 to 3 kept K-FAC's costs in fields of
 their own (`curv_a_ms`, `curv_b_ms`, `inv_a_ms`/`inv_b_ms` per method, `precond_ms`) and the
 others' in `optimizer_ms`: they load converted (`kfac_layer_v3`), their hash computed over the
 file as written (`layer_json_v3`), so it stays verifiable and plans made from them name it.
@@ -711,6 +712,9 @@ def _covered_layer(f: Fields, raw: Any, version: int, parts: list[str]) -> Cover
                 raise om.fail(None, f"unknown optimizer {opt!r:.40} (known: {', '.join(known)})")
             of = om.sub(opt)
             costs[opt] = {k: of.req(k, float, **ms) for k in known[opt]}
+            act = OPTIMIZERS[opt].activation  # optional: profiles from before it was timed have none
+            if act is not None and (ms_act := of.opt(act, float, **ms)) is not None:
+                costs[opt][act] = ms_act
     positive = dict(check=lambda v: v > 0, why="must be positive")
     return CoveredLayer(
         name=f.req("name", str), part=part, optimizer_ms=costs,
@@ -786,10 +790,14 @@ def format_profile(profile: Profile) -> str:
     for name, keys in cost_keys().items():
         if not any(name in l.optimizer_ms for l in profile.covered_layers):
             continue
+        act = OPTIMIZERS[name].activation
+        once = "inversions and roots"
+        if act is not None and any(act in l.optimizer_ms.get(name, {}) for l in profile.covered_layers):
+            keys, once = (*keys, act), "roots and their activation"  # at the next cycle's start
         sections.append(
-            f"{OPTIMIZERS[name].label} per layer (ms per micro-batch or step; inversions and roots once per refresh)\n"
-            + _table(["layer", *keys], [[l.name, *(_ms(l.optimizer_ms[name][k]) if name in l.optimizer_ms else "-"
-                                                   for k in keys)] for l in profile.covered_layers]))
+            f"{OPTIMIZERS[name].label} per layer (ms per micro-batch or step; {once} once per refresh)\n"
+            + _table(["layer", *keys], [[l.name, *(_ms(l.optimizer_ms[name].get(k, 0.0)) if name in l.optimizer_ms
+                                                   else "-" for k in keys)] for l in profile.covered_layers]))
     if pv.get("optimizer_note") and len(sections) > 1:
         sections[1] = f"{pv['optimizer_note']}\n{sections[1]}"
     c = profile.comm

@@ -155,15 +155,17 @@ class Costs:
         return min(n * elem, self.grad_bytes(stage))
 
     # --- durations ------------------------------------------------------------------------------
-    def duration(self, op: Op) -> float:
-        """Milliseconds the op occupies its rank: its own work (`work_ms`) and the runtime's
-        dispatch of it (profile.runtime.op_ms). A send costs its posting (it completes in the
-        background); a receive costs its completion once the data is there (its waiting is
-        the message's lag, message_ms, not its duration); each `step` op carries its share of
-        the runtime's work between steps."""
-        return self.work_ms(op) + self.profile.runtime.op_ms
+    def duration(self, op: Op, step: int | None = None) -> float:
+        """Milliseconds the op occupies its rank in cycle step `step` (None: any step but a
+        cycle's last): its own work (`work_ms`) and the runtime's dispatch of it
+        (profile.runtime.op_ms). A send costs its posting (it completes in the background); a
+        receive costs its completion once the data is there (its waiting is the message's
+        lag, message_ms, not its duration); each `step` op carries its share of the
+        runtime's work between steps, and the one ending a cycle the activation of the
+        cycle's refreshed roots."""
+        return self.work_ms(op, step) + self.profile.runtime.op_ms
 
-    def work_ms(self, op: Op) -> float:
+    def work_ms(self, op: Op, step: int | None = None) -> float:
         k = op.kind
         if k == "fwd":
             return self.fwd_ms(op.stage)
@@ -199,7 +201,7 @@ class Costs:
             rest = self.grad_bytes(op.stage) - owned
             return half + (self._allreduce_ms(rest, op.stage) if rest > 0 else 0.0)
         if k == "step":
-            return self.step_ms(op.stage) + self.between_steps_ms(op)
+            return self.step_ms(op.stage) + self.between_steps_ms(op, step)
         raise ValueError(f"no cost for {op}")
 
     def optimizer_op_ms(self, op: Op) -> float:
@@ -245,15 +247,34 @@ class Costs:
         B (A is augmented by the bias), Shampoo's inverse root of L (out x out) or R (in x in)."""
         return self.state_bytes(self._state("root:F", factor), layer)
 
-    def between_steps_ms(self, op: Op) -> float:
+    def between_steps_ms(self, op: Op, step: int | None = None) -> float:
         """The runtime's work between steps that a `step` op carries: its share, one per stage
-        the rank holds (0 for other ops)."""
-        return self.profile.runtime.step_ms / self.stages_per_rank if op.kind == "step" else 0.0
+        the rank holds, and in a cycle's last step (`step` = k - 1) the activation of the
+        stage's layers before the next cycle's first (0 for other ops)."""
+        if op.kind != "step":
+            return 0.0
+        last = step is not None and step == self.refresh_steps - 1
+        return self.profile.runtime.step_ms / self.stages_per_rank + (self.activation_ms(op.stage) if last else 0.0)
 
-    def runtime_ms(self, op: Op) -> float:
+    def activation_ms(self, stage: int) -> float:
+        """The stage's layers' activation (Optimizer.activation: the refreshed roots put into
+        force, once per cycle), on its busiest replica: each replica activates the layers
+        whose divisible work it does. 0 where the profile has no such entry."""
+        key = self.spec.activation
+        if key is None or not self.work:
+            return 0.0
+        owner = self.precond_owner
+        share: dict[int | None, float] = {}
+        for l in self.stage_layers[stage]:
+            who = owner[l] if owner is not None else None
+            share[who] = share.get(who, 0.0) + self.profile.covered_layers[l].optimizer_ms.get(self.optimizer, {}).get(key, 0.0)
+        every = share.pop(None, 0.0)  # layers every replica does
+        return every + max(share.values(), default=0.0)
+
+    def runtime_ms(self, op: Op, step: int | None = None) -> float:
         """The runtime's own work inside the op's duration, which a run times apart from the
         op: its dispatch and, in a `step` op, its share of the work between steps."""
-        return self.profile.runtime.op_ms + self.between_steps_ms(op)
+        return self.profile.runtime.op_ms + self.between_steps_ms(op, step)
 
     def link_ms(self, op: Op, src: int | None = None) -> float:
         """Transfer time of a point-to-point message: its send's end to the end of a receive

@@ -127,7 +127,7 @@ class TaskGraph:
         return units
 
     def add_task(self, t: Task) -> Task:
-        self.g.add_node(t, op=t.op, rank=t.rank, step=t.step, duration=self.costs.duration(t.op),
+        self.g.add_node(t, op=t.op, rank=t.rank, step=t.step, duration=self.costs.duration(t.op, t.step),
                         stream=stream_of(t.op.kind), floating=t.step is None)
         return t
 

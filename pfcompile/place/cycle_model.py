@@ -78,7 +78,7 @@ def cycle_from_graph(tg: TaskGraph, *, fixed_order: bool, refresh: bool = True,
     duration = tg.costs.duration
     for t in tasks:
         # a glued send/receive costs its posting/completion (profile.runtime), when the profile has it
-        us = sum(_model_us(duration(op)) for op in emit[t] if op.kind not in P2P_KINDS or duration(op) > 0)
+        us = sum(_model_us(duration(op, t.step)) for op in emit[t] if op.kind not in P2P_KINDS or duration(op) > 0)
         index[t] = p.add(t, us, (t.rank,), option_of.get(t))
     if choose and refresh:  # the broadcasts from each candidate inverter
         spec = cfg.optimizer_spec

@@ -17,6 +17,7 @@ over its published forward time. With m = out_features, n = in_features:
 | Shampoo inverse root of an d x d statistic: eigendecomposition and Q diag Q^T | 9 d^3 + 2 d^3 |
 | Shampoo precond: L^-1/4 G R^-1/4 | 2 m^2 n + 2 m n^2 |
 | Muon orth: 5 Newton-Schulz iterations on the p x q update (p <= q): X X^T, a A + b A^2, (..) X | 5 (4 p^2 q + 2 p^3) |
+| SOAP activation (`Optimizer.activation`): the first moment out of the old basis, into the new | 2 (2 m^2 n + 2 m n^2) |
 
 The eigendecomposition rarely runs at GEMM rate, so its estimate is a lower bound.
 """
@@ -41,8 +42,10 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
     was). A micro-batch op runs on what the layer captured of a forward and backward of the
     micro-batch's input `x` and output gradient `gy` (redone before each run, untimed). In
     the order of a refresh cycle's first step: the per-step statistics, the micro-batch ops,
-    the refresh of each factor, then the update with the refresh in force. Muon's
-    Newton-Schulz iteration runs in `muon_ns_dtype`."""
+    the refresh of each factor, then the update with the refresh in force; then, where the
+    optimizer declares an `activation`, a second refresh and its activation (the moments
+    rotated out of the basis in force into the new one). Muon's Newton-Schulz iteration runs
+    in `muon_ns_dtype`."""
     from runtime.config.job import JobConfig
     from runtime.optimizers.registry import entry
 
@@ -90,6 +93,16 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
     update = spec.op(spec.update) if spec.update is not None else None
     if update is not None and update.cost is not None:
         t[update.cost.format(factor=None, inverse=None)] = clock.time(run(update.kind), setup=fresh_grad)
+    if spec.activation is not None:
+        # as at a later cycle's start: a basis in force, moments kept in it, a refreshed one pending
+        fresh_grad()
+        if update is not None:
+            run(update.kind)()
+        for d in (d for d in costed if d.when == CYCLE):
+            for f in spec.factors if "{factor}" in d.cost else (None,):
+                run(d.kind, f)()
+        before = layer.state_dict()
+        t[spec.activation] = clock.time(layer.activate, setup=lambda: layer.load_state_dict(before))
     fresh_grad()
     return {k: v.median for k, v in t.items()}, t
 
@@ -123,6 +136,8 @@ def estimated_optimizer_ms(name: str, in_features: int, out_features: int, rate:
             raise ValueError(f"no per-layer ops to estimate for {name!r}: {d.kind} declares no FLOPs")
         for f in (spec.factors if "{factor}" in d.cost else (None,)):
             out[d.cost.format(factor=f, inverse=None)] = d.flops(m, n, f) / rate
+    if spec.activation is not None and spec.activation_flops is not None:
+        out[spec.activation] = spec.activation_flops(m, n, None) / rate
     if not out:
         raise ValueError(f"no per-layer ops to estimate for {name!r}")
     return out
