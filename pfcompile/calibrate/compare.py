@@ -33,10 +33,10 @@ def _p90(values: list[float]) -> float:
 
 
 def runtime_in_span(plan: Plan, profile: Profile | None):
-    """op -> the runtime's own work inside the op's span in the plan (module doc); 0 without
-    the plan's profile."""
+    """(op, cycle step) -> the runtime's own work inside the op's span in the plan (module
+    doc); 0 without the plan's profile."""
     if profile is None:
-        return lambda op: 0.0
+        return lambda op, step=None: 0.0
     from pfcompile.check.replay import plan_costs
     from pfcompile.formats.rules import PlanLayout
 
