@@ -310,6 +310,9 @@ FIELD_TYPES = {cls: typing.get_type_hints(cls) for cls in (JobConfig, *typing.ge
 
 KEYS = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(FIELD_TYPES[JobConfig][s])]
 _PLUGIN_SECTIONS: dict[str, type] = {}
+# optimizer name -> the section that holds its settings, recorded by runtime.optimizers.registry
+# as it learns of each entry (this module never imports the registry); a built-in's is its name
+OPTIMIZER_SECTIONS: dict[str, str] = {}
 
 
 def register_section(name: str, cls: type) -> None:
@@ -399,10 +402,7 @@ def apply_plan(cfg: JobConfig, plan, plan_path: str) -> None:
         section, _, name = key.partition(".")
         setattr(getattr(cfg, section), name, fixed)
     if plan.config.defer_stats:  # the plan may run the statistics before the gradient exists
-        from runtime.optimizers import registry
-
-        entry = registry.entry(plan.config.optimizer)
-        section = entry.section or entry.name
+        section = OPTIMIZER_SECTIONS.get(plan.config.optimizer, plan.config.optimizer)
         key = f"{section}.defer_stats"
         if key in cfg.source and not cfg.get(key):
             raise cfg.error(key, f"is false but {plan_path} config.defer_stats plans deferred statistics; "

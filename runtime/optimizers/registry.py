@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from pfcompile.formats import optimizers as declarations
 from pfcompile.formats.optimizers import Optimizer as Declaration
+from runtime.config import job
 
 
 def _load(ref):
@@ -97,20 +98,23 @@ def register(entry: OptimizerEntry) -> OptimizerEntry:
     """Add (or replace) an optimizer, and its own settings section if it brings one; returns
     the entry (a plugin module keeps it as an attribute)."""
     if entry.settings is not None:
-        from runtime.config import job
-
         job.register_section(entry.section or entry.name, entry.settings)
-    _ENTRIES[entry.name] = entry
+    _add(entry.name, entry)
     return entry
+
+
+def _add(name: str, entry: OptimizerEntry) -> None:
+    """Known under `name`; the job config learns which section holds its settings."""
+    _ENTRIES[name] = entry
+    job.OPTIMIZER_SECTIONS[name] = entry.section or entry.name
 
 
 def unregister(entry: OptimizerEntry) -> None:
     """Remove an entry (under every name it was found by) and the settings section it brought."""
     for name in [n for n, e in _ENTRIES.items() if e is entry]:
         del _ENTRIES[name]
+        job.OPTIMIZER_SECTIONS.pop(name, None)
     if entry.settings is not None:
-        from runtime.config import job
-
         job.unregister_section(entry.section or entry.name)
 
 
@@ -131,7 +135,7 @@ def entry(name: str) -> OptimizerEntry:
             raise ValueError(f"optimizer {name!r}: cannot import it ({e})") from None
         if not isinstance(found, OptimizerEntry):
             raise ValueError(f"optimizer {name!r} is not a runtime.optimizers.registry.OptimizerEntry")
-        _ENTRIES[name] = found
+        _add(name, found)
         return found
     raise ValueError(f"unknown optimizer {name!r} (known: {', '.join(_ENTRIES)}, or package.module:entry)")
 
