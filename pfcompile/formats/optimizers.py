@@ -19,14 +19,15 @@ plan's `layers`). An optimizer declares, for every op of its work:
   it makes (an all-reduce or a broadcast of the tensor it writes, sized by `state`);
 - for a kind the renderer has no colour of its own for, `render`: its legend label and fill;
 
-and, for the optimizer as a whole, the `factors` it refreshes once per cycle (K-FAC's A and B,
-Shampoo's L and R), the `activation`: the cost key of the per-layer work of putting a
+and, for the optimizer as a whole, the `factors` it refreshes once per cycle (K-FAC's A and
+B, Shampoo's L and R), the `activation`: the cost key of the per-layer work of putting a
 cycle's refreshed roots into force at the next cycle's start (the layer's `activate`, which
-the runtime calls between steps: SOAP rotates its first moment into the new basis), the `state` it keeps per covered layer (each tensor's shape from the
-layer's in/out features or a byte field of the profile, how many copies, whether only the
-replica doing the layer's divisible work keeps it), what its step keeps per covered
-parameter (`step_moments`) and whose profiled step its own falls back to (`step_like`).
-pfcompile.graph.costs.Costs reads all of it: durations and memory follow the declaration.
+the runtime calls between steps: SOAP rotates its first moment into the new basis), the
+`state` it keeps per covered layer (each tensor's shape from the layer's in/out features or
+a byte field of the profile, how many copies, whether only the replica doing the layer's
+divisible work keeps it), what its step keeps per covered parameter (`step_moments`) and
+whose profiled step its own falls back to (`step_like`). pfcompile.graph.costs.Costs reads
+all of it: durations and memory follow the declaration.
 
 The op kinds are shared by role (pfcompile.formats.ops): `inv` is K-FAC's damped inverse
 and Shampoo's inverse fourth root, `precond` either's preconditioning; the plan's

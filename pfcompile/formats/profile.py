@@ -45,10 +45,11 @@ covers (pfcompile.formats.optimizers). `optimizer_ms` maps each profiled optimiz
 ops' costs on the layer, one entry per cost key its declaration names
 (`Optimizer.cost_keys`: K-FAC's inversion once per factor and method), and its activation
 where it declares one (`Optimizer.activation`, SOAP's `activate`: optional, 0 in a profile
-made before it was timed); an optimizer a profile has no map for cannot be planned from it. Versions 1 to 3 kept K-FAC's costs in fields of
-their own (`curv_a_ms`, `curv_b_ms`, `inv_a_ms`/`inv_b_ms` per method, `precond_ms`) and the
-others' in `optimizer_ms`: they load converted (`kfac_layer_v3`), their hash computed over the
-file as written (`layer_json_v3`), so it stays verifiable and plans made from them name it.
+made before it was timed); an optimizer a profile has no map for cannot be planned from it.
+Versions 1 to 3 kept K-FAC's costs in fields of their own (`curv_a_ms`, `curv_b_ms`,
+`inv_a_ms`/`inv_b_ms` per method, `precond_ms`) and the others' in `optimizer_ms`: they load
+converted (`kfac_layer_v3`), their hash computed over the file as written (`layer_json_v3`),
+so it stays verifiable and plans made from them name it.
 
 `step_ms` (version 2) is the optimizer update of the part's parameters, once per step:
 "kfac" the K-FAC optimizer (KL clip over its K-FAC layers, SGD-momentum on them, AdamW on
