@@ -136,7 +136,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
                         end = t + rt.send_ms * (vary(op, step) if vary else 1.0)
                         arrival[op.message_key()] = end + costs.link_ms(op)
                     else:
-                        own = costs.work_ms(op) - costs.between_steps_ms(op)
+                        own = costs.work_ms(op, step % k) - costs.between_steps_ms(op, step % k)
                         end = t + own * (vary(op, step) if vary else 1.0)
                     tl.record(step, str(op), op.kind, t, end)
                     clock[q] = end + rt.op_ms
@@ -492,6 +492,87 @@ def test_the_profilers_in_run_levels_are_its_probe_runs_fits(tmp_path):
             assert factors[f"covered_layers.{g.name}.optimizer_ms.kfac.{key}"] == \
                 pytest.approx(gk[key] / was.optimizer_ms["kfac"][key])
         assert gk["inv_A.eigen"] == was.optimizer_ms["kfac"]["inv_A.eigen"]  # not run: kept
+
+
+def test_kfacs_capture_is_costed_on_refresh_steps_and_fitted_apart_from_the_ops(tmp_path):
+    """K-FAC's refresh step captures each layer's input and output gradient, and the step's
+    pipeline ops run slower for it (Part.capture_ms). The cost model charges it to the
+    pipeline ops of step 0 of each cycle, with K-FAC only; calibration fits it from a run's
+    refresh steps against its other steps, and keeps it out of the ops' own times; the
+    profiler's K-FAC probe refreshes every other step so that its one run gives both. Runs
+    written from the cost model with known capture costs (and scaled entries)."""
+    from pfcompile.profiler.runtime_probe import in_run_levels, probe_plan
+
+    prof = load_profile(str(PROFILE))
+    assert all(p.capture_ms is None for p in prof.parts)  # made before it was timed: 0
+    truth = true_profile(prof)
+    for i, p in enumerate(truth.parts):
+        p.capture_ms = {"fwd": 0.05 * (i + 1), "bwd": 0.1 * (i + 1)}
+    plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4),
+                            PlanOptions("cpsat", time_limit=2, refresh_steps=3))
+    plan_path = tmp_path / "kfac.json"
+    plan.save(str(plan_path))
+    k = plan.refresh_steps
+    costs = Costs(truth, plan.partition, 1, refresh_steps=k)
+    stage_sum = {(kind, s): sum(truth.part(n).capture_ms[kind] for n in plan.partition[s])
+                 for kind in ("fwd", "bwd") for s in range(2)}
+    for (kind, s), want in stage_sum.items():
+        op = Op(kind, stage=s, mb=0)
+        assert costs.duration(op, 0) - costs.duration(op, 1) == pytest.approx(want) and want > 0
+        assert costs.duration(op, 1) == costs.duration(op, k - 1) == costs.duration(op)
+        adamw = Costs(truth, plan.partition, 1, optimizer="adamw", refresh_steps=k)  # no capture, no such cost
+        assert adamw.duration(op, 0) == adamw.duration(op, 1)
+    without = copy.deepcopy(truth)
+    for p in without.parts:
+        p.capture_ms = None
+    assert replay(plan, truth).step_time_ms > replay(plan, without).step_time_ms
+
+    # a plan's run: its refresh steps give the capture, its other steps the ops' own times
+    trace = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=6 * k + 1)))
+    fitted, counts = calibrate(prof, [trace])
+    assert counts["capture"] == 2 * len(prof.parts)
+    for (kind, s), want in stage_sum.items():
+        names = plan.partition[s]
+        assert sum(fitted.part(n).capture_ms[kind] for n in names) == pytest.approx(want, rel=1e-6)
+        got_own = sum(getattr(fitted.part(n), f"{kind}_ms") for n in names)
+        assert got_own == pytest.approx(sum(getattr(truth.part(n), f"{kind}_ms") for n in names), rel=1e-6)
+    assert replay(plan, fitted).step_time_ms == pytest.approx(replay(plan, truth).step_time_ms, rel=1e-6)
+
+    # a run that captures in every step (k = 1) keeps the entries and fits the ops without them
+    every, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4), PlanOptions("none"))
+    every_path = tmp_path / "kfac-every.json"
+    every.save(str(every_path))
+    parent = copy.deepcopy(prof)
+    for p, t in zip(parent.parts, truth.parts):
+        p.capture_ms = dict(t.capture_ms)
+    fitted_every, _ = calibrate(parent, [load_measured(str(synthetic_trace(tmp_path, every_path, truth, steps=8)))])
+    for names in every.partition:
+        got = sum(fitted_every.part(n).fwd_ms for n in names)
+        assert got == pytest.approx(sum(truth.part(n).fwd_ms for n in names), rel=1e-6)
+        assert [fitted_every.part(n).capture_ms for n in names] == [truth.part(n).capture_ms for n in names]
+
+    # the profiler's probes: K-FAC's refreshes every other step (its work in that step), and
+    # its run gives the capture; B and W share the backward's
+    probe = probe_plan(prof, "kfac")
+    assert probe.refresh_steps == 2 and probe_plan(prof, "adamw").refresh_steps == 1
+    assert all(not any(o.layer is not None and o.kind.startswith("curv") for o in probe.ops(q, 1))
+               for q in range(probe.world_size))
+    traces = {}
+    for opt in ("adamw", "kfac"):
+        path = tmp_path / f"probe-{opt}.json"
+        probe_plan(prof, opt).save(str(path))
+        traces[opt] = load_measured(str(synthetic_trace(tmp_path, path, truth, steps=8)))
+    got = copy.deepcopy(prof)
+    factors = in_run_levels(got, traces["adamw"], {"kfac": traces["kfac"]})
+    for names in probe.partition:
+        for kind in ("fwd", "bwd"):
+            want = sum(truth.part(n).capture_ms[kind] for n in names)
+            assert sum(got.part(n).capture_ms[kind] for n in names) == pytest.approx(want, rel=1e-6)
+    for p in got.parts:
+        b, w = p.split_backward_ms()
+        assert p.capture_ms["bwd_input"] + p.capture_ms["bwd_weight"] == pytest.approx(p.capture_ms["bwd"])
+        assert p.capture_ms["bwd_input"] * w == pytest.approx(p.capture_ms["bwd_weight"] * b)
+    assert not any(".capture_ms." in key for key in factors)  # nothing timed alone to be a factor of
 
 
 def test_the_op_times_level_is_split_by_op_kind(tmp_path):

@@ -397,6 +397,10 @@ PROFILE_FIELD_MUTATIONS = [
     (("parts", 1, "step_ms", "kfac"), 1e12, "parts[1].step_ms.kfac"),
     (("parts", 1, "act_bytes"), 2**64 + 1, "parts[1].act_bytes"),
     (("parts", 1, "wgrad_bytes"), -1, "parts[1].wgrad_bytes"),
+    (("parts", 1, "capture_ms"), {"fwd": -0.1}, "parts[1].capture_ms.fwd"),
+    (("parts", 1, "capture_ms"), {"fwd": 1e12}, "parts[1].capture_ms.fwd"),
+    (("parts", 1, "capture_ms"), {"step": 0.1}, "parts[1].capture_ms.step"),  # no capture slows a step
+    (("parts", 1, "capture_ms"), [0.1], "parts[1].capture_ms"),
     (("covered_layers", 3, "optimizer_ms", "kfac", "inv_A.cholesky"), 1e12,
      "covered_layers[3].optimizer_ms.kfac.inv_A.cholesky"),
     (("covered_layers", 3, "factor_b_bytes"), 2**64 + 1, "covered_layers[3].factor_b_bytes"),
@@ -646,3 +650,39 @@ def test_soaps_activation_is_timed_as_at_a_later_cycles_start(monkeypatch):
     assert "activate" in format_profile(prof).split("SOAP per layer")[1].splitlines()[1]
     old = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
     assert all("activate" not in layer.optimizer_ms["soap"] for layer in old.covered_layers)
+
+
+def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
+    """A part's pipeline ops are timed with K-FAC's hooks idle (every step but a K-FAC
+    refresh) and again capturing; `capture_ms` is the difference, per op. Each layer's save
+    is made to cost a known 2 ms: the forward's capture (the inputs), the backward's and B's
+    (the output gradients) come out at that many layers x 2 ms, W's at none, and the ops'
+    own times hold none of it. The entry round-trips through the profile JSON."""
+    import time
+
+    import torch
+
+    from pfcompile.profiler.clocks import Clock
+    from pfcompile.profiler.parts import PartBench, measure_part
+    from pfcompile.profiler.settings import resolve_spec
+    from runtime.optimizers.kfac import KfacLayer
+
+    cost_s = 0.002
+    for name in ("save_input", "save_grad"):
+        real = getattr(KfacLayer, name)
+        def slowed(self, mb, t, real=real):
+            time.sleep(cost_s)
+            real(self, mb, t)
+        monkeypatch.setattr(KfacLayer, name, slowed)
+    torch.manual_seed(0)
+    bench = PartBench(resolve_spec("bert-tiny", 8), "block0", 1, 8, "cpu", torch.float32)
+    part, timings = measure_part(bench, Clock(torch.device("cpu"), repeats=5, warmup=1))
+    saves = len(bench.kfac) * cost_s * 1e3
+    for kind in ("fwd", "bwd", "bwd_input"):
+        assert part.capture_ms[kind] == pytest.approx(saves, rel=0.3), kind
+        assert timings[f"{kind}_ms"].median < saves * 0.5, kind  # the op's own time: hooks idle
+    assert part.capture_ms["bwd_weight"] < saves * 0.2
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu.json"))
+    assert "capture_ms" not in json.dumps(prof.to_json())  # made before it was timed: absent, not null
+    prof.part("block0").capture_ms = part.capture_ms
+    assert profile_from_json(json.loads(json.dumps(prof.to_json()))).part("block0").capture_ms == part.capture_ms

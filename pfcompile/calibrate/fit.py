@@ -53,8 +53,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pfcompile.calibrate.measured import MeasuredTrace, check_against_profile
+from pfcompile.formats.dataflow import captures as spec_captures
 from pfcompile.formats.optimizers import Optimizer, optimizer
-from pfcompile.formats.profile import SCHEMA_VERSION, SPREAD_KINDS, LinkModel, Profile, RuntimeOverheads, fit_link
+from pfcompile.formats.profile import (
+    CAPTURE_KINDS,
+    SCHEMA_VERSION,
+    SPREAD_KINDS,
+    LinkModel,
+    Profile,
+    RuntimeOverheads,
+    fit_link,
+)
 
 PART_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step")
 
@@ -82,10 +91,13 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
     ("send",) for sends; ("between steps",) -> a rank's last op's end to its next step's
     first op, less op_ms and less the activation in it (the runtime's work between steps);
     ("activate", trace index, stages of the rank) -> the rank's activation at a cycle's start
-    (the trace's runtime row), which the cost model counts apart (Costs.activation_ms)."""
+    (the trace's runtime row), which the cost model counts apart (Costs.activation_ms);
+    (kind, trace index, stage, "capture") -> a pipeline op of a refresh step whose optimizer
+    captures (K-FAC), apart from the same op in the cycle's other steps (Part.capture_ms)."""
     out: dict[tuple, list[float]] = defaultdict(list)
     for i, tr in enumerate(traces):
         spec = optimizer(optimizer_of(tr.layout))
+        captures, cycle = spec_captures(spec), int(tr.layout.get("refresh_steps", 1))
         activation: dict[tuple[int, int], float] = defaultdict(float)
         for sp in tr.spans:
             if sp.name == "activate":
@@ -100,7 +112,9 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
                         out[("activate", i, stages)].append(act)
                 occ = b.start_ms - a.start_ms - op_ms if b is not None and b.step == a.step else a.ms
                 k = a.op.kind
-                if k in PART_KINDS:
+                if k in CAPTURE_KINDS and captures and a.step % cycle == 0:
+                    out[(k, i, a.op.stage, "capture")].append(occ)
+                elif k in PART_KINDS:
                     out[(k, i, a.op.stage)].append(occ)
                 elif _costed(spec, k) and a.op.layer is not None:
                     out[(k, a.op.layer, a.op.factor)].append(occ)
@@ -244,11 +258,35 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
                     ms * o / total if total > 0 else ms / len(layers)
             counts["activate"] += 1
 
+    # what a capturing refresh step adds to each pipeline op (Part.capture_ms): its mean
+    # over the same op's in the cycle's other steps of the same run; a run that captures in
+    # every step (k = 1) keeps the entries and fits the op's own time without them
+    captured: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for key, ms in list(fitted.items()):
+        if len(key) != 4 or key[3] != "capture":
+            continue
+        kind, i, stage, _ = key
+        names = traces[i].layout["partition"][stage]
+        old = [(profile.part(n).capture_ms or {}).get(kind, 0.0) for n in names]
+        plain = fitted.get((kind, i, stage))
+        if plain is None:
+            fitted[(kind, i, stage)] = max(0.0, ms - sum(old))
+            continue
+        own = [_part_ms(profile, n, kind, "") for n in names]
+        weights = old if sum(old) > 0 else own
+        total = sum(weights)
+        for n, w in zip(names, weights):
+            captured[(n, kind)].append(max(0.0, ms - plain) * (w / total if total > 0 else 1 / len(names)))
+    for (n, kind), values in captured.items():
+        part = new.part(n)
+        part.capture_ms = {**(part.capture_ms or {}), kind: sum(values) / len(values)}
+        counts["capture"] += 1
+
     # per part: proportional within each measured stage, mean over observations
     fits: dict[tuple[str, str], list[float]] = defaultdict(list)
     for key, ms in fitted.items():
         kind = key[0]
-        if kind not in PART_KINDS:
+        if kind not in PART_KINDS or len(key) != 3:
             continue
         _, i, stage = key
         layout = traces[i].layout

@@ -220,3 +220,10 @@ def reads_pass(decl: OpDecl) -> str | None:
 def kept_passes(spec: Optimizer) -> tuple[str, ...]:
     """The passes whose tensors the optimizer's micro-batch ops keep until they have run."""
     return tuple(dict.fromkeys(p for p in map(reads_pass, spec.micro_batch_ops) if p is not None))
+
+
+def captures(spec: Optimizer) -> bool:
+    """Whether the optimizer's refresh step captures: its micro-batch ops keep a pass (K-FAC's
+    hooks save each layer's input and output gradient), which slows that step's pipeline
+    ops (pfcompile.formats.profile.Part.capture_ms)."""
+    return spec.has_work and bool(kept_passes(spec))

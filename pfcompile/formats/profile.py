@@ -23,7 +23,8 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
                  "param_bytes", "grad_bytes", "out_bytes",
                  "step_ms": {"kfac", "adamw"},          # version 2
                  "bwd_input_ms", "bwd_weight_ms",       # version 3 (number or null)
-                 "wgrad_bytes"}],                        # version 3, optional (number or null)
+                 "wgrad_bytes",                          # version 3, optional (number or null)
+                 "capture_ms": {"fwd", "bwd", ...}}],    # optional: a capturing refresh step's extra
       "covered_layers": [{"name": "block0.attn.q", "part": "block0", "in_features",
                  "out_features", "bias", "kept_a_bytes", "kept_b_bytes", "factor_a_bytes",
                  "factor_b_bytes", "inverse_a_bytes", "inverse_b_bytes",
@@ -92,6 +93,14 @@ part's W keeps besides its activations from B until it runs: the output gradient
 nn.Linear of the part (covered layer or not), as runtime.pipeline.split_backward keeps them; absent or
 null: the covered layers' `kept_b_bytes` (pfcompile.graph.costs.Costs.wgrad_bytes).
 
+`capture_ms` (optional) is what the part's pipeline ops (`fwd`, `bwd`, `bwd_input`,
+`bwd_weight`; each key optional) take longer on a refresh step of an optimizer whose
+micro-batch ops keep the forward's input or the output gradient (K-FAC): its hooks save
+them, and the step's ops run with them held. `fwd_ms` and the others are the ops without
+it. The profiler times it alone and fits it in a run (the runtime probe's K-FAC run
+refreshes every other step); absent: 0, as in profiles from before it was timed, whose
+entries are the ops with capture on.
+
 `parts` are the units the partitioner cuts into contiguous stages: embeddings first,
 then the blocks in order, then the head with the loss. `out_bytes` is the size of the
 part's output for one micro-batch: the point-to-point message when a stage ends there.
@@ -125,6 +134,8 @@ STEP_KINDS = ("kfac", "adamw")
 # and the streaming rate in bytes per ms.
 STEP_PASSES = {"adamw": 7, "sgd": 5}
 STEP_BYTES_PER_MS = {"cpu": 2e6, "gpu": 2e8}
+# the pipeline ops a capturing refresh step slows (Part.capture_ms)
+CAPTURE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 # The estimate of a split backward where it was not measured (module doc): W's share of bwd_ms.
 WEIGHT_SHARE = 0.5
 
@@ -144,6 +155,8 @@ class Part:
     bwd_input_ms: float | None = None
     bwd_weight_ms: float | None = None
     wgrad_bytes: int | None = None  # what W keeps from B on (None: not measured, see Costs.wgrad_bytes)
+    # op kind -> ms a capturing refresh step adds to it (module doc); None: not measured (0)
+    capture_ms: dict[str, float] | None = None
 
     @property
     def split_measured(self) -> bool:
@@ -410,6 +423,8 @@ class Profile:
             d.pop("wgrad_bytes")
         if d.get("wgrad_bytes", 0) is None:  # optional: absent as written before it existed
             d.pop("wgrad_bytes", None)
+        if d.get("capture_ms", 0) is None:  # optional, likewise
+            d.pop("capture_ms", None)
         return d
 
     def to_json(self) -> dict[str, Any]:
@@ -595,12 +610,19 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
             if (split["bwd_input_ms"] is None) != (split["bwd_weight_ms"] is None):
                 raise f.fail("bwd_weight_ms", "bwd_input_ms and bwd_weight_ms are both numbers or both null")
             split["wgrad_bytes"] = f.opt("wgrad_bytes", int, check=_pos, why="must be an integer >= 0, or null")
+        capture = None
+        if f.opt("capture_ms", dict) is not None:
+            cf = f.sub("capture_ms")
+            unknown = sorted(set(cf.obj) - set(CAPTURE_KINDS))
+            if unknown:
+                raise cf.fail(unknown[0], f"not an op a capture slows (have: {', '.join(CAPTURE_KINDS)})")
+            capture = {k: cf.req(k, float, check=_pos, why="must be a finite number >= 0") for k in cf.obj}
         parts.append(Part(
             name=f.req("name", str),
             **{k: f.req(k, float, check=_pos, why="must be a finite number >= 0") for k in ("fwd_ms", "bwd_ms")},
             **{k: f.req(k, int, check=_pos, why="must be an integer >= 0")
                for k in ("act_bytes", "param_bytes", "grad_bytes", "out_bytes")},
-            step_ms=step, **split,
+            step_ms=step, **split, capture_ms=capture,
         ))
     names = [p.name for p in parts]
     if len(set(names)) != len(names):

@@ -39,12 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pfcompile.formats.dataflow import kept_passes, reads_pass
+from pfcompile.formats.dataflow import captures, kept_passes, reads_pass
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
 from pfcompile.formats.optimizers import ALLREDUCE, IN, IN_BIAS, OUT, PASS_FWD, PASS_WGRAD, StateDecl
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
-from pfcompile.formats.profile import Cluster, Profile
+from pfcompile.formats.profile import CAPTURE_KINDS, Cluster, Profile
 from pfcompile.graph.partition import stage_partition
 
 if TYPE_CHECKING:
@@ -156,25 +156,22 @@ class Costs:
 
     # --- durations ------------------------------------------------------------------------------
     def duration(self, op: Op, step: int | None = None) -> float:
-        """Milliseconds the op occupies its rank in cycle step `step` (None: any step but a
-        cycle's last): its own work (`work_ms`) and the runtime's dispatch of it
+        """Milliseconds the op occupies its rank in cycle step `step` (None: a step neither
+        first nor last of its cycle): its own work (`work_ms`) and the runtime's dispatch of it
         (profile.runtime.op_ms). A send costs its posting (it completes in the background); a
         receive costs its completion once the data is there (its waiting is the message's
         lag, message_ms, not its duration); each `step` op carries its share of the
         runtime's work between steps, and the one ending a cycle the activation of the
-        cycle's refreshed roots."""
+        cycle's refreshed roots; on a refresh step (`step` = 0) a pipeline op carries what
+        the optimizer's capture adds to it (capture_ms)."""
         return self.work_ms(op, step) + self.profile.runtime.op_ms
 
     def work_ms(self, op: Op, step: int | None = None) -> float:
         k = op.kind
-        if k == "fwd":
-            return self.fwd_ms(op.stage)
-        if k == "bwd":
-            return self.bwd_ms(op.stage)
-        if k == "bwd_input":
-            return self.bwd_input_ms(op.stage)
-        if k == "bwd_weight":
-            return self.bwd_weight_ms(op.stage)
+        if k in CAPTURE_KINDS:
+            own = {"fwd": self.fwd_ms, "bwd": self.bwd_ms, "bwd_input": self.bwd_input_ms,
+                   "bwd_weight": self.bwd_weight_ms}[k](op.stage)
+            return own + (self.capture_ms(op.stage, k) if step == 0 else 0.0)
         if k in ("send_act", "send_grad"):
             return self.profile.runtime.send_ms
         if k in ("recv_act", "recv_grad"):
@@ -246,6 +243,15 @@ class Costs:
         """One refreshed matrix of a layer (the declared state root:F): K-FAC's inverse of A or
         B (A is augmented by the bias), Shampoo's inverse root of L (out x out) or R (in x in)."""
         return self.state_bytes(self._state("root:F", factor), layer)
+
+    def capture_ms(self, stage: int, kind: str) -> float:
+        """What a refresh step (step 0 of the cycle) adds to the stage's `kind` op when the
+        optimizer's micro-batch ops keep the forward's input or the output gradient (K-FAC's
+        hooks capture them, and the step's ops run with them held): the parts' `capture_ms`
+        (0 where not profiled, and for every other optimizer)."""
+        if not captures(self.spec):
+            return 0.0
+        return sum((p.capture_ms or {}).get(kind, 0.0) for p in self._parts[stage])
 
     def between_steps_ms(self, op: Op, step: int | None = None) -> float:
         """The runtime's work between steps that a `step` op carries: its share, one per stage

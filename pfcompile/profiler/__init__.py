@@ -47,7 +47,7 @@ from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from pfcompile.profiler.runtime_probe import OPTIMIZER_PROBE_STEPS, in_run_levels, measure_runtime, probe_trace
+from pfcompile.profiler.runtime_probe import in_run_levels, measure_runtime, optimizer_probe_steps, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
 from runtime.config.precision import denormals_flushed, flushing_denormals
 
@@ -148,14 +148,16 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                     for opt in dict.fromkeys(("kfac", *optimizers)):
                         bar.update(task, description=f"the runtime itself: {opt}'s work appended (2 ranks)")
                         sets = (f"muon.ns_dtype={muon_ns_dtype}",) if opt == "muon" else ()
-                        traces[opt], error = probe_trace(draft, dev, opt, OPTIMIZER_PROBE_STEPS, sets)
+                        traces[opt], error = probe_trace(draft, dev, opt, optimizer_probe_steps(opt), sets)
                         if traces[opt] is None:
                             del traces[opt]
                             comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
                     comm_prov["in_run"] = in_run_levels(draft, trace, traces)
                     comm_prov["runtime_note"] += (
                         f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "
-                        f"each optimizer's from a run with its work appended ({OPTIMIZER_PROBE_STEPS} steps): "
+                        f"each optimizer's from a run with its work appended to its refresh steps "
+                        f"({', '.join(f'{o} {optimizer_probe_steps(o)}' for o in traces)} steps; K-FAC refreshes "
+                        f"every other step, its capture_ms is its refresh steps' ops over its others'): "
                         f"in_run holds each entry's in-run time over its time alone")
                 if measured_rt.any():
                     runtime = measured_rt
@@ -188,8 +190,9 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
         "denormals_flushed": denormals_flushed(),
         **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
-        "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC "
-                 "capture on (a refresh step), and the split backward's B/W (runtime.pipeline.split_backward) likewise; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "
+        "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC's "
+                 "hooks idle, and the split backward's B/W (runtime.pipeline.split_backward) likewise; capture_ms "
+                 "what capturing (a K-FAC refresh step) adds; K-FAC's precond with Cholesky inverses; inverse_*_bytes the larger of "
                  "Cholesky and eigen ([Q | eigenvalues]); act_bytes = storages saved for backward, "
                  "parameters excluded"),
         **comm_prov,

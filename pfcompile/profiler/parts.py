@@ -1,7 +1,9 @@
 """A model's parts timed as the runtime runs them: each part is `runtime.models.Stage` over
-that one part with its K-FAC hooks attached and capturing (a refresh step, the costlier
-case); forward, backward, the split backward's B and W (runtime.pipeline.split_backward), and the
-optimizer step (runtime.pipeline.build.Update), with the bytes each keeps."""
+that one part with its K-FAC hooks attached; forward, backward, the split backward's B and W
+(runtime.pipeline.split_backward), and the optimizer step (runtime.pipeline.build.Update),
+with the bytes each keeps. The pipeline ops are timed with the hooks idle (a step that does
+not refresh, and every step of the other optimizers) and capturing (K-FAC's refresh step):
+the difference is the part's `capture_ms`."""
 
 from __future__ import annotations
 
@@ -43,16 +45,20 @@ class PartBench:
         self.targets = torch.randint(self.cfg.vocab, shape, generator=g).to(device) if self.is_last else None
         self.out = None
         self.grad_out = None
+        self.capture = True  # the hooks save inputs and output gradients (a K-FAC refresh step)
+
+    def capturing(self):
+        return self._capturing(self.kfac, 0, on=self.capture)
 
     def forward(self):
         x = self.x if self.is_first else self.x.detach().requires_grad_(True)
         self.last_input = x  # the split backward's B asks for its gradient
-        with self._capturing(self.kfac, 0), self.precision.autocast(self.device_type):
+        with self.capturing(), self.precision.autocast(self.device_type):
             self.out = self.stage(x, self.targets) if self.is_last else self.precision.boundary(self.stage(x))
         return self.out
 
     def backward(self):
-        with self._capturing(self.kfac, 0):
+        with self.capturing():
             if self.is_last:
                 torch.autograd.backward(self.out)
             else:
@@ -69,18 +75,24 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     if not bench.is_last:
         g = torch.Generator().manual_seed(SEED + 1)
         bench.grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
-    fwd = clock.time(bench.forward)
-    bwd = clock.time(bench.backward, setup=bench.forward)
+    timed: dict[bool, dict[str, Timing]] = {}
+    for capture in (False, True):
+        bench.capture = capture
+        timed[capture] = {"fwd_ms": clock.time(bench.forward), "bwd_ms": clock.time(bench.backward, setup=bench.forward),
+                          **measure_split_backward(bench, clock)}
     params = list(bench.stage.parameters())
     grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
-    split = measure_split_backward(bench, clock)
     steps = measure_step(bench, clock)
-    part = Part(name=bench.name, fwd_ms=fwd.median, bwd_ms=bwd.median, act_bytes=act,
+    own = timed[False]
+    # what capturing adds, alone: K-FAC's hooks saving the tensors (a run adds holding them,
+    # which the runtime probe fits); below the two medians' noise it is 0
+    capture = {key.removesuffix("_ms"): max(0.0, timed[True][key].median - t.median) for key, t in own.items()}
+    part = Part(name=bench.name, fwd_ms=own["fwd_ms"].median, bwd_ms=own["bwd_ms"].median, act_bytes=act,
                 param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
                 step_ms={k: t.median for k, t in steps.items()},
-                bwd_input_ms=split["bwd_input_ms"].median, bwd_weight_ms=split["bwd_weight_ms"].median,
-                wgrad_bytes=weight_pass_kept_bytes(bench))
-    return part, {"fwd_ms": fwd, "bwd_ms": bwd, **split, **{f"step_ms.{k}": t for k, t in steps.items()}}
+                bwd_input_ms=own["bwd_input_ms"].median, bwd_weight_ms=own["bwd_weight_ms"].median,
+                wgrad_bytes=weight_pass_kept_bytes(bench), capture_ms=capture)
+    return part, {**own, **{f"step_ms.{k}": t for k, t in steps.items()}}
 
 
 def weight_pass_kept_bytes(bench: PartBench) -> int:
@@ -107,7 +119,8 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
     runs it (runtime.pipeline.split_backward.WeightPasses): the forward recorded for the split, B
     (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
     and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
-    K-FAC capture on as for bwd_ms. Each timed run starts from its own forward (and B)."""
+    K-FAC's hooks capturing or idle as `bench.capture` says, as for bwd_ms. Each timed run
+    starts from its own forward (and B)."""
     from runtime.pipeline.split_backward import WeightPasses
 
     split = WeightPasses(bench.stage)
@@ -120,7 +133,7 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
         x = bench.last_input
 
     def backward_input():
-        with bench._capturing(bench.kfac, 0):
+        with bench.capturing():
             split.backward_input(0, bench.out, None if bench.is_last else bench.grad_out,
                                  None if bench.is_first else x)
         bench.out = None

@@ -1,11 +1,13 @@
 """The runtime probe: short runs of the runtime itself, fitted as `pfcompile calibrate` fits
 a trace. A 2-stage 1F1B run without optimizer work gives the runtime's overheads around the
 ops, the p2p link as a run sees it and the parts' in-run times; one more run per profiled
-optimizer, its work appended to every step, gives its per-layer ops' in-run times. An op
-timed alone in a loop (`--cold-cache` or not) is not an op in a run: its caches hold what
-the ops before it left, the neighbouring rank shares the core's memory bandwidth, and now
-and then it is stalled. The profile's entries are the run's (`in_run_levels`); what each
-was timed at alone stays in the provenance as the factor between the two."""
+optimizer, its work appended to the steps that refresh, gives its per-layer ops' in-run
+times (and, for K-FAC, which refreshes every other step there, what its capture adds to the
+pipeline's ops). An op timed alone in a loop (`--cold-cache` or not) is not an op in a run:
+its caches hold what the ops before it left, the neighbouring rank shares the core's memory
+bandwidth, and now and then it is stalled. The profile's entries are the run's
+(`in_run_levels`); what each was timed at alone stays in the provenance as the factor
+between the two."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 
 import torch
 
+from pfcompile.formats.dataflow import captures
+from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
 
 PROBE_STEPS = 24            # the overheads' and parts' run: each stage's fwd and bwd ~90 samples
@@ -23,25 +27,51 @@ PROBE_STEPS = 24            # the overheads' and parts' run: each stage's fwd an
 # sends and completed receives at half the cost that runs of the plans later met.
 PROBE_SCHEDULE = "1f1b"
 OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 samples
+# An optimizer that captures (its micro-batch ops keep a pass: K-FAC) refreshes every other
+# step of its probe, so one run has the pipeline's ops with and without capture, side by
+# side (what capture adds, free of the machine's drift between runs); its refresh ops get
+# half the samples, so its run is longer.
+CAPTURE_PROBE_CYCLE = 2
+CAPTURE_PROBE_STEPS = 20
+
+
+def optimizer_probe_steps(optimizer: str) -> int:
+    return CAPTURE_PROBE_STEPS if captures(optimizer_spec(optimizer)) else OPTIMIZER_PROBE_STEPS
+
+
+def probe_plan(profile: Profile, optimizer: str = "adamw"):
+    """The probe's plan: 2 stages of PROBE_SCHEDULE, 4 micro-batches, `optimizer`'s work
+    appended to the step that refreshes (`--method none`): every step, or every
+    CAPTURE_PROBE_CYCLE-th for an optimizer that captures."""
+    from dataclasses import replace
+
+    from pfcompile.graph.schedules import PipelineConfig
+    from pfcompile.graph.taskgraph import build_task_graph
+    from pfcompile.place import assemble
+    from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
+
+    cfg = PipelineConfig(PROBE_SCHEDULE, stages=2, micro_batches=4, optimizer=optimizer)
+    if not captures(cfg.optimizer_spec):
+        return build_plan(profile, cfg, PlanOptions("none"))[0]
+    tg = build_task_graph(profile, replace(cfg, refresh_steps=CAPTURE_PROBE_CYCLE))
+    plan = assemble.assemble(profile, tg, assemble.appended_steps(tg), "none")  # the cycle's work in its first step
+    assemble.finish(plan, profile, {"solver_status": "fixed", "gap": None})
+    return plan
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int = PROBE_STEPS,
                 sets: tuple[str, ...] = ()):
-    """A traced run of the runtime: a 2-stage PROBE_SCHEDULE plan of the profiled model, `optimizer`'s
-    work appended to every step (`--method none`, a refresh every step), `steps` steps (2
-    warm-up) on 2 ranks, one thread each, synthetic tokens. -> (MeasuredTrace, None) or
-    (None, the run's one-line error)."""
+    """A traced run of the runtime: the probe's plan (probe_plan) of the profiled model,
+    `steps` steps (2 warm-up) on 2 ranks, one thread each, synthetic tokens. ->
+    (MeasuredTrace, None) or (None, the run's one-line error)."""
     import subprocess
     import tempfile
 
     from pfcompile.calibrate.measured import load_measured
-    from pfcompile.graph.schedules import PipelineConfig
-    from pfcompile.place.build import build_plan
-    from pfcompile.place.options import PlanOptions
 
     with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
-        plan, _, _ = build_plan(profile, PipelineConfig(PROBE_SCHEDULE, stages=2, micro_batches=4, optimizer=optimizer),
-                                PlanOptions("none"))
+        plan = probe_plan(profile, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
@@ -92,8 +122,10 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[
     AdamW step from `base_trace` (the probe's run without optimizer work), each optimizer's
     per-layer entries and its step from its own probe run (`optimizer_traces`: name ->
     trace), each fitted as `pfcompile calibrate` fits it (mean occupancy; parts in
-    proportion within their stage). A split backward's B and W, which no probe runs, move
-    with their part's backward. -> entry path -> in-run time / time alone (the factor)."""
+    proportion within their stage); what a capturing optimizer's refresh step adds to the
+    parts' ops (capture_ms) from its run's refresh steps against its others. A split
+    backward's B and W, which no probe runs, move with their part's backward, and share its
+    capture in proportion. -> entry path -> in-run time / time alone (the factor)."""
     import copy
 
     from pfcompile.calibrate.fit import calibrate
@@ -127,4 +159,16 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[
             for p, f in zip(profile.parts, fitted.parts):
                 if name in f.step_ms and name in p.step_ms:
                     p.step_ms[name] = put(f"parts.{p.name}.step_ms.{name}", p.step_ms[name], f.step_ms[name])
+        if "capture" in counts:  # its refresh steps against its others, in the one run
+            for p, f in zip(profile.parts, fitted.parts):
+                mine, theirs = dict(p.capture_ms or {}), f.capture_ms or {}
+                for kind in ("fwd", "bwd"):  # the probe's 1F1B has no B or W: they share bwd's
+                    if kind in theirs and theirs[kind] != mine.get(kind):
+                        mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0), theirs[kind])
+                b, w = p.split_backward_ms()
+                if "bwd" in mine and b + w > 0:
+                    for kind, share in (("bwd_input", b), ("bwd_weight", w)):
+                        mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0),
+                                         mine["bwd"] * share / (b + w))
+                p.capture_ms = mine
     return factors
