@@ -575,6 +575,26 @@ def test_kfacs_capture_is_costed_on_refresh_steps_and_fitted_apart_from_the_ops(
     assert not any(".capture_ms." in key for key in factors)  # nothing timed alone to be a factor of
 
 
+def test_the_probes_run_for_seconds_not_a_fixed_count_of_steps():
+    """A probe's run lasts PROBE_SECONDS at its plan's predicted step (an optimizer's,
+    OPTIMIZER_PROBE_SECONDS), never fewer steps than its samples need nor more than
+    PROBE_MAX_STEPS: a short step runs many, a long one the least."""
+    from pfcompile.profiler import runtime_probe as rp
+
+    prof = load_profile(str(PROFILE))
+    base = rp.probe_plan(prof, "adamw")
+    step_ms, n = base.stats["step_time_ms"], rp.probe_steps(base)
+    assert rp.PROBE_STEPS < n <= rp.PROBE_MAX_STEPS  # bert-tiny's ~20 ms steps
+    assert n == rp.PROBE_MAX_STEPS or (n - 1) * step_ms < rp.PROBE_SECONDS * 1e3 <= n * step_ms
+    slow = copy.deepcopy(prof)
+    for p in slow.parts:
+        p.fwd_ms, p.bwd_ms = p.fwd_ms * 100, p.bwd_ms * 100
+    assert rp.probe_steps(rp.probe_plan(slow, "adamw")) == rp.PROBE_STEPS
+    assert rp.probe_steps(rp.probe_plan(slow, "kfac"), "kfac") == rp.CAPTURE_PROBE_STEPS
+    kfac = rp.probe_plan(prof, "kfac")
+    assert rp.probe_steps(kfac, "kfac") * kfac.stats["step_time_ms"] >= rp.OPTIMIZER_PROBE_SECONDS * 1e3
+
+
 def test_the_op_times_level_is_split_by_op_kind(tmp_path):
     """`inspect --against --profile` names the op kinds whose level moved the step: the plan
     replayed with one kind at its measured mean occupancy, the others at their profiled

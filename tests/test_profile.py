@@ -684,5 +684,7 @@ def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
     assert part.capture_ms["bwd_weight"] < saves * 0.2
     prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu.json"))
     assert "capture_ms" not in json.dumps(prof.to_json())  # made before it was timed: absent, not null
+    assert "what capturing adds" not in format_profile(prof)
     prof.part("block0").capture_ms = part.capture_ms
+    assert "what capturing adds" in format_profile(prof)
     assert profile_from_json(json.loads(json.dumps(prof.to_json()))).part("block0").capture_ms == part.capture_ms

@@ -809,6 +809,10 @@ def format_profile(profile: Profile) -> str:
          for l in profile.covered_layers],
     )
     sections = [layers]
+    if any(p.capture_ms for p in profile.parts):
+        sections.append("what capturing adds to a pipeline op on a refresh step (K-FAC; ms per op)\n" + _table(
+            ["part", *CAPTURE_KINDS], [[p.name, *(_ms((p.capture_ms or {}).get(k, 0.0)) for k in CAPTURE_KINDS)]
+                                       for p in profile.parts]))
     # one table per optimizer the profile has costs for, its entries in its declaration's order
     for name, keys in cost_keys().items():
         if not any(name in l.optimizer_ms for l in profile.covered_layers):

@@ -47,7 +47,7 @@ from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from pfcompile.profiler.runtime_probe import in_run_levels, measure_runtime, optimizer_probe_steps, probe_trace
+from pfcompile.profiler.runtime_probe import in_run_levels, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
 from runtime.config.precision import denormals_flushed, flushing_denormals
 
@@ -148,15 +148,16 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                     for opt in dict.fromkeys(("kfac", *optimizers)):
                         bar.update(task, description=f"the runtime itself: {opt}'s work appended (2 ranks)")
                         sets = (f"muon.ns_dtype={muon_ns_dtype}",) if opt == "muon" else ()
-                        traces[opt], error = probe_trace(draft, dev, opt, optimizer_probe_steps(opt), sets)
+                        traces[opt], error = probe_trace(draft, dev, opt, sets=sets)
                         if traces[opt] is None:
                             del traces[opt]
                             comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
                     comm_prov["in_run"] = in_run_levels(draft, trace, traces)
+                    ran = ", ".join(f"{o} {t.meta.get('steps')}" for o, t in traces.items())
                     comm_prov["runtime_note"] += (
                         f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "
                         f"each optimizer's from a run with its work appended to its refresh steps "
-                        f"({', '.join(f'{o} {optimizer_probe_steps(o)}' for o in traces)} steps; K-FAC refreshes "
+                        f"({ran} steps; K-FAC refreshes "
                         f"every other step, its capture_ms is its refresh steps' ops over its others'): "
                         f"in_run holds each entry's in-run time over its time alone")
                 if measured_rt.any():

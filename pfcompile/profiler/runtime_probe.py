@@ -11,6 +11,7 @@ between the two."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -20,7 +21,14 @@ from pfcompile.formats.dataflow import captures
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
 
-PROBE_STEPS = 24            # the overheads' and parts' run: each stage's fwd and bwd ~90 samples
+# The overheads' and parts' run: at least PROBE_STEPS (each stage's fwd and bwd ~90
+# samples), raised to PROBE_SECONDS of predicted run: this VM has slow spells of a second
+# or so, and a run of well under one took them as the level (a 24-step bert-tiny probe is
+# 0.6 s). Each optimizer's run likewise, to OPTIMIZER_PROBE_SECONDS.
+PROBE_STEPS = 24
+PROBE_SECONDS = 4.0
+OPTIMIZER_PROBE_SECONDS = 2.0
+PROBE_MAX_STEPS = 200
 # The probe's schedule: 1F1B, the family most plans run. Its steady state keeps both ranks
 # computing while messages cross, as a plan with work in its bubbles does; GPipe's
 # all-forwards-then-all-backwards leaves one rank idle at each turn, and its runs posted
@@ -35,8 +43,17 @@ CAPTURE_PROBE_CYCLE = 2
 CAPTURE_PROBE_STEPS = 20
 
 
-def optimizer_probe_steps(optimizer: str) -> int:
-    return CAPTURE_PROBE_STEPS if captures(optimizer_spec(optimizer)) else OPTIMIZER_PROBE_STEPS
+def probe_steps(plan, optimizer: str = "adamw") -> int:
+    """The steps of a probe's run of `plan`: enough to fill its seconds (PROBE_SECONDS, or
+    OPTIMIZER_PROBE_SECONDS with an optimizer's work) at the plan's predicted step time,
+    within [the least for its samples, PROBE_MAX_STEPS]."""
+    if optimizer == "adamw":
+        least, seconds = PROBE_STEPS, PROBE_SECONDS
+    else:
+        least = CAPTURE_PROBE_STEPS if captures(optimizer_spec(optimizer)) else OPTIMIZER_PROBE_STEPS
+        seconds = OPTIMIZER_PROBE_SECONDS
+    step_ms = plan.stats.get("step_time_ms") or 0.0
+    return max(least, min(PROBE_MAX_STEPS, math.ceil(seconds * 1e3 / step_ms))) if step_ms > 0 else least
 
 
 def probe_plan(profile: Profile, optimizer: str = "adamw"):
@@ -60,11 +77,11 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
     return plan
 
 
-def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int = PROBE_STEPS,
+def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int | None = None,
                 sets: tuple[str, ...] = ()):
     """A traced run of the runtime: the probe's plan (probe_plan) of the profiled model,
-    `steps` steps (2 warm-up) on 2 ranks, one thread each, synthetic tokens. ->
-    (MeasuredTrace, None) or (None, the run's one-line error)."""
+    `steps` steps (None: probe_steps; 2 warm-up) on 2 ranks, one thread each, synthetic
+    tokens. -> (MeasuredTrace, None) or (None, the run's one-line error)."""
     import subprocess
     import tempfile
 
@@ -72,6 +89,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
 
     with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
         plan = probe_plan(profile, optimizer)
+        steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
@@ -92,13 +110,14 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
 
 
 def measure_runtime(profile: Profile, device: torch.device,
-                    steps: int = PROBE_STEPS) -> tuple[RuntimeOverheads, LinkModel | None, dict, object]:
+                    steps: int | None = None) -> tuple[RuntimeOverheads, LinkModel | None, dict, object]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage 1F1B plan of
-    the profiled model without K-FAC, `steps` steps on 2 ranks (torchrun, one thread each,
-    synthetic tokens), its measured trace fitted as `pfcompile calibrate` fits one
-    (pfcompile.calibrate.fit): the dispatch gap per op, the work between steps, a send's
-    posting, a receive's completion, and the op times' spread (runtime.op_spread: 24 steps
-    give each stage's fwd and bwd ~90 samples), and the p2p link as the run sees it: the
+    the profiled model without K-FAC, `steps` steps (None: probe_steps) on 2 ranks
+    (torchrun, one thread each, synthetic tokens), its measured trace fitted as `pfcompile
+    calibrate` fits one (pfcompile.calibrate.fit): the dispatch gap per op, the work between
+    steps, a send's posting, a receive's completion, and the op times' spread
+    (runtime.op_spread: 24 steps give each stage's fwd and bwd ~90 samples), and the p2p
+    link as the run sees it: the
     latency of its receives posted before their send ended, at the benchmark's bandwidth
     (None when none was). Kept only where the run worked; otherwise the message benchmark's
     link and send/receive times stand (said in the provenance). Also returns the trace (None
@@ -112,7 +131,7 @@ def measure_runtime(profile: Profile, device: torch.device,
     fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
     link = fit.link if fit.link is not profile.comm.p2p else None
     return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage {PROBE_SCHEDULE} without "
-                                       f"K-FAC, 4 micro-batches, {steps} steps (2 warm-up), 2 ranks, 1 thread each, the "
+                                       f"K-FAC, 4 micro-batches, {trace.meta.get('steps', steps)} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}, trace
 
