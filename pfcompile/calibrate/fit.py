@@ -258,9 +258,10 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
                     ms * o / total if total > 0 else ms / len(layers)
             counts["activate"] += 1
 
-    # what a capturing refresh step adds to each pipeline op (Part.capture_ms): its mean
-    # over the same op's in the cycle's other steps of the same run; a run that captures in
-    # every step (k = 1) keeps the entries and fits the op's own time without them
+    # what a capturing refresh step adds to each pipeline op (Part.capture_ms): the
+    # statistic of its ops on refresh steps less that of the same ops on the cycle's other
+    # steps of the same run; a run that captures in every step (k = 1) keeps the entries
+    # and fits the ops' own times without them
     captured: dict[tuple[str, str], list[float]] = defaultdict(list)
     for key, ms in list(fitted.items()):
         if len(key) != 4 or key[3] != "capture":
