@@ -73,6 +73,7 @@ class Costs:
     def __post_init__(self):
         self.spec = optimizer_spec(self.optimizer, defer_stats=self.defer_stats)
         self.work = self.spec.has_work
+        self.captures = captures(self.spec)  # its refresh step's pipeline ops carry capture_ms
         if self.spec.cost_keys():  # its ops' costs must be in the profile
             for i, layer in enumerate(self.profile.covered_layers):
                 if self.optimizer not in layer.optimizer_ms:
@@ -169,9 +170,14 @@ class Costs:
     def work_ms(self, op: Op, step: int | None = None) -> float:
         k = op.kind
         if k in CAPTURE_KINDS:
-            own = {"fwd": self.fwd_ms, "bwd": self.bwd_ms, "bwd_input": self.bwd_input_ms,
-                   "bwd_weight": self.bwd_weight_ms}[k](op.stage)
-            return own + (self.capture_ms(op.stage, k) if step == 0 else 0.0)
+            extra = self.capture_ms(op.stage, k) if step == 0 else 0.0
+            if k == "fwd":
+                return self.fwd_ms(op.stage) + extra
+            if k == "bwd":
+                return self.bwd_ms(op.stage) + extra
+            if k == "bwd_input":
+                return self.bwd_input_ms(op.stage) + extra
+            return self.bwd_weight_ms(op.stage) + extra
         if k in ("send_act", "send_grad"):
             return self.profile.runtime.send_ms
         if k in ("recv_act", "recv_grad"):
@@ -249,7 +255,7 @@ class Costs:
         optimizer's micro-batch ops keep the forward's input or the output gradient (K-FAC's
         hooks capture them, and the step's ops run with them held): the parts' `capture_ms`
         (0 where not profiled, and for every other optimizer)."""
-        if not captures(self.spec):
+        if not self.captures:
             return 0.0
         return sum((p.capture_ms or {}).get(kind, 0.0) for p in self._parts[stage])
 

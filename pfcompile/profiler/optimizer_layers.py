@@ -68,6 +68,8 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
         return lambda: getattr(layer, kind)(mb=None, factor=factor, cycle_step=0)
 
     costed = [d for d in spec.ops if d.cost is not None and not d.collective]
+    # each refresh op once per factor it names in its cost key
+    refreshes = [(d, f) for d in costed if d.when == CYCLE for f in (spec.factors if "{factor}" in d.cost else (None,))]
     t: dict[str, Timing] = {}
     fresh_grad()
     for d in (d for d in costed if d.when == STEP and d.kind != spec.update):
@@ -85,9 +87,8 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
         t[d.cost.format(factor=d.factor, inverse=None)] = clock.time(lambda d=d: getattr(layer, d.kind)(
             mb=0, factor=d.factor, cycle_step=0), setup=capture)
     fresh_grad()
-    for d in (d for d in costed if d.when == CYCLE):
-        for f in spec.factors if "{factor}" in d.cost else (None,):
-            t[d.cost.format(factor=f, inverse=None)] = clock.time(run(d.kind, f))
+    for d, f in refreshes:
+        t[d.cost.format(factor=f, inverse=None)] = clock.time(run(d.kind, f))
     if hasattr(layer, "activate"):
         layer.activate()
     update = spec.op(spec.update) if spec.update is not None else None
@@ -98,9 +99,8 @@ def measure_optimizer_layer(optimizer: str, name: str, linear: torch.nn.Linear, 
         fresh_grad()
         if update is not None:
             run(update.kind)()
-        for d in (d for d in costed if d.when == CYCLE):
-            for f in spec.factors if "{factor}" in d.cost else (None,):
-                run(d.kind, f)()
+        for d, f in refreshes:
+            run(d.kind, f)()
         before = layer.state_dict()
         t[spec.activation] = clock.time(layer.activate, setup=lambda: layer.load_state_dict(before))
     fresh_grad()
