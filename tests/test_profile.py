@@ -72,7 +72,9 @@ def test_measured_profile_has_every_entry_positive(measured):
     # the provenance records, each lies inside its spread timed alone
     in_run = measured.provenance["in_run"]
     assert any(k.endswith(".fwd_ms") for k in in_run) and any(".optimizer_ms.kfac." in k for k in in_run), in_run
-    assert all(f > 0 for f in in_run.values()), in_run
+    # an op's or an optimizer's in-run time is positive; a capture's may fit to 0 (none measurable)
+    assert all(f > 0 if ".capture_ms." not in k else f >= 0 for k, f in in_run.items()), in_run
+    assert not any(k.startswith("parts.embed.capture_ms.") for k in in_run), in_run  # no K-FAC layer there
     for key, entry in flat.items():
         median = entry / in_run.get(key, 1.0)
         p10, p90 = measured.spread[key]

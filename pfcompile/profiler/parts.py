@@ -76,7 +76,7 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
         g = torch.Generator().manual_seed(SEED + 1)
         bench.grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
     timed: dict[bool, dict[str, Timing]] = {}
-    for capture in (False, True):
+    for capture in (False, True) if bench.kfac else (False,):  # a part without K-FAC layers captures nothing
         bench.capture = capture
         timed[capture] = {"fwd_ms": clock.time(bench.forward), "bwd_ms": clock.time(bench.backward, setup=bench.forward),
                           **measure_split_backward(bench, clock)}
@@ -86,7 +86,8 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     own = timed[False]
     # what capturing adds, alone: K-FAC's hooks saving the tensors (a run adds holding them,
     # which the runtime probe fits); below the two medians' noise it is 0
-    capture = {key.removesuffix("_ms"): max(0.0, timed[True][key].median - t.median) for key, t in own.items()}
+    capture = {key.removesuffix("_ms"): max(0.0, timed[True][key].median - t.median) if True in timed else 0.0
+               for key, t in own.items()}
     part = Part(name=bench.name, fwd_ms=own["fwd_ms"].median, bwd_ms=own["bwd_ms"].median, act_bytes=act,
                 param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
                 step_ms={k: t.median for k, t in steps.items()},
