@@ -38,10 +38,11 @@ pytestmark = pytest.mark.e2e  # every test here starts processes
 # --- tests ---------------------------------------------------------------------------------
 # (schedule, stages, replicas, model, p2p tags, receives posted ahead): one case runs the
 # user's model through --model-code. Tags off: messages matched per pair in issue order,
-# NCCL's rule, on gloo. Receives ahead: 1 is gloo's default, 0 NCCL's; 8 posts most of a
-# Chimera step's receives (both directions) before their sends.
+# NCCL's rule, on gloo. Receives ahead: 0 is NCCL's, 1 one at a time; 8 posts most of a
+# step's receives (gloo's default: all) before their sends, with tags last-needed first
+# (posting_order), without tags (Chimera: both directions) in plan order.
 CASES = [("gpipe", 2, 1, USER_MODEL, "on", 1), ("1f1b", 2, 1, MODEL, "off", 1), ("gpipe", 4, 1, MODEL, "off", 0),
-         ("1f1b", 2, 2, MODEL, "on", 1), ("chimera", 4, 2, MODEL, "off", 8)]
+         ("1f1b", 2, 2, MODEL, "on", 8), ("chimera", 4, 2, MODEL, "off", 8)]
 
 
 ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test

@@ -72,6 +72,9 @@ class World:
     timeout: timedelta
     # stage -> process group of its replicas (only stages with more than one replica)
     stage_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    # the whole world again, for the collectives a rank posts and reads later (the
+    # divergence check, the logged losses): None is the default group (control_group)
+    control: dist.ProcessGroup | None = None
 
 
 def env_world() -> tuple[int, int, int]:
@@ -114,7 +117,24 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -
     with talking("joining the job (rendezvous)", timeout):
         dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
                                 store=_attempt_store(rank, world_size, timeout))
-    return World(rank, world_size, local_rank, device, backend, timeout)
+    world = World(rank, world_size, local_rank, device, backend, timeout)
+    world.control = control_group(world)
+    return world
+
+
+def control_group(world: World) -> dist.ProcessGroup | None:
+    """A second group of the whole world, on gloo, for the collectives posted and read later.
+
+    Gloo runs a posted collective on its own worker thread, through the same pairs as the
+    point-to-point messages; while one is in flight there (the last step's divergence
+    check, waiting for the rank that ends its step last), posting a receive on that pair
+    waits for it, and the next step's receives stall for milliseconds. On their own group
+    they have their own pairs. NCCL keeps point-to-point and collectives on separate
+    communicators already: None, the default group."""
+    if world.backend != "gloo" or world.world_size == 1:
+        return None
+    with talking("making the control group", world.timeout):
+        return dist.new_group(list(range(world.world_size)), timeout=world.timeout)
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

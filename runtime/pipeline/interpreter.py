@@ -55,6 +55,15 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
 RECV_AHEAD_GLOO = 64
 
 
+def posting_order(receives: list, tags: bool) -> list:
+    """The order to post a batch of receives in. Without tags a pair matches its messages in
+    issue order: the plan's. With tags each matches its own send whatever the order, and
+    the one needed last goes first: the first one's send is often posted already, so its
+    data moves in as soon as its receive is posted, and gloo's thread reading it holds the
+    pair that every later post on it waits for."""
+    return list(reversed(receives)) if tags else list(receives)
+
+
 class NonFiniteError(RuntimeError):
     """The run diverged: a stage's forward produced inf or NaN, or a K-FAC factor could not
     be inverted. Raised on every rank at once, with the same message (Interpreter.agree)."""
@@ -265,7 +274,7 @@ class Interpreter:
     def _post_verdict(self, code: int, step: int) -> None:
         verdict = torch.tensor([code], dtype=torch.int64, device=self.world.device)
         self.verdict = (step, comm.post_all_reduce(verdict, f"the divergence check of step {step}",
-                                                   self.world.timeout, op=comm.MIN))
+                                                   self.world.timeout, op=comm.MIN, group=self.world.control))
 
     # --- pipeline ops -------------------------------------------------------------------------
     def _fwd(self, op: Op) -> None:
@@ -339,10 +348,11 @@ class Interpreter:
         self._post_ahead()
 
     def _post_ahead(self) -> None:
-        """Keep the next `recv_ahead` receives of the step posted (in op order: the order
-        of receives per pair is the plan's, whatever is posted ahead)."""
-        while self.upcoming and len(self.mailbox.posted) < self.recv_ahead:
-            op = self.upcoming.pop(0)
+        """Keep the next `recv_ahead` receives of the step posted (in posting_order)."""
+        batch = []
+        while self.upcoming and len(self.mailbox.posted) + len(batch) < self.recv_ahead:
+            batch.append(self.upcoming.pop(0))
+        for op in posting_order(batch, self.mailbox.tags):
             kind, stage, m = op.message_key()
             self.mailbox.post(self.act_shape, self.dtype, op.peer, comm.message_tag(kind, stage, m, self.N))
 

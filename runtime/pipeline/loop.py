@@ -202,7 +202,7 @@ class LoggedSteps:
         self.settle()
         shares = torch.tensor([[p[1], p[2]] for p in pending], dtype=torch.float64, device=self.world.device)
         self.in_flight = (list(pending), comm.post_all_reduce(shares, "the all-reduce of the logged losses",
-                                                              self.world.timeout))
+                                                              self.world.timeout, group=self.world.control))
         pending.clear()
 
     def settle(self) -> None:
