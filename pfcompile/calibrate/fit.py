@@ -252,10 +252,8 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
             parts = {p for st in key[2] for p in traces[key[1]].layout["partition"][st]}
             layers = [l for l, layer in enumerate(profile.covered_layers) if layer.part in parts]
             old = [profile.covered_layers[l].optimizer_ms.get(name, {}).get(key_act, 0.0) for l in layers]
-            total = sum(old)
-            for l, o in zip(layers, old):
-                new.covered_layers[l].optimizer_ms.setdefault(name, {})[key_act] = \
-                    ms * o / total if total > 0 else ms / len(layers)
+            for l, share in zip(layers, in_proportion(ms, old)):
+                new.covered_layers[l].optimizer_ms.setdefault(name, {})[key_act] = share
             counts["activate"] += 1
 
     # what a capturing refresh step adds to each pipeline op (Part.capture_ms): the
@@ -273,11 +271,9 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
         if plain is None:
             fitted[(kind, i, stage)] = max(0.0, ms - sum(old))
             continue
-        own = [_part_ms(profile, n, kind, "") for n in names]
-        weights = old if sum(old) > 0 else own
-        total = sum(weights)
-        for n, w in zip(names, weights):
-            captured[(n, kind)].append(max(0.0, ms - plain) * (w / total if total > 0 else 1 / len(names)))
+        weights = old if sum(old) > 0 else [_part_ms(profile, n, kind, "") for n in names]
+        for n, share in zip(names, in_proportion(max(0.0, ms - plain), weights)):
+            captured[(n, kind)].append(share)
     for (n, kind), values in captured.items():
         part = new.part(n)
         part.capture_ms = {**(part.capture_ms or {}), kind: sum(values) / len(values)}
@@ -294,10 +290,8 @@ def calibrate(profile: Profile, traces: list[MeasuredTrace], statistic: str = "m
         names = layout["partition"][stage]
         step_kind = optimizer_of(layout)
         old = [_part_ms(profile, name, kind, step_kind) for name in names]
-        total = sum(old)
-        for name, o in zip(names, old):
-            fits[(name, kind if kind != "step" else f"step.{step_kind}")].append(
-                ms * o / total if total > 0 else ms / len(names))
+        for name, share in zip(names, in_proportion(ms, old)):
+            fits[(name, kind if kind != "step" else f"step.{step_kind}")].append(share)
     for (name, what), values in fits.items():
         part = new.part(name)
         value = sum(values) / len(values)
@@ -344,6 +338,13 @@ def _costed(spec: Optimizer, kind: str) -> bool:
 def optimizer_of(layout: dict) -> str:
     """The traced plan's optimizer (traces of plans from before Shampoo and Muon say "kfac": bool)."""
     return layout.get("optimizer") or ("kfac" if layout.get("kfac") else "adamw")
+
+
+def in_proportion(ms: float, weights: list[float]) -> list[float]:
+    """`ms` shared in proportion to `weights` (what the profile had for each part or layer a
+    measurement covers as one); equal shares when they are all 0."""
+    total = sum(weights)
+    return [ms * w / total if total > 0 else ms / len(weights) for w in weights]
 
 
 def _part_ms(profile: Profile, name: str, kind: str, step_kind: str) -> float:

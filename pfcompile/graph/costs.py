@@ -169,15 +169,8 @@ class Costs:
 
     def work_ms(self, op: Op, step: int | None = None) -> float:
         k = op.kind
-        if k in CAPTURE_KINDS:
-            extra = self.capture_ms(op.stage, k) if step == 0 else 0.0
-            if k == "fwd":
-                return self.fwd_ms(op.stage) + extra
-            if k == "bwd":
-                return self.bwd_ms(op.stage) + extra
-            if k == "bwd_input":
-                return self.bwd_input_ms(op.stage) + extra
-            return self.bwd_weight_ms(op.stage) + extra
+        if k in CAPTURE_KINDS:  # fwd_ms, bwd_ms, bwd_input_ms or bwd_weight_ms
+            return getattr(self, f"{k}_ms")(op.stage) + (self.capture_ms(op.stage, k) if step == 0 else 0.0)
         if k in ("send_act", "send_grad"):
             return self.profile.runtime.send_ms
         if k in ("recv_act", "recv_grad"):

@@ -83,11 +83,10 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     params = list(bench.stage.parameters())
     grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
     steps = measure_step(bench, clock)
-    own = timed[False]
+    own, hooked = timed[False], timed.get(True, timed[False])
     # what capturing adds, alone: K-FAC's hooks saving the tensors (a run adds holding them,
     # which the runtime probe fits); below the two medians' noise it is 0
-    capture = {key.removesuffix("_ms"): max(0.0, timed[True][key].median - t.median) if True in timed else 0.0
-               for key, t in own.items()}
+    capture = {key.removesuffix("_ms"): max(0.0, hooked[key].median - t.median) for key, t in own.items()}
     part = Part(name=bench.name, fwd_ms=own["fwd_ms"].median, bwd_ms=own["bwd_ms"].median, act_bytes=act,
                 param_bytes=sum(nbytes(p) for p in params), grad_bytes=grad_bytes, out_bytes=out_bytes,
                 step_ms={k: t.median for k, t in steps.items()},
