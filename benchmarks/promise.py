@@ -22,9 +22,13 @@ is calibrated. Per cell (model, schedule, optimizer):
   median of the per-step spans, the rounds' the run's mean (the runtime's step_ms): both
   definitions are reported, each over predicted.
 
+The machine's own speed is timed too (benchmarks/drift.py's fixed kernel, --kernel-seconds)
+before profiling, before the rounds and after them: a profile predicts the speed the
+machine had when it was made, and a table whose machine drifted says so beside it.
+
     .venv/bin/python benchmarks/promise.py [--models bert-tiny bert-mini llama-tiny]
         [--optimizers adamw kfac shampoo soap muon] [--schedules 1f1b zb-h1] [--rounds 5]
-        [--steps 30] [--out out/promise] [--profile MODEL=PATH ...]
+        [--steps 30] [--out out/promise] [--profile MODEL=PATH ...] [--kernel-seconds 10]
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _sibling(name: str):
     return module
 
 
-bench, race = _sibling("runtime"), _sibling("race")
+bench, race, drift = _sibling("runtime"), _sibling("race"), _sibling("drift")
 
 PY = sys.executable
 MODELS = ("bert-tiny", "bert-mini", "llama-tiny")
@@ -113,13 +117,16 @@ def main() -> None:
     ap.add_argument("--profile", action="append", default=[], metavar="MODEL=PATH",
                     help="reuse this profile for MODEL instead of profiling it (repeatable)")
     ap.add_argument("--no-traces", action="store_true", help="skip the traced run per cell")
+    ap.add_argument("--kernel-seconds", type=float, default=10.0,
+                    help="time benchmarks/drift.py's fixed kernel this long before profiling, before the rounds and "
+                         "after them: how far the machine itself drifted (0: skip)")
     a = ap.parse_args()
     if "adamw" not in a.optimizers:
         a.optimizers.insert(0, "adamw")  # every overhead is over AdamW's run of the same round
     a.out.mkdir(parents=True, exist_ok=True)
     reuse = dict(x.split("=", 1) for x in a.profile)
     console = Console(stderr=True)
-    load0 = os.getloadavg()
+    load0, speed = os.getloadavg(), [machine_speed(a.kernel_seconds)]
     profiles, plans = {}, {}
     for m in a.models:
         with console.status(f"profiling {m} (2 ranks, cold caches)"):
@@ -129,10 +136,12 @@ def main() -> None:
                 for o in a.optimizers:
                     plans[(m, s, o)] = make_plan(profiles[m], a.out, s, o, a.time_limit)
     load1 = os.getloadavg()
+    speed.append(machine_speed(a.kernel_seconds))
     warmup, steps = bench.run_length(a, {str(k): p for k, p in plans.items()})
     launches = bench.alternate({key: (lambda p=p, o=key[2]: bench.run_ours(p, steps, warmup, *flags_of(o)))
                                 for key, p in plans.items()}, a.rounds, steps, console)
     load2 = os.getloadavg()
+    speed.append(machine_speed(a.kernel_seconds))
     traced = {}
     if not a.no_traces:
         for key, p in plans.items():
@@ -146,7 +155,12 @@ def main() -> None:
 
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
           f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
-          f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.\n")
+          f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
+    if speed[0] is not None:
+        print(f"The machine's speed (benchmarks/drift.py's kernel, median ms over {a.kernel_seconds:g} s): before "
+              f"profiling {speed[0]:.1f}, before the rounds {speed[1]:.1f}, after them {speed[2]:.1f} (after / before "
+              f"profiling: {speed[2] / speed[0]:.3f}; a profile predicts the speed it was made at).")
+    print()
     print("| model | schedule | optimizer | k | predicted ms | measured ms (median) | min–max | measured/predicted "
           "| within ±10%? | measured/expected | compute ops measured/profiled | overhead measured (paired median) "
           "| min–max | planned | measured − planned | within ±2 pts? |")
@@ -200,7 +214,14 @@ def main() -> None:
                   f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {level or '-'} | "
                   f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} |")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
-                                                    "load": [load0, load1, load2]}, indent=1) + "\n")
+                                                    "load": [load0, load1, load2], "kernel_ms": speed},
+                                                   indent=1) + "\n")
+
+
+def machine_speed(seconds: float) -> float | None:
+    """The median of drift.py's fixed kernel over `seconds` (None when 0): the machine's own
+    speed, with no runtime in it."""
+    return statistics.median(drift.kernel_times(seconds, drift.KERNEL_SIZE)) if seconds > 0 else None
 
 
 def fmt_load(load) -> str:

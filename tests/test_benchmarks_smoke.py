@@ -107,11 +107,18 @@ def check_promise(out: str) -> None:
     assert [row[3] for row in cells] == ["adamw", "muon", "adamw", "muon"], out
     assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
+    assert re.search(r"before profiling \d+\.\d, before the rounds \d+\.\d, after them \d+\.\d", out), out  # the drift
 
 
 def check_denormals(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1] for r in rows] == ["adamw", "kfac"] and all(float(r[6]) > 0 for r in rows), out  # the paired ratio
+
+
+def check_drift(out: str) -> None:
+    rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    assert [r[1].split(":")[0].split(",")[0] for r in rows] == ["kernel", "one plan", "the same runs paired"], out
+    assert float(rows[0][4]) > 0 and float(rows[1][4]) > 0 and rows[2][3] == "1", out  # 2 runs: one pair
 
 
 def check_runtime_ab(out: str) -> None:
@@ -126,6 +133,7 @@ SMOKE = {
                       "--time-limit", "1", "--out", "{tmp}"], check_partition),
     "compare_commits.py": (["--smoke"], check_compare_commits),
     "convergence.py": (["--smoke"], check_convergence),
+    "drift.py": (["--seconds", "1", "--runs", "2", "--steps", "4", "--warmup", "1"], check_drift),
     "denormals.py": (["--optimizers", "adamw", "kfac", "--rounds", "1", "--steps", "6", "--time-limit", "1",
                       "--out", "{tmp}"], check_denormals),
     "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
@@ -137,7 +145,7 @@ SMOKE = {
                         "--eval-batches", "1", "--time-limit", "1", "--jobs", "2", "--work", "{tmp}"], check_fair_race),
     "promise.py": (["--models", "bert-tiny", "--profile", "bert-tiny=profiles/bert-tiny-cpu-optimizers.json",
                     "--optimizers", "adamw", "muon", "--schedules", "1f1b", "--rounds", "1", "--steps", "4",
-                    "--warmup", "1", "--time-limit", "1", "--out", "{tmp}"], check_promise),
+                    "--warmup", "1", "--time-limit", "1", "--kernel-seconds", "1", "--out", "{tmp}"], check_promise),
     "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
     "runtime_ab.py": (["--smoke"], check_runtime_ab),

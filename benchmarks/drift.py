@@ -1,0 +1,102 @@
+"""How much this machine drifts: the noise floor under every timed aim (not a test: it times).
+
+Three figures, measured one after the other with nothing else running:
+
+- a fixed single-thread kernel (--size square float32 matmuls, 100 of them) timed every
+  0.2 s for --seconds: the machine's own jitter, no runtime in it;
+- one plan run --runs times back to back, --steps steps each (--profile's model, 2 stages,
+  1F1B, AdamW in the family's order, synthetic tokens, 2 ranks x 1 thread, gloo): each
+  run's ms/step (the runtime's Summary.step_ms), what a measured/predicted ratio from one
+  run carries besides the model's error;
+- the same runs paired, each against the one before: the "overhead" of a plan over itself,
+  0 in truth, so its spread is what a paired overhead from one round carries.
+
+    .venv/bin/python benchmarks/drift.py [--seconds 60] [--runs 8] [--steps 30] [--profile PROFILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+KERNEL_SIZE = 256
+
+
+def kernel_times(seconds: float, size: int = KERNEL_SIZE) -> list[float]:
+    """ms per 100 matmuls of `size` x `size`, one thread, every 0.2 s for `seconds`."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(size, size)
+    for _ in range(20):
+        a @ a
+    out, until = [], time.monotonic() + seconds
+    while time.monotonic() < until:
+        t = time.perf_counter()
+        for _ in range(100):
+            a @ a
+        out.append((time.perf_counter() - t) * 1e3)
+        time.sleep(0.2)
+    return out
+
+
+def row(what: str, unit: str, v: list[float], fmt: str = ".2f", ratio: bool = True) -> str:
+    s = sorted(v)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    cells = [statistics.median(s), q(0.1), q(0.9), s[0], s[-1]]
+    spread = f"{s[-1] / s[0]:.3f}" if ratio and s[0] > 0 else "-"
+    return f"| {what} | {unit} | {len(s)} | " + " | ".join(format(c, fmt) for c in cells) + f" | {spread} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long the kernel is timed")
+    ap.add_argument("--size", type=int, default=KERNEL_SIZE, help="the kernel's matrix size")
+    ap.add_argument("--runs", type=int, default=8, help="runs of the plan, back to back")
+    ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--profile", default=str(ROOT / "profiles" / "bert-tiny-cpu.json"))
+    a = ap.parse_args()
+    if a.runs < 2:
+        sys.exit("drift: --runs must be >= 2 (the pairs need two)")
+    bench = _sibling("runtime")
+    load0 = os.getloadavg()
+    kernel = kernel_times(a.seconds, a.size)
+    with tempfile.TemporaryDirectory(prefix="pfcompile-drift-") as tmp:
+        plan = bench.plan(a.profile, Path(tmp), "drift-1f1b-adamw", "--schedule", "1f1b", "--micro-batches", "4",
+                          "--optimizer", "adamw", "--method", "none")
+        runs = []
+        for i in range(a.runs):
+            runs.append(bench.run_ours(plan, a.steps, a.warmup).step_ms)
+            print(f"run {i + 1}/{a.runs}: {runs[-1]:.2f} ms/step", file=sys.stderr)
+    load1 = os.getloadavg()
+    paired = [100 * (b / a_ - 1) for a_, b in zip(runs, runs[1:])]
+    print(f"\nLoad average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load0)}; "
+          f"after {', '.join(f'{x:.2f}' for x in load1)}; {os.cpu_count()} CPUs\n")
+    print("| what | unit | n | median | p10 | p90 | min | max | max/min |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(row(f"kernel: 100 matmuls {a.size}x{a.size}, 1 thread, every 0.2 s for {a.seconds:g} s", "ms", kernel))
+    print(row(f"one plan, back-to-back runs of {a.steps} steps ({Path(a.profile).stem}, 1F1B, AdamW, 2 ranks)",
+              "ms/step", runs))
+    print(row("the same runs paired, each over the one before (0 in truth)", "% over", paired, "+.1f", ratio=False))
+
+
+if __name__ == "__main__":
+    main()
