@@ -673,7 +673,9 @@ def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
     for name in ("save_input", "save_grad"):
         real = getattr(KfacLayer, name)
         def slowed(self, mb, t, real=real):
-            time.sleep(cost_s)
+            until = time.perf_counter() + cost_s  # a spin, not a sleep: a loaded VM wakes a sleeper late
+            while time.perf_counter() < until:
+                pass
             real(self, mb, t)
         monkeypatch.setattr(KfacLayer, name, slowed)
     torch.manual_seed(0)
