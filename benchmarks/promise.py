@@ -221,7 +221,7 @@ def main() -> None:
 def machine_speed(seconds: float) -> float | None:
     """The median of drift.py's fixed kernel over `seconds` (None when 0): the machine's own
     speed, with no runtime in it."""
-    return statistics.median(drift.kernel_times(seconds, drift.KERNEL_SIZE)) if seconds > 0 else None
+    return statistics.median(drift.kernel_times(seconds)) if seconds > 0 else None
 
 
 def fmt_load(load) -> str:

@@ -325,9 +325,9 @@ def test_distributed_shampoo_options_equal_dense_float64(case):
     _run(lin, layer, opt, grads, k)
     want = _dense_ds(cfg, [g.numpy() for g in grads], w0, lr, k)
     assert np.abs(want - w0).max() > 1e-3
-    # two eigensolvers meet here (torch's, numpy's LAPACK), whose float64 rounding differs by
-    # CPU (1.3e-9 relative without a graft on an AMD EPYC, AVX2): a wrong option moves the
-    # weights by 1e-3 or more, so 1e-8 still tells them apart
+    # two eigensolvers meet here (torch's, numpy's LAPACK), whose float64 rounding differs
+    # from CPU to CPU, most without a graft: a wrong option moves the weights by 1e-3 or
+    # more, so 1e-8 still tells them apart
     np.testing.assert_allclose(lin.weight.detach().numpy(), want, rtol=1e-8, atol=1e-10)
 
 
