@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from pfcompile.formats.profile import (
@@ -49,6 +50,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 USER_MODEL = "my_model:build"  # examples/my_model.py: a user's GPT-style model with SwiGLU blocks
 EXAMPLES = str(ROOT / "examples")
 D64 = torch.float64
+
+
+def tiered(cases, ids, ci) -> list:
+    """Parametrize cases (tuples) with their ids; those whose index is not in `ci` are marked
+    `full`: another family, optimizer or variant of a property the CI tier checks with the
+    cases in `ci`. `make test` leaves them out, `make test-all` runs them."""
+    return [pytest.param(*c, id=i, marks=() if n in ci else pytest.mark.full)
+            for n, (c, i) in enumerate(zip(cases, ids))]
 
 
 def optimizer_reference_params(plan_path, steps: int, max_grad_norm: float = 0.0, settings: tuple[str, ...] = ()):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiered
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", tiered([("gpipe",), ("1f1b",)], ["gpipe", "1f1b"], ci={1}))
 def test_runtime_matches_torch_pipelining(tmp_path, schedule):
     plan = tmp_path / f"{schedule}.json"
     r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", "profiles/bert-tiny-cpu.json", "--schedule", schedule,

@@ -154,14 +154,24 @@ SMOKE = {
 }
 
 
+# Smoked by `make test-all` only (pytest mark `full`): the measurements that run the trainer
+# or the runtime for many runs (convergence, race, promise, drift, denormals, runtime_ab,
+# exactness_snapshot). Their parts are CI's: the trainer and the runtime in test_trainer and
+# test_runtime*, `inspect --against --json` in test_calibrate, the launch helpers in
+# runtime.py's smoke. A smoke is what keeps each script from rotting; `make test-all` runs them.
+FULL = {"convergence.py", "convergence_pipeline.py", "race.py", "race.py --part", "promise.py", "drift.py",
+        "denormals.py", "runtime_ab.py", "exactness_snapshot.py"}
+
+
 def test_every_benchmark_is_smoked_or_excused():
     scripts = {p.name for p in BENCHMARKS.iterdir() if p.suffix in (".py", ".sh")}
     smoked = {name.split()[0] for name in SMOKE}  # "race.py --part": a second smoke of race.py
     assert scripts == smoked | set(EXCUSED), "a benchmark neither smoked nor excused (or one gone)"
+    assert FULL <= set(SMOKE), "a smoke left to `make test-all` that is not a smoke"
     assert not smoked & set(EXCUSED)
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE))
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.full) if s in FULL else s for s in sorted(SMOKE)])
 def test_benchmark_runs_to_its_table(script, tmp_path):
     args, check = SMOKE[script]
     cmd = [sys.executable, str(BENCHMARKS / script.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in args)]

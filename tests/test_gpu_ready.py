@@ -11,7 +11,16 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, assert_same_params, distributed_params, make_plan, reference_params, run_single, torchrun
+from helpers import (
+    ROOT,
+    assert_same_params,
+    distributed_params,
+    make_plan,
+    reference_params,
+    run_single,
+    tiered,
+    torchrun,
+)
 
 from pfcompile.formats.errors import InputError
 from runtime.pipeline import comm
@@ -103,8 +112,11 @@ MEMORY_CASES = [("gpipe", 2, ()), ("1f1b", 2, ("--replicas", "2", "--precond", "
                 ("chimera", 4, ("--precond", "layers", "--optimizer", "muon"))]
 
 
-@pytest.mark.e2e
-def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
+@pytest.mark.e2e  # CI: GPipe over its limit, and split preconditioning over 2 replicas
+@pytest.mark.parametrize("schedule,stages,extra", tiered(
+    MEMORY_CASES, ["gpipe-over-its-limit", "1f1b-2x2-kfac", "chimera-kfac-split", "zb-v-kfac", "1f1b-2x2-shampoo-split",
+                   "chimera-muon-split"], ci={0, 4}))
+def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny, schedule, stages, extra):
     """On CPU the runtime counts what the planner models; after a full refresh cycle (every
     buffer allocated: optimizer state, factors, spare inverse slots) each rank's measured peak
     is within 10% of the plan's prediction. The run covers a whole cycle after two (3k
@@ -113,31 +125,28 @@ def test_measured_peak_memory_matches_the_plan(tmp_path, capsys, ops_only_tiny):
     find that state allocated. The GPipe plan is run with a memory limit below
     what it needs (edited into the plan): the run says so."""
     table = []
-    for n, (schedule, stages, extra) in enumerate(MEMORY_CASES):
-        case = tmp_path / f"case{n}"
-        case.mkdir()
-        plan, obj = plan_from_profile(case, schedule, stages, *extra, profile=ops_only_tiny)  # memory: the ops'
-        k = obj["config"]["refresh_steps"]
-        name = f"{schedule} {' '.join(extra)}".strip()
-        if "split" in obj["config"]["precond"]:
-            assert any(o is not None for o in obj["config"]["precond_owner"]), name
-        predicted = obj["stats"]["peak_memory_bytes"]
-        if schedule == "gpipe":
-            obj["config"]["memory_limit_bytes"] = int(0.9 * max(predicted))
-            plan.write_text(json.dumps(obj))
-        r = torchrun(plan, obj["config"]["world_size"], "--steps", str(3 * k), "--dtype", "float32",
-                     "--data", "synthetic", "--p2p-tags", "off", "--json")
-        assert r.returncode == 0, r.stdout[-3000:]
-        summary = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("{")))
-        assert summary["peak_memory_bytes_predicted"] == predicted
-        for q, (got, want) in enumerate(zip(summary["peak_memory_bytes_measured"], predicted)):
-            table.append(f"{name:>60} rank {q}: measured {got:>10} predicted {want:>10} ratio {got / want:.3f}")
-            assert abs(got / want - 1) <= 0.10, table[-1]
-        if schedule == "gpipe":
-            over = [q for q, b in enumerate(summary["peak_memory_bytes_measured"])
-                    if b > obj["config"]["memory_limit_bytes"]]
-            assert over and f"runtime: rank {over[0]} measured peak" in r.stdout
-            assert "exceeds the plan's memory limit" in r.stdout
+    plan, obj = plan_from_profile(tmp_path, schedule, stages, *extra, profile=ops_only_tiny)  # memory: the ops'
+    k = obj["config"]["refresh_steps"]
+    name = f"{schedule} {' '.join(extra)}".strip()
+    if "split" in obj["config"]["precond"]:
+        assert any(o is not None for o in obj["config"]["precond_owner"]), name
+    predicted = obj["stats"]["peak_memory_bytes"]
+    if schedule == "gpipe":
+        obj["config"]["memory_limit_bytes"] = int(0.9 * max(predicted))
+        plan.write_text(json.dumps(obj))
+    r = torchrun(plan, obj["config"]["world_size"], "--steps", str(3 * k), "--dtype", "float32",
+                 "--data", "synthetic", "--p2p-tags", "off", "--json")
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("{")))
+    assert summary["peak_memory_bytes_predicted"] == predicted
+    for q, (got, want) in enumerate(zip(summary["peak_memory_bytes_measured"], predicted)):
+        table.append(f"{name:>60} rank {q}: measured {got:>10} predicted {want:>10} ratio {got / want:.3f}")
+        assert abs(got / want - 1) <= 0.10, table[-1]
+    if schedule == "gpipe":
+        over = [q for q, b in enumerate(summary["peak_memory_bytes_measured"])
+                if b > obj["config"]["memory_limit_bytes"]]
+        assert over and f"runtime: rank {over[0]} measured peak" in r.stdout
+        assert "exceeds the plan's memory limit" in r.stdout
     with capsys.disabled():
         print("\n" + "\n".join(table))
 

@@ -209,6 +209,7 @@ def one_rank(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # CI: test_runtime's 4-rank diverging run, the same line on every rank
 def test_a_diverging_run_stops_naming_step_and_stage(one_rank):
     plan, _ = one_rank
     r = _run(str(plan), "--steps", "6", env={"PFC_RUNTIME_NAN": "0:2"})  # parameters NaN from step 2

@@ -578,6 +578,7 @@ def test_cold_cache_sweeps_before_every_repeat():
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # CI runs the user's model under torchrun (test_runtime) and the probe on bert-tiny
 def test_a_user_models_profile_runs_the_runtime_probe_with_its_code(tmp_path):
     """The probe is a torchrun job of the runtime, which imports a user's model only when told
     to (--model-code): without it the probe fails and the overheads fall back to zero."""

@@ -26,6 +26,7 @@ from helpers import (
     make_plan,
     reference_params,
     run_single,
+    tiered,
     torchrun,
 )
 
@@ -48,8 +49,9 @@ CASES = [("gpipe", 2, 1, USER_MODEL, "on", 1), ("1f1b", 2, 1, MODEL, "off", 1), 
 ONE_NODE: dict = {}  # parameters of the one-node runs above, reused by the two-node test
 
 
-@pytest.mark.parametrize("schedule,D,R,model,tags,ahead", CASES,
-                         ids=[f"{s}-{D}x{R}-{m}-tags-{t}-ahead-{a}" for s, D, R, m, t, a in CASES])
+# CI: the user's model, and 2x2 1F1B with most receives posted ahead
+@pytest.mark.parametrize("schedule,D,R,model,tags,ahead", tiered(
+    CASES, [f"{s}-{D}x{R}-{m}-tags-{t}-ahead-{a}" for s, D, R, m, t, a in CASES], ci={0, 3}))
 def test_matches_single_process(tmp_path, schedule, D, R, model, tags, ahead):
     plan = make_plan(tmp_path, schedule, D, R, name=model)
     W = D if schedule == "chimera" else D * R
@@ -255,13 +257,14 @@ def test_a_diverging_run_stops_every_rank_in_the_same_step(tmp_path):
         assert all(torch.isfinite(t).all() for st in state["stages"].values() for t in st["params"].values())
 
 
-def test_planner_output_matches_single_process(tmp_path, ops_only_tiny):
-    """A real `pfcompile plan` output (Chimera, greedy placement, from the committed bert-tiny
+@pytest.mark.parametrize("schedule,D", tiered([("chimera", 4), ("1f1b", 2)], ["chimera-4", "1f1b-2"], ci={1}))
+def test_planner_output_matches_single_process(tmp_path, ops_only_tiny, schedule, D):
+    """A real `pfcompile plan` output (greedy placement, from the committed bert-tiny
     profile's op costs) runs one whole refresh cycle and one step with the new inverses in
     force, and ends equal to the single-process run."""
-    plan = tmp_path / "chimera.json"
+    plan = tmp_path / f"{schedule}.json"
     made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ops_only_tiny),
-                           "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--method", "greedy",
+                           "--schedule", schedule, "--stages", str(D), "--micro-batches", "4", "--method", "greedy",
                            "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
     config = json.loads(plan.read_text())["config"]
@@ -277,7 +280,7 @@ SPLIT_CASES = [("chimera", ["--stages", "4", "--partition", "embed|block0,block1
                ("1f1b", ["--stages", "2", "--replicas", "2"])]
 
 
-@pytest.mark.parametrize("schedule,args", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+@pytest.mark.parametrize("schedule,args", tiered(SPLIT_CASES, [c[0] for c in SPLIT_CASES], ci={1}))
 def test_split_preconditioning_matches_single_process(tmp_path, schedule, args):
     """--precond split (PipeFisher's): the gradients are reduce-scattered, each replica
     preconditions the layers it owns, the preconditioned gradients are all-gathered. On

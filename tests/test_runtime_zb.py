@@ -11,11 +11,13 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, assert_same_params, distributed_params, reference_params, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, reference_params, tiered, torchrun
+
+ZB_CASES = [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat")]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("schedule,D,method", [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat")])
+@pytest.mark.parametrize("schedule,D,method", tiered(ZB_CASES, [f"{s}-{d}-{m}" for s, d, m in ZB_CASES], ci={2}))
 def test_split_backward_matches_single_process(tmp_path, schedule, D, method):
     plan = tmp_path / "plan.json"
     made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),

@@ -83,6 +83,7 @@ def test_bad_cluster_in_a_plan_file_is_one_line(paper):
 
 
 @pytest.mark.e2e
+@pytest.mark.full  # CI runs two torchrun nodes in test_runtime's test_two_nodes_equal_one_node
 def test_a_two_node_plan_runs_as_two_torchrun_nodes(tmp_path):
     """`pfcompile plan --nodes 2 --gpus-per-node 2` (Chimera D = 4, its ranks placed for a slow
     inter-node link) runs as two torchrun "nodes" of 2 ranks each (c10d rendezvous on

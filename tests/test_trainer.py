@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, make_plan, model_spec, run_single, torchrun
+from helpers import ROOT, make_plan, model_spec, run_single, tiered, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import load_plan
@@ -105,7 +105,7 @@ def reference(plan_path: Path, data: dict, steps: int | None = None):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("schedule,D", [("1f1b", 2), ("chimera", 4)])
+@pytest.mark.parametrize("schedule,D", tiered([("1f1b", 2), ("chimera", 4)], ["1f1b-2", "chimera-4"], ci={0}))
 def test_config_run_equals_single_process(tmp_path, data, schedule, D):
     plan = make_plan(tmp_path, schedule, D)
     out = tmp_path / "out"
@@ -153,7 +153,7 @@ def test_config_run_equals_single_process(tmp_path, data, schedule, D):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", tiered([("float32",), ("bfloat16",)], ["float32", "bfloat16"], ci={1}))
 def test_evaluate_uses_the_runs_precision(tmp_path, dtype):
     """`python -m runtime.evaluate` on a float32 or bf16 run's model file gives the
     pipeline's last evaluation: it computes as the pipeline did (bf16: autocast, each stage's
