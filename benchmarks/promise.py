@@ -17,8 +17,9 @@ is calibrated. Per cell (model, schedule, optimizer):
 - where the time went: one more traced run per cell, through `pfcompile inspect TRACE
   --against PLAN --profile PROFILE --json` (each op kind's share of the step error, the time
   between ops with the runtime's own work in it (the trace's runtime row) against what the
-  plan counts for it, and the plan replayed with the run's own op times, its level split by
-  op kind). Its measured step is the
+  plan counts for it, the plan replayed with the run's own op times, its level split by
+  op kind, and, within that one run, the pipeline ops and messages beside the optimizer's
+  work against the same ones beside pipeline ops). Its measured step is the
   median of the per-step spans, the rounds' the run's mean (the runtime's step_ms): both
   definitions are reported, each over predicted.
 
@@ -193,8 +194,8 @@ def main() -> None:
         print("| model | schedule | optimizer | measured (median step) | predicted | median/predicted | error "
               "| largest op kinds (ms) | between ops | runtime's work: measured / planned (per rank) "
               "| longest runtime stall | replay: the run's mean op times | level by op kind (alone) | each step's own "
-              "| measured (cycles) |")
-        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---:|")
+              "| measured (cycles) | beside the work: after / during | lag after the work / after pipeline ops (ms) |")
+        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---:|---:|---:|")
         for (m, s, o), d in traced.items():
             if "error" in d:
                 print(f"| {m} | {s} | {o} | inspect failed: {d['error']} |")
@@ -212,10 +213,26 @@ def main() -> None:
                   f"{d['error_ms']:+.1f} | {shown} | {d['between_ops_ms']:+.1f} | "
                   f"{work:.2f} / {d.get('runtime_planned_ms', float('nan')):.2f} | {stall} | "
                   f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {level or '-'} | "
-                  f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} |")
+                  f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} | "
+                  f"{beside_cells(d.get('beside_work'))} |")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
                                                     "load": [load0, load1, load2], "kernel_ms": speed},
                                                    indent=1) + "\n")
+
+
+def beside_cells(b: dict | None) -> str:
+    """`inspect --against --json`'s beside_work as two cells: the pipeline ops' ratios right
+    after the optimizer's work and beside it on the other rank; the messages' mean lag."""
+    if not b:
+        return "- | -"
+
+    def ratio(x):
+        return f"{x['ratio']:.3f}" if x else "-"
+
+    def lag(v):
+        return f"{v['mean_ms']:.2f}" if v["messages"] else "-"
+
+    return f"{ratio(b['after'])} / {ratio(b['during'])} | {lag(b['lag']['optimizer'])} / {lag(b['lag']['pipeline'])}"
 
 
 def machine_speed(seconds: float) -> float | None:

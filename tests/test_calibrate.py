@@ -335,8 +335,11 @@ def test_cli_calibrate_inspect_and_refusals(tmp_path, ops_only_tiny):
     rows = {row["kind"]: row for row in json.loads(r.stdout)["kinds"]}
     assert rows["precond"]["ratio"] == pytest.approx(3.0, rel=1e-3)  # the known factor, per op kind
     assert rows["curv_b"]["ratio"] == pytest.approx(0.5, rel=1e-3)
+    beside = json.loads(r.stdout)["beside_work"]  # the ops beside K-FAC's work: as long as the others here
+    assert beside["after"]["ratio"] == pytest.approx(1.0, rel=1e-3) and beside["after"]["ops"] > 0
     table = cli("inspect", str(trace), "--against", str(plan_path)).stdout
     assert "op kind" in table and "between ops" in table and "measured/predicted" in table
+    assert "beside the optimizer's work" in table
 
     out = tmp_path / "cal.json"
     r = cli("calibrate", str(PROFILE), str(trace), "-o", str(out))
@@ -700,3 +703,36 @@ def test_soaps_activation_is_costed_at_each_cycles_end_and_fitted_from_the_runti
     assert "activate" not in counts_plain
     assert replay(plan, fitted).step_time_ms - replay(plan, fitted_plain).step_time_ms == pytest.approx(
         replay(plan, truth).step_time_ms - replay(plan, without).step_time_ms, rel=1e-6)
+
+
+def test_beside_the_work_compares_ops_with_their_own_kind_within_one_run():
+    """A hand-made 2-rank run: rank 0's forwards take 3 ms right after an inversion and 2 ms
+    after a backward; rank 1's backwards take 5 ms while rank 0 inverts and 4 ms while it
+    runs a forward and a backward; a message sent just before an inversion lands 1.5 ms after its send,
+    one sent before a forward 0.5 ms after. Each ratio is the closed form."""
+    from pfcompile.calibrate.compare import beside_the_work
+    from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
+
+    ops = []
+    for step in range(4):
+        t = 100.0 * step
+        inv, fwd_after_inv = Op("inv", layer=0, factor="A"), Op("fwd", 0, 0)
+        send_a, send_b = Op("send_act", 0, 0, peer=1), Op("send_act", 0, 1, peer=1)
+        ops += [MeasuredOp(0, step, send_a, t, t + 0.1),           # send, then an inversion
+                MeasuredOp(0, step, inv, t + 0.1, t + 10.1),
+                MeasuredOp(0, step, fwd_after_inv, t + 10.1, t + 13.1),  # 3 ms after the inversion
+                MeasuredOp(0, step, Op("bwd", 0, 0), t + 13.1, t + 20.1),
+                MeasuredOp(0, step, send_b, t + 20.1, t + 20.2),    # send, then a forward
+                MeasuredOp(0, step, Op("fwd", 0, 1), t + 20.2, t + 22.2),  # 2 ms after the backward
+                MeasuredOp(0, step, Op("bwd", 0, 1), t + 22.2, t + 29.2),
+                MeasuredOp(1, step, Op("recv_act", 0, 0, peer=0), t, t + 1.6),    # lands 1.5 ms after its send
+                MeasuredOp(1, step, Op("bwd", 1, 0), t + 1.6, t + 6.6),  # 5 ms beside the inversion
+                MeasuredOp(1, step, Op("recv_act", 0, 1, peer=0), t + 19.0, t + 20.7),  # 0.5 ms after its send
+                MeasuredOp(1, step, Op("bwd", 1, 1), t + 20.7, t + 24.7)]  # 4 ms beside rank 0's forward
+    b = beside_the_work(MeasuredTrace("hand.json", {}, ops))
+    assert b["after"]["ratio"] == pytest.approx(1.5) and b["after"]["ops"] == 4
+    assert b["during"]["ratio"] == pytest.approx(5 / 4) and b["during"]["ops"] == 4
+    assert b["lag"]["optimizer"]["mean_ms"] == pytest.approx(1.5) and b["lag"]["optimizer"]["over_1ms"] == 1.0
+    assert b["lag"]["pipeline"]["mean_ms"] == pytest.approx(0.5) and b["lag"]["pipeline"]["messages"] == 4
+    without = [o for o in ops if o.op.kind != "inv"]
+    assert beside_the_work(MeasuredTrace("adamw.json", {}, without)) is None  # no optimizer work: nothing to compare

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from pfcompile.calibrate.measured import MeasuredTrace
+from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 
@@ -122,6 +122,7 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan, profile: Pr
                      f"{r['measured_p90_ms']:>9.3f} {ratio:>7} {r['explains_ms']:>+14.3f}")
     lines.append(f"{'between ops':<11} {'':>6} {'':>13} {'':>16} {'':>9} {'':>7} {total['between_ops_ms']:>+14.3f}")
     lines += format_runtime_spans(total)
+    lines += format_beside(beside_the_work(trace))
     ratio = total["measured_step_ms"] / total["predicted_step_ms"] if total["predicted_step_ms"] else float("nan")
     lines.append(f"step: measured {total['measured_step_ms']:.2f} ms (median), predicted {total['predicted_step_ms']:.2f} ms, "
                  f"measured/predicted {ratio:.3f}, error {total['error_ms']:+.2f} ms")
@@ -130,6 +131,94 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan, profile: Pr
                  "predicted: each op's span in the plan, with the runtime's dispatch and, for step, its work "
                  "between steps (--profile: the op's own time)")
     return "\n".join(lines)
+
+
+PIPELINE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
+MESSAGE_KINDS = ("send_act", "send_grad", "recv_act", "recv_grad")
+
+
+def _is_optimizer_work(kind: str) -> bool:
+    """An op the optimizer adds to the pipeline's (its per-layer ops, placed in the bubbles)."""
+    return kind not in PIPELINE_KINDS + MESSAGE_KINDS + ("step",)
+
+
+def _pooled_ratio(near: dict[tuple, list[float]], far: dict[tuple, list[float]]) -> tuple[float, int] | None:
+    """Σ over the `near` ops of their time / Σ of what the same (kind, stage)'s `far` ops take
+    on average: how much longer the near ones run, each against its own kind. None without both."""
+    keys = [k for k in near if k in far]
+    got = sum(sum(near[k]) for k in keys)
+    want = sum(len(near[k]) * statistics.fmean(far[k]) for k in keys)
+    n = sum(len(near[k]) for k in keys)
+    return (got / want, n) if want > 0 else None
+
+
+def beside_the_work(trace: MeasuredTrace) -> dict | None:
+    """Whether the optimizer's work in the bubbles slows the pipeline around it, within one run
+    (so free of the machine's drift between runs): each pipeline op (fwd, bwd, B, W)
+    - `after`: right after an optimizer op on its rank (messages skipped) against the same
+      kind and stage right after a pipeline op (its caches: what the work left in them);
+    - `during`: over half of it beside an optimizer op on another rank against over half
+      beside a pipeline op there (the neighbour: the memory bandwidth and cores they share);
+    and each message (`lag`: its receive's end - its send's end, receives posted before the
+    send ended) whose sender ran an optimizer op next, against one whose sender ran a pipeline
+    op next (gloo moves it while the sender computes). Ratios > 1: slower beside the work.
+    None when the run has no optimizer ops."""
+    if not any(_is_optimizer_work(o.op.kind) for o in trace.ops):
+        return None
+    by_rank = trace.by_rank()
+    after: dict[str, dict[tuple, list[float]]] = {"optimizer": defaultdict(list), "pipeline": defaultdict(list)}
+    during: dict[str, dict[tuple, list[float]]] = {"optimizer": defaultdict(list), "pipeline": defaultdict(list)}
+    spans = {q: {w: [(o.start_ms, o.end_ms) for o in ops
+                     if (_is_optimizer_work(o.op.kind) if w == "optimizer" else o.op.kind in PIPELINE_KINDS)]
+                 for w in ("optimizer", "pipeline")} for q, ops in by_rank.items()}
+    next_op: dict[int, MeasuredOp] = {}
+    for q, ops in by_rank.items():
+        prev = None
+        for o, b in zip(ops, ops[1:] + [None]):
+            if b is not None:
+                next_op[id(o)] = b
+            if o.op.kind in PIPELINE_KINDS and o.ms > 0:
+                key = (o.op.kind, o.op.stage)
+                if prev is not None and prev.step == o.step and prev.op.kind != "step":
+                    after["optimizer" if _is_optimizer_work(prev.op.kind) else "pipeline"][key].append(o.ms)
+                for w in ("optimizer", "pipeline"):
+                    beside = sum(max(0.0, min(o.end_ms, e) - max(o.start_ms, s))
+                                 for p in by_rank if p != q for s, e in spans[p][w])
+                    if beside > o.ms / 2:
+                        during[w][key].append(o.ms)
+            if o.op.kind not in MESSAGE_KINDS:
+                prev = o
+    sends = {(o.step, o.op.message_key()): o for o in trace.ops if o.op.kind in ("send_act", "send_grad")}
+    lag: dict[str, list[float]] = {"optimizer": [], "pipeline": []}
+    for r in trace.ops:
+        s = sends.get((r.step, r.op.message_key())) if r.op.kind in ("recv_act", "recv_grad") else None
+        b = next_op.get(id(s)) if s is not None and r.start_ms <= s.end_ms else None
+        if b is not None and b.op.kind in PIPELINE_KINDS:
+            lag["pipeline"].append(r.end_ms - s.end_ms)
+        elif b is not None and _is_optimizer_work(b.op.kind):
+            lag["optimizer"].append(r.end_ms - s.end_ms)
+    out: dict = {}
+    for name, d in (("after", after), ("during", during)):
+        r = _pooled_ratio(d["optimizer"], d["pipeline"])
+        out[name] = None if r is None else {"ratio": r[0], "ops": r[1]}
+    out["lag"] = {w: {"messages": len(v), "mean_ms": statistics.fmean(v) if v else None,
+                      "over_1ms": sum(x > 1.0 for x in v) / len(v) if v else None} for w, v in lag.items()}
+    return out
+
+
+def format_beside(b: dict | None) -> list[str]:
+    if b is None:
+        return []
+
+    def ratio(x):
+        return f"{x['ratio']:.3f} ({x['ops']} ops)" if x else "n/a"
+
+    lag = b["lag"]
+    msgs = "; ".join(f"after {w} work {v['mean_ms']:.3f} ms mean, {v['over_1ms']:.0%} over 1 ms ({v['messages']})"
+                     for w, v in lag.items() if v["messages"])
+    return [f"beside the optimizer's work (one run, so no drift between runs): pipeline ops right after it on "
+            f"their rank {ratio(b['after'])}, beside it on another rank {ratio(b['during'])} of the same ops "
+            f"beside pipeline ops; message lag {msgs or 'n/a'}"]
 
 
 def whole_cycles(trace: MeasuredTrace, k: int) -> tuple[int, int, float] | None:

@@ -70,7 +70,13 @@ def run(args) -> int:
 
 
 def _against(args) -> int:
-    from pfcompile.calibrate.compare import format_against, format_replayed, per_kind_rows, replayed_with_measured
+    from pfcompile.calibrate.compare import (
+        beside_the_work,
+        format_against,
+        format_replayed,
+        per_kind_rows,
+        replayed_with_measured,
+    )
     from pfcompile.calibrate.measured import check_against_plan, check_against_profile, load_measured
     from pfcompile.formats.plan import load_plan
 
@@ -86,7 +92,8 @@ def _against(args) -> int:
         replayed = replayed_with_measured(trace, plan, profile)
     if args.json:
         rows, total = per_kind_rows(trace, plan, profile)
-        print(json.dumps({"kinds": rows, **total, **({"replayed": replayed} if args.profile else {})}))
+        print(json.dumps({"kinds": rows, **total, "beside_work": beside_the_work(trace),
+                          **({"replayed": replayed} if args.profile else {})}))
     else:
         print(format_against(trace, args.against, plan, profile))  # (checked above)
         if args.profile:
