@@ -19,6 +19,7 @@ it, the op's whole span (a step op then reads as if the optimizer ran faster tha
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 
@@ -168,9 +169,19 @@ def beside_the_work(trace: MeasuredTrace) -> dict | None:
     by_rank = trace.by_rank()
     after: dict[str, dict[tuple, list[float]]] = {"optimizer": defaultdict(list), "pipeline": defaultdict(list)}
     during: dict[str, dict[tuple, list[float]]] = {"optimizer": defaultdict(list), "pipeline": defaultdict(list)}
-    spans = {q: {w: [(o.start_ms, o.end_ms) for o in ops
-                     if (_is_optimizer_work(o.op.kind) if w == "optimizer" else o.op.kind in PIPELINE_KINDS)]
+    # each rank's optimizer and pipeline ops as (starts, ends): a rank's ops do not overlap,
+    # so both lists are sorted and an op's neighbours are found by bisection
+    spans = {q: {w: tuple(map(list, zip(*[(o.start_ms, o.end_ms) for o in ops if (
+                     _is_optimizer_work(o.op.kind) if w == "optimizer" else o.op.kind in PIPELINE_KINDS)]))) or ([], [])
                  for w in ("optimizer", "pipeline")} for q, ops in by_rank.items()}
+
+    def overlap(o: MeasuredOp, starts: list[float], ends: list[float]) -> float:
+        i, total = bisect.bisect_right(ends, o.start_ms), 0.0
+        while i < len(starts) and starts[i] < o.end_ms:
+            total += min(o.end_ms, ends[i]) - max(o.start_ms, starts[i])
+            i += 1
+        return total
+
     next_op: dict[int, MeasuredOp] = {}
     for q, ops in by_rank.items():
         prev = None
@@ -182,8 +193,7 @@ def beside_the_work(trace: MeasuredTrace) -> dict | None:
                 if prev is not None and prev.step == o.step and prev.op.kind != "step":
                     after["optimizer" if _is_optimizer_work(prev.op.kind) else "pipeline"][key].append(o.ms)
                 for w in ("optimizer", "pipeline"):
-                    beside = sum(max(0.0, min(o.end_ms, e) - max(o.start_ms, s))
-                                 for p in by_rank if p != q for s, e in spans[p][w])
+                    beside = sum(overlap(o, *spans[p][w]) for p in by_rank if p != q)
                     if beside > o.ms / 2:
                         during[w][key].append(o.ms)
             if o.op.kind not in MESSAGE_KINDS:
