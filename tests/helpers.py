@@ -323,11 +323,13 @@ def make_plan(tmp: Path, schedule: str, D: int, R: int = 1, kfac: bool = True, n
 def torchrun(plan: Path, nproc: int, *args: str, launcher: list[str] = (), env: dict | None = None,
              wait: bool = True, timeout: float = 180):
     """The runtime on `plan`, run in the plan's folder (a temporary one): a run without
-    --log-dir makes its run folder there, runs/PLAN-UTCTIME/, not in the repository."""
+    --log-dir makes its run folder there, runs/PLAN-UTCTIME/, not in the repository, and
+    torchrun's own temporary folder (torchelastic_*, which it leaves behind) goes there too."""
     cmd = [*TORCHRUN, *(launcher or ["--standalone"]), "--nproc-per-node", str(nproc),
            "-m", "runtime", str(plan), "--dtype", "float64", "--data", "pydoc", *args]
     python_path = os.pathsep.join(p for p in (str(ROOT), EXAMPLES, os.environ.get("PYTHONPATH")) if p)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, "TMPDIR": str(plan.parent),
+                **(env or {})}
     p = subprocess.Popen(cmd, cwd=plan.parent, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     if not wait:
