@@ -107,6 +107,7 @@ def check_promise(out: str) -> None:
     assert [row[3] for row in cells] == ["adamw", "muon", "adamw", "muon"], out
     assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
+    assert re.match(r"^\d+\.\d{3} \(\d+\.\d{3}–\d+\.\d{3}\)$", cells[0][12]), out  # the schedule alone, per round
     # beside the optimizer's work: nothing to compare in AdamW's run, the ratios in Muon's
     assert cells[2][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[3][-3]), out
     assert re.search(r"before profiling \d+\.\d, before the rounds \d+\.\d, after them \d+\.\d", out), out  # the drift
