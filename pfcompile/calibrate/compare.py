@@ -23,9 +23,11 @@ import bisect
 import statistics
 from collections import defaultdict
 
+from pfcompile.calibrate.fit import sends_by_message
 from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
+from pfcompile.formats.ops import COMPUTE_KINDS, P2P_KINDS
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.profile import Profile
+from pfcompile.formats.profile import CAPTURE_KINDS, Profile
 
 
 def _p90(values: list[float]) -> float:
@@ -134,13 +136,13 @@ def format_against(trace: MeasuredTrace, plan_path: str, plan: Plan, profile: Pr
     return "\n".join(lines)
 
 
-PIPELINE_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight")
-MESSAGE_KINDS = ("send_act", "send_grad", "recv_act", "recv_grad")
+PASSES = CAPTURE_KINDS  # the pipeline's own compute: fwd, bwd, B and W
 
 
 def _is_optimizer_work(kind: str) -> bool:
-    """An op the optimizer adds to the pipeline's (its per-layer ops, placed in the bubbles)."""
-    return kind not in PIPELINE_KINDS + MESSAGE_KINDS + ("step",)
+    """An op the optimizer adds to the pipeline's compute (its per-layer ops, placed in the
+    bubbles; a plugin's too: COMPUTE_KINDS learns them). Collectives are not work beside."""
+    return kind in COMPUTE_KINDS and kind not in PASSES and kind != "step"
 
 
 def _pooled_ratio(near: dict[tuple, list[float]], far: dict[tuple, list[float]]) -> tuple[float, int] | None:
@@ -172,7 +174,7 @@ def beside_the_work(trace: MeasuredTrace) -> dict | None:
     # each rank's optimizer and pipeline ops as (starts, ends): a rank's ops do not overlap,
     # so both lists are sorted and an op's neighbours are found by bisection
     spans = {q: {w: tuple(map(list, zip(*[(o.start_ms, o.end_ms) for o in ops if (
-                     _is_optimizer_work(o.op.kind) if w == "optimizer" else o.op.kind in PIPELINE_KINDS)]))) or ([], [])
+                     _is_optimizer_work(o.op.kind) if w == "optimizer" else o.op.kind in PASSES)]))) or ([], [])
                  for w in ("optimizer", "pipeline")} for q, ops in by_rank.items()}
 
     def overlap(o: MeasuredOp, starts: list[float], ends: list[float]) -> float:
@@ -188,22 +190,24 @@ def beside_the_work(trace: MeasuredTrace) -> dict | None:
         for o, b in zip(ops, ops[1:] + [None]):
             if b is not None:
                 next_op[id(o)] = b
-            if o.op.kind in PIPELINE_KINDS and o.ms > 0:
+            if o.op.kind in PASSES and o.ms > 0:
                 key = (o.op.kind, o.op.stage)
-                if prev is not None and prev.step == o.step and prev.op.kind != "step":
-                    after["optimizer" if _is_optimizer_work(prev.op.kind) else "pipeline"][key].append(o.ms)
+                if prev is not None and prev.step == o.step and prev.op.kind in PASSES:
+                    after["pipeline"][key].append(o.ms)
+                elif prev is not None and prev.step == o.step and _is_optimizer_work(prev.op.kind):
+                    after["optimizer"][key].append(o.ms)
                 for w in ("optimizer", "pipeline"):
                     beside = sum(overlap(o, *spans[p][w]) for p in by_rank if p != q)
                     if beside > o.ms / 2:
                         during[w][key].append(o.ms)
-            if o.op.kind not in MESSAGE_KINDS:
+            if o.op.kind not in P2P_KINDS:
                 prev = o
-    sends = {(o.step, o.op.message_key()): o for o in trace.ops if o.op.kind in ("send_act", "send_grad")}
+    sends = sends_by_message(trace)
     lag: dict[str, list[float]] = {"optimizer": [], "pipeline": []}
     for r in trace.ops:
         s = sends.get((r.step, r.op.message_key())) if r.op.kind in ("recv_act", "recv_grad") else None
         b = next_op.get(id(s)) if s is not None and r.start_ms <= s.end_ms else None
-        if b is not None and b.op.kind in PIPELINE_KINDS:
+        if b is not None and b.op.kind in PASSES:
             lag["pipeline"].append(r.end_ms - s.end_ms)
         elif b is not None and _is_optimizer_work(b.op.kind):
             lag["optimizer"].append(r.end_ms - s.end_ms)

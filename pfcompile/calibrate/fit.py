@@ -73,7 +73,8 @@ SPREAD_QUANTILES = 20
 SPREAD_MIN_SAMPLES = 20
 
 
-def _sends(trace: MeasuredTrace) -> dict:
+def sends_by_message(trace: MeasuredTrace) -> dict:
+    """(step, message key) -> the send of that message: what a receive is matched with."""
     return {(o.step, o.op.message_key()): o for o in trace.ops if o.op.kind in ("send_act", "send_grad")}
 
 
@@ -125,7 +126,7 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
 
 def receives(trace: MeasuredTrace, profile: Profile) -> list[tuple[int, float, float]]:
     """(bytes, receive start - send end, receive duration) of every message whose send is in the trace."""
-    sends = _sends(trace)
+    sends = sends_by_message(trace)
     parts = trace.layout["partition"]
     out_bytes = [profile.part(stage[-1]).out_bytes for stage in parts]
     out = []
