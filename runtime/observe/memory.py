@@ -22,6 +22,11 @@ The count is taken after every op; a `bwd` (`bwd_weight`) is sampled before its 
 are released (the model frees them at the op's end, after the op allocated the kept output
 gradients); a `bwd_weight` with the kept tensors as they were while it ran (the model's
 kept inputs leave the activations at its end), then again after the release.
+
+Counting is the runtime's own work between ops, which the plan does not have. So an op
+recounts only its own micro-batch's kept tensors, and once two whole refresh cycles in a
+row gave the same peak step by step the meter stops and reports the last cycle's peaks for
+the steps after (a count that keeps growing never repeats, so it is counted to the end).
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ class MemoryMeter:
         self.cuda = device.type == "cuda"
         self.layers = [layer for sr in stages.values() for layer in sr.layers.values()]
         # only K-FAC's layers keep micro-batch captures
-        self.capturing_layers = [layer for layer in self.layers if hasattr(layer, "kept_bytes")]
+        self.capturing_layers = [layer for layer in self.layers if hasattr(layer, "kept_of")]
         self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
                         for s, sr in stages.items()}
         # The resident count in parts, so an op recounts only what it can change (this runs
@@ -91,14 +96,19 @@ class MemoryMeter:
         self._opt_bytes = 0
         self._grad_bytes = 0
         self._layer_state_bytes = 0
-        # kept K-FAC captures per layer, so an op recounts only the layers it touches
-        self._stage_layers = {s: [x for x in sr.layers.values() if hasattr(x, "kept_bytes")]
+        # kept tensors per (stage, micro-batch), so an op recounts only its own micro-batch
+        self._stage_layers = {s: [x for x in sr.layers.values() if hasattr(x, "kept_of")]
                               for s, sr in stages.items()}
         self._layer = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
+        self._layer_stage = {i: s for s, sr in stages.items() for i in sr.layers}
+        self._kept_mb: dict[tuple[int, int], int] = {}
+        # Shapes are fixed, so a micro-batch's kept bytes depend only on which of its tensors
+        # exist: each such pattern is counted once, by storage, and the count reused (counting
+        # storages after every op would be a visible share of a short step).
+        self._kept_memo: dict[tuple, int] = {}
         # the optimizer's micro-batch op kinds (K-FAC's curv_a, curv_b): each consumes its
         # layer's kept captures (the interpreter sets them from the plan's declaration)
         self.micro_batch_kinds: frozenset[str] = frozenset()
-        self._kept_by: dict[int, int] = {}  # id(layer) -> its kept bytes (no split backward)
         self._state_by: dict[int, int] = {}  # id(layer) -> its state bytes
         # per stage: its parameters, their gradients' bytes, and whether every one has its
         # gradient (then a backward adds into them in place: nothing to recount)
@@ -113,9 +123,18 @@ class MemoryMeter:
         self.kept = 0        # K-FAC captures (+ W's output gradients) held now
         self.peak = 0
         self.split: dict = {}  # stage -> runtime.pipeline.split_backward.WeightPasses (zero-bubble families)
+        # The plan's refresh cycle. Once two whole cycles in a row gave the same peak step by
+        # step, the count is periodic (fixed shapes, the optimizer's state all allocated): the
+        # meter stops counting and reports the last cycle's peaks, so the steps after cost
+        # nothing the plan does not have. A count that still grows (a leak) never repeats.
+        self.cycle = 1
+        self.steady = False
+        self._peaks: list[tuple[int, int]] = []  # (step, peak) of the steps counted, in order
 
     # --- the step -------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        if self.steady:
+            return
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -124,16 +143,22 @@ class MemoryMeter:
         self.kept = self._kept()
         self.peak = self.resident + self.held_acts + self.kept
 
-    def end_step(self) -> int:
+    def end_step(self, step: int) -> int:
         if self.cuda:
             return int(torch.cuda.max_memory_allocated(self.device))
+        if self.steady:
+            return self._peaks[-self.cycle + (step - self._peaks[-1][0] - 1) % self.cycle][1]
+        self._peaks.append((step, self.peak))
+        last = self._peaks[-2 * self.cycle:]
+        self.steady = (len(last) == 2 * self.cycle and last[-1][0] - last[0][0] == 2 * self.cycle - 1
+                       and [b for _, b in last[:self.cycle]] == [b for _, b in last[self.cycle:]])
         return self.peak
 
     # --- ops ------------------------------------------------------------------------------------
     def forward(self, stage: int, mb: int, fn: Callable[[], object], inputs=()):
         """Run a stage's forward, counting its saved activations the first time. `inputs`:
         the micro-batch's tokens / targets (saved_activation_bytes)."""
-        if self.cuda:
+        if self.cuda or self.steady:
             return fn()
         if stage not in self.act_bytes:
             out, self.act_bytes[stage] = saved_activation_bytes(fn, self._params[stage], inputs)
@@ -146,7 +171,7 @@ class MemoryMeter:
     def after(self, kind: str, stage: int | None = None, mb: int | None = None, layer: int | None = None) -> None:
         """Count after an op; `bwd` before releasing the activations of (stage, mb). `layer`:
         an optimizer op's layer."""
-        if self.cuda:
+        if self.cuda or self.steady:
             return
         # Recount only what the op can change, and only where: this runs after every op, and
         # recounting everything each time would be a visible share of the step. An op's stage
@@ -164,15 +189,13 @@ class MemoryMeter:
             self.resident = self._sum_resident()
         consumes = kind in self.micro_batch_kinds
         if consumes or kind in ("fwd", "bwd", "bwd_input"):
-            if self.split:
-                self.kept = self._kept()
-            else:  # a forward or backward captures for its stage's layers; a micro-batch op frees its layer's
-                self._recount_kept([self._layer[layer]] if consumes else self._stage_layers[stage])
+            # a forward or backward keeps its micro-batch's tensors; a micro-batch op frees its layer's
+            self._recount_kept(self._layer_stage[layer] if consumes else stage, mb)
         self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
         if kind in ("bwd", "bwd_weight"):  # a split backward's W keeps the activations until it ends
             self.held_acts -= self.acts.pop((stage, mb), 0)
         if kind == "bwd_weight":  # its output gradients are gone; its kept inputs stand alone now
-            self.kept = self._kept()
+            self._recount_kept(stage, mb)
             self.peak = max(self.peak, self.resident + self.held_acts + self.kept)
 
     # --- counting -------------------------------------------------------------------------------
@@ -203,24 +226,43 @@ class MemoryMeter:
     def _sum_resident(self) -> int:
         return self._param_bytes + self._grad_bytes + self._opt_bytes + self._layer_state_bytes
 
-    def _recount_kept(self, layers: list) -> None:
-        for layer in layers:
-            self.kept += _changed(self._kept_by, layer, layer.kept_bytes())
+    def _recount_kept(self, stage: int, mb: int) -> None:
+        was = self._kept_mb.get((stage, mb), 0)
+        self._kept_mb[(stage, mb)] = now = self._kept_of(stage, mb)
+        self.kept += now - was
 
     def _kept(self) -> int:
-        if not self.split:
-            self._kept_by = {id(layer): layer.kept_bytes() for layer in self.capturing_layers}
-            return sum(self._kept_by.values())
-        # W's layer inputs (before B: `saved`, after: `kept`) are inside the activations
-        held_inputs = {x.untyped_storage().data_ptr() for wp in self.split.values()
-                       for slots in wp.saved.values() for s in slots if s is not None for x in s[:1]}
-        held_inputs |= {x.untyped_storage().data_ptr() for wp in self.split.values()
-                        for entries in wp.kept.values() for _, x, _ in entries}
-        layers = self.capturing_layers
-        kept = sum(nbytes(t) for layer in layers for t in layer.kept_tensors("A")
-                   if t.untyped_storage().data_ptr() not in held_inputs)
-        kept += sum(nbytes(t) for layer in layers for t in layer.kept_tensors("B"))
-        shared = {t.untyped_storage().data_ptr() for layer in layers for t in layer.kept_tensors("B")}
-        kept += sum(nbytes(g) for wp in self.split.values() for entries in wp.kept.values()
-                    for _, _, g in entries if g is not None and g.untyped_storage().data_ptr() not in shared)
-        return kept
+        """Everything kept now, recounted per (stage, micro-batch)."""
+        held = {(s, m) for s, layers in self._stage_layers.items() for layer in layers
+                for m in layer.kept_micro_batches()}
+        held |= {(s, m) for s, wp in self.split.items() for m in (*wp.saved, *wp.kept)}
+        self._kept_mb = {sm: self._kept_of(*sm) for sm in held}
+        return sum(self._kept_mb.values())
+
+    def _kept_of(self, stage: int, mb: int) -> int:
+        """One micro-batch's kept tensors: its K-FAC captures and, split backward, W's output
+        gradients. A K-FAC kept input that IS a layer input W holds (same storage) is inside
+        the activations, and an output gradient both keep counts once (module doc)."""
+        captured = [layer.kept_of(mb) for layer in self._stage_layers.get(stage, ())]
+        wp = self.split.get(stage)
+        saved, kept = (wp.saved.get(mb), wp.kept.get(mb)) if wp is not None else (None, None)
+        key = (stage, tuple((a is not None, b is not None) for a, b in captured), saved is not None,
+               kept is not None)
+        if key not in self._kept_memo:
+            self._kept_memo[key] = _count_kept(captured, saved or [], kept or [])
+        return self._kept_memo[key]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _count_kept(captured: list, saved: list, kept: list) -> int:
+    """MemoryMeter._kept_of's count, by storage. captured: per K-FAC layer (input, output
+    gradient) or None; saved: W's per-Linear [input, output] before B; kept: W's per-Linear
+    (module, input, output gradient) after B."""
+    held_inputs = {_storage(s[0]) for s in saved if s is not None} | {_storage(x) for _, x, _ in kept}
+    total = sum(nbytes(a) for a, _ in captured if a is not None and _storage(a) not in held_inputs)
+    total += sum(nbytes(b) for _, b in captured if b is not None)
+    shared = {_storage(b) for _, b in captured if b is not None}
+    return total + sum(nbytes(g) for _, _, g in kept if g is not None and _storage(g) not in shared)

@@ -336,9 +336,12 @@ class KfacLayer:
         """The captured tensors of one factor waiting for their curv op."""
         return list(self._saved[factor].values())
 
-    def kept_bytes(self) -> int:
-        """Bytes of the captured inputs / output gradients waiting for their curv op."""
-        return sum(t.numel() * t.element_size() for saved in self._saved.values() for t in saved.values())
+    def kept_of(self, mb: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Micro-batch mb's captured input and output gradient waiting for their curv op (None where not)."""
+        return self._saved["A"].get(mb), self._saved["B"].get(mb)
+
+    def kept_micro_batches(self) -> set[int]:
+        return set(self._saved["A"]) | set(self._saved["B"])
 
     def state_bytes(self) -> int:
         """Bytes of the layer's resident state: accumulators, factors, inverses (in force,

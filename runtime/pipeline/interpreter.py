@@ -156,6 +156,7 @@ class Interpreter:
         self.split = {s: WeightPasses(sr.module) for s, sr in stages.items()} \
             if plan.config.schedule in SPLIT_BACKWARD_SCHEDULES else {}
         self.memory.split = self.split  # W's kept output gradients count too
+        self.memory.cycle = self.k
         self.memory.micro_batch_kinds = frozenset(d.kind for d in self.optimizer.ops.micro_batch_ops)
         self.handlers = {
             "fwd": self._fwd, "bwd": self._bwd, "bwd_input": self._bwd_input, "bwd_weight": self._bwd_weight,
@@ -209,7 +210,7 @@ class Interpreter:
         with tl.span(step, "drain"):
             self.mailbox.drain()
         self.upcoming = []
-        tl.end_step(step, step_start, tl.mark(), mem.end_step())
+        tl.end_step(step, step_start, tl.mark(), mem.end_step(step))
         with tl.span(step, "verdict"):
             self.agree(step)
         return float(self.loss_sum)
