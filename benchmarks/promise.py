@@ -20,8 +20,9 @@ is calibrated. Per cell (model, schedule, optimizer):
 - where the time went: one more traced run per cell, through `pfcompile inspect TRACE
   --against PLAN --profile PROFILE --json` (each op kind's share of the step error, the time
   between ops with the runtime's own work in it (the trace's runtime row) against what the
-  plan counts for it, the plan replayed with the run's own op times, its level split by
-  op kind, and, within that one run, the pipeline ops and messages beside the optimizer's
+  plan counts for it, the plan replayed with the run's own op times (first with the
+  runtime's work between ops as the plan counts it, then as the run did it), its level split
+  by op kind, and, within that one run, the pipeline ops and messages beside the optimizer's
   work against the same ones beside pipeline ops). Its measured step is the
   median of the per-step spans, the rounds' the run's mean (the runtime's step_ms): both
   definitions are reported, each over predicted.
@@ -202,9 +203,10 @@ def main() -> None:
         print("\nWhere the time went (one traced run per cell; ms per step; `pfcompile inspect --against --profile`):\n")
         print("| model | schedule | optimizer | measured (median step) | predicted | median/predicted | error "
               "| largest op kinds (ms) | between ops | runtime's work: measured / planned (per rank) "
-              "| longest runtime stall | replay: the run's mean op times | level by op kind (alone) | each step's own "
+              "| longest runtime stall | replay: the run's mean op times, its work as planned | level by op kind (alone) "
+              "| with its work between ops | each step's own "
               "| measured (cycles) | beside the work: after / during | lag after the work / after pipeline ops (ms) |")
-        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|")
         for (m, s, o), d in traced.items():
             if "error" in d:
                 print(f"| {m} | {s} | {o} | inspect failed: {d['error']} |")
@@ -221,7 +223,8 @@ def main() -> None:
             print(f"| {m} | {s} | {o} | {d['measured_step_ms']:.1f} | {d['predicted_step_ms']:.1f} | {ratio:.3f} | "
                   f"{d['error_ms']:+.1f} | {shown} | {d['between_ops_ms']:+.1f} | "
                   f"{work:.2f} / {d.get('runtime_planned_ms', float('nan')):.2f} | {stall} | "
-                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | {level or '-'} | "
+                  f"{rp.get('planned_work_step_ms', float('nan')):.1f} | {level or '-'} | "
+                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | "
                   f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} | "
                   f"{beside_cells(d.get('beside_work'))} |")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},

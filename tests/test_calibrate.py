@@ -95,7 +95,7 @@ def true_profile(prof: Profile) -> Profile:
 
 
 def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "",
-                    activation: bool = False) -> Path:
+                    activation: bool = False, extra_gap_ms: float = 0.0) -> Path:
     """The run as the cost model says it goes, written from the model's definition (not with
     the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
     it, the runtime's step work follows the step; a send takes its posting time and its data
@@ -103,7 +103,8 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
     completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank.
     `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance.
     `activation`: each refresh step after the first starts with the activation of the
-    rank's layers (Costs.activation_ms), a span of the runtime row, as the runtime does it."""
+    rank's layers (Costs.activation_ms), a span of the runtime row, as the runtime does it.
+    `extra_gap_ms`: runtime work after every op beyond its dispatch, which no profile has."""
     plan = load_plan(str(plan_path))
     k = plan.refresh_steps
     costs = Costs(truth, plan.partition, plan.config.replicas, plan.config.inverse,
@@ -139,7 +140,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
                         own = costs.work_ms(op, step % k) - costs.between_steps_ms(op, step % k)
                         end = t + own * (vary(op, step) if vary else 1.0)
                     tl.record(step, str(op), op.kind, t, end)
-                    clock[q] = end + rt.op_ms
+                    clock[q] = end + rt.op_ms + extra_gap_ms
                     pos[q] += 1
                     moved = True
             assert moved, "the synthetic run deadlocked"
@@ -218,6 +219,7 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     same_messages = copy.deepcopy(truth)
     same_messages.comm = copy.deepcopy(prof.comm)
     same_messages.runtime.recv_ms, same_messages.runtime.op_ms = prof.runtime.recv_ms, prof.runtime.op_ms
+    same_messages.runtime.step_ms = prof.runtime.step_ms  # all the runtime's own work as the plan counts it
     got = {}
     for name, machine in (("same", same_messages), ("other", truth)):
         trace = synthetic_trace(tmp_path, plan_path, machine, steps=8 * k + 1)
@@ -227,6 +229,9 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
         assert got[name]["cycles"] == (8 * k + 1) // k - 1  # whole cycles after the 1 warm-up step
         assert got[name]["mean_ops_step_ms"] == pytest.approx(got[name]["own_ops_step_ms"], rel=1e-9)
     same = got["same"]
+    # the runtime's work is what the profile says: the run's op times with the planned work
+    # replay as the run's own occupancies
+    assert same["planned_work_step_ms"] == pytest.approx(same["mean_ops_step_ms"], rel=1e-9)
     # the run's op times and the profile's messages are the machine's: the truth's replay
     assert same["own_ops_step_ms"] == pytest.approx(replay(plan, same_messages).step_time_ms, rel=1e-6)
     # (the trace writer's steady state runs a little under the replay's on this plan)
@@ -236,6 +241,14 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     assert other["own_ops_step_ms"] / other["measured_step_ms"] > 1.05  # the profile's messages are slower
     text = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(prof_path)).stdout
     assert "their spread from step to step" in text and "messages and collectives beyond the model" in text
+    assert "the runtime's work beyond the plan" in text
+    # 0.2 ms more after every op than the dispatch the profile has: the op times' level is
+    # unchanged, the runtime's work beyond the plan is the difference
+    gappy = synthetic_trace(tmp_path, plan_path, same_messages, steps=8 * k + 1, name="gappy", extra_gap_ms=0.2)
+    r = cli("inspect", str(gappy), "--against", str(plan_path), "--profile", str(prof_path), "--json")
+    g = json.loads(r.stdout)["replayed"]
+    assert g["planned_work_step_ms"] == pytest.approx(same["planned_work_step_ms"], rel=1e-6)
+    assert g["mean_ops_step_ms"] - g["planned_work_step_ms"] > 0.2  # the critical path has more than one op
     truth.save(str(tmp_path / "truth.json"))  # not the profile the plan was made from
     r = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(tmp_path / "truth.json"))
     assert r.returncode == 2 and "plan_profile.hash" in r.stderr and len(r.stderr.strip().splitlines()) == 1

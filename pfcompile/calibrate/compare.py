@@ -258,15 +258,19 @@ def whole_cycles(trace: MeasuredTrace, k: int) -> tuple[int, int, float] | None:
 
 def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | None:
     """The plan replayed with this run's own op times, to split a prediction's error in
-    three. Each op's time is its occupancy (its start to its rank's next op start: the op
+    four. Each op's time is its occupancy (its start to its rank's next op start: the op
     and the runtime's gap after it; a step's last op, its own time and dispatch), and the
     work between steps (the last op's end to the next step's first op) goes into the step's
     `step` ops, as the cost model has it (Costs.between_steps_ms); receives
     and collectives stay as the cost model has them (their measured time is mostly waiting,
     which the replay must produce itself). Over the run's whole refresh cycles after
     warm-up:
-    - `mean_ops_step_ms`: every op at its mean occupancy in this run: the prediction's
-      error up to here is the op times' level (the profile against this run);
+    - `planned_work_step_ms`: every op at its mean own time in this run plus the runtime's
+      work the plan counts in its span (dispatch, a step's share of the work between steps,
+      the activation: runtime_in_span): the prediction's error up to here is the op times'
+      level (the profile against this run);
+    - `mean_ops_step_ms`: every op at its mean occupancy in this run: the difference to the
+      previous is the runtime's work between ops beyond what the plan counts;
     - `own_ops_step_ms`: every op instance at its own occupancy: the difference to the
       previous is the op times' spread from step to step (a late op delays its peers; a
       prediction from means cannot have it);
@@ -285,7 +289,9 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     X = CycleIndex(plan, PlanLayout(plan))
     lo, hi = c0 * k, (c0 + cycles) * k
     own: dict[int, float] = {}
+    bare: dict[int, float] = {}  # x -> the op's own time + the runtime's work the plan counts in its span
     op_ms = profile.runtime.op_ms
+    planned_runtime_ms = runtime_in_span(plan, profile)
     for q, ops in trace.by_rank().items():
         between: dict[int, float] = {}  # step -> its last op's end (and dispatch) to the next step's first op
         for o, nxt in zip(ops, ops[1:] + [None]):
@@ -296,7 +302,9 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
                 continue
             j = X.find(o.step % k, q, o.op)
             if j >= 0:
-                own[(o.step // k - c0) * X.M + j] = (nxt.start_ms if nxt is not None else o.end_ms + op_ms) - o.start_ms
+                x = (o.step // k - c0) * X.M + j
+                own[x] = (nxt.start_ms if nxt is not None else o.end_ms + op_ms) - o.start_ms
+                bare[x] = o.end_ms - o.start_ms + planned_runtime_ms(o.op, o.step % k)
         # the work between steps goes where the cost model has it, into the step's `step` ops
         # (Costs.between_steps_ms: one share per stage the rank holds)
         for o in ops:
@@ -305,24 +313,29 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
                 shares = sum(1 for op in plan.ops(q, o.step % k) if op.kind == "step")
                 if j >= 0:
                     own[(o.step // k - c0) * X.M + j] += between[o.step] / shares
-    sums: dict[int, list[float]] = defaultdict(list)
-    for x, ms in own.items():
-        sums[x % X.M].append(ms)
-    mean = {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
+    def cycle_means(durations: dict[int, float]) -> dict[int, float]:
+        sums: dict[int, list[float]] = defaultdict(list)
+        for x, ms in durations.items():
+            sums[x % X.M].append(ms)
+        return {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
+
+    planned_work = cycle_means(bare)
     out = {"measured_step_ms": measured, "cycles": cycles}
 
     def step_with(durations: dict[int, float]) -> float:
         return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
 
-    for key, durations in (("mean_ops_step_ms", mean), ("own_ops_step_ms", own)):
+    for key, durations in (("planned_work_step_ms", planned_work), ("mean_ops_step_ms", cycle_means(own)),
+                           ("own_ops_step_ms", own)):
         out[key] = step_with(durations)  # the spacing of its cycle ends over k
-    # the level by op kind: the step with this kind's ops at their mean occupancy and every
-    # other op at its profiled time, against the profile's step. Kinds interact (a later op
-    # hides behind an earlier one's delay), so these need not add up to the level.
+    # the level by op kind: the step with this kind's ops at their mean own time (and the work
+    # the plan counts in their spans) and every other op at its profiled time, against the
+    # profile's step. Kinds interact (a later op hides behind an earlier one's delay), so
+    # these need not add up to the level.
     predicted = step_with({})
-    kinds = sorted({X.ops[j].kind for j in sums})
+    kinds = sorted({X.ops[x % X.M].kind for x in planned_work})
     out["level_by_kind_ms"] = dict(sorted(
-        ((kind, step_with({x: ms for x, ms in mean.items() if X.ops[x % X.M].kind == kind}) - predicted)
+        ((kind, step_with({x: ms for x, ms in planned_work.items() if X.ops[x % X.M].kind == kind}) - predicted)
          for kind in kinds), key=lambda kv: -abs(kv[1])))
     return out
 
@@ -331,7 +344,8 @@ def format_replayed(r: dict | None, predicted_ms: float) -> str:
     if r is None:
         return "replayed with the run's op times: n/a (fewer than two whole refresh cycles after warm-up)"
     rows = [("predicted (the profile's op times)", predicted_ms, ""),
-            ("this run's mean op times", r["mean_ops_step_ms"], "the op times' level"),
+            ("this run's mean op times, its work as planned", r["planned_work_step_ms"], "the op times' level"),
+            ("the same with its work between ops", r["mean_ops_step_ms"], "the runtime's work beyond the plan"),
             ("each step's own op times", r["own_ops_step_ms"], "their spread from step to step"),
             ("measured", r["measured_step_ms"], "messages and collectives beyond the model")]
     lines = [f"the plan replayed with this run's op times (receives and collectives as modelled), "
@@ -339,7 +353,7 @@ def format_replayed(r: dict | None, predicted_ms: float) -> str:
     prev = None
     for name, ms, why in rows:
         delta = f"  {ms - prev:+7.2f}  {why}" if prev is not None else ""
-        lines.append(f"  {name:<36} {ms:8.2f} ms/step{delta}")
+        lines.append(f"  {name:<46} {ms:8.2f} ms/step{delta}")
         prev = ms
         if why == "the op times' level" and r.get("level_by_kind_ms"):
             shown = [f"{kind} {ms:+.2f}" for kind, ms in r["level_by_kind_ms"].items() if abs(ms) >= 0.005]

@@ -27,8 +27,9 @@ def register(sub) -> None:
     p.add_argument("--profile", default=None, metavar="PROFILE",
                    help="the profile the plan was made from: a plan FILE is checked against it (the profile's "
                         "hash, each field of the model spec); with --against, adds the plan replayed with the "
-                        "run's own op times, splitting the step-time error into the op times' level, their "
-                        "spread from step to step, and the messages")
+                        "run's own op times, splitting the step-time error into the op times' level, the "
+                        "runtime's work between ops beyond the plan, their spread from step to step, and the "
+                        "messages")
     p.set_defaults(func=run)
 
 
