@@ -87,8 +87,6 @@ class MemoryMeter:
         self.stages, self.device = stages, device
         self.cuda = device.type == "cuda"
         self.layers = [layer for sr in stages.values() for layer in sr.layers.values()]
-        # only K-FAC's layers keep micro-batch captures
-        self.capturing_layers = [layer for layer in self.layers if hasattr(layer, "kept_of")]
         self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
                         for s, sr in stages.items()}
         # The resident count in parts, so an op recounts only what it can change (this runs
@@ -96,7 +94,8 @@ class MemoryMeter:
         self._opt_bytes = 0
         self._grad_bytes = 0
         self._layer_state_bytes = 0
-        # kept tensors per (stage, micro-batch), so an op recounts only its own micro-batch
+        # kept tensors per (stage, micro-batch), so an op recounts only its own micro-batch;
+        # only K-FAC's layers keep micro-batch captures
         self._stage_layers = {s: [x for x in sr.layers.values() if hasattr(x, "kept_of")]
                               for s, sr in stages.items()}
         self._layer = {i: layer for sr in stages.values() for i, layer in sr.layers.items()}
