@@ -40,6 +40,11 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The storage a tensor lives in (views of one tensor share it)."""
+    return t.untyped_storage().data_ptr()
+
+
 def saved_activation_bytes(fn: Callable[[], object], exclude: set[int], inputs=()):
     """Run fn and sum the storages autograd saves for the backward, each storage once;
     storages in `exclude` (the parameters: resident anyway) do not count. A saved tensor in
@@ -47,7 +52,7 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: set[int], inputs=(
     targets are views of the whole step's batch, which the profile counts one micro-batch's
     worth of (its inputs are their own tensors). -> (result, bytes)"""
     seen: dict[int, int] = {}
-    own = {x.untyped_storage().data_ptr(): nbytes(x) for x in inputs}
+    own = {_storage(x): nbytes(x) for x in inputs}
 
     def pack(t: torch.Tensor):
         s = t.untyped_storage()
@@ -87,7 +92,7 @@ class MemoryMeter:
         self.stages, self.device = stages, device
         self.cuda = device.type == "cuda"
         self.layers = [layer for sr in stages.values() for layer in sr.layers.values()]
-        self._params = {s: {p.untyped_storage().data_ptr() for p in sr.module.parameters()}
+        self._params = {s: {_storage(p) for p in sr.module.parameters()}
                         for s, sr in stages.items()}
         # The resident count in parts, so an op recounts only what it can change (this runs
         # after every op): parameters never change size; the optimizer's state only at a step.
@@ -250,10 +255,6 @@ class MemoryMeter:
         if key not in self._kept_memo:
             self._kept_memo[key] = _count_kept(captured, saved or [], kept or [])
         return self._kept_memo[key]
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _count_kept(captured: list, saved: list, kept: list) -> int:
