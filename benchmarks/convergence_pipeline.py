@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 
 # benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from runtime import launch  # noqa: E402 (after the path fix above)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu.json"  # micro-batch 8 x 64 tokens
 
@@ -45,11 +46,11 @@ def make_plans(out: Path, time_limit: float = 10.0) -> dict[str, Path]:
 
 
 def train(plan: Path, seed: int, steps: int, data: list[str], log_dir: Path, eval_every: int, eval_batches: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
-           str(plan), *data, "--log-dir", str(log_dir), "--set", f"train.steps={steps}", "--set", f"train.seed={seed}",
-           "--set", f"eval.every={eval_every}", "--set", f"eval.batches={eval_batches}", "--set", f"log.every={eval_every}"]
+    cmd = launch.torchrun(2, "-m", "runtime", str(plan), *data, "--log-dir", str(log_dir), "--set", f"train.steps={steps}", "--set", f"train.seed={seed}",
+           "--set", f"eval.every={eval_every}", "--set", f"eval.batches={eval_batches}", "--set", f"log.every={eval_every}")
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    with launch.launch_env() as env:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"run failed ({plan.name}, seed {seed}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
@@ -58,21 +59,8 @@ def train(plan: Path, seed: int, steps: int, data: list[str], log_dir: Path, eva
             "step_ms": [train_rows[s]["step_ms"] for s in sorted(train_rows)], "seconds": time.perf_counter() - t0}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--eval-batches", type=int, default=12)
-    ap.add_argument("--text", default=None, help="a second corpus: a text file (character level)")
-    ap.add_argument("--no-pydoc", action="store_true", help="only the --text corpus")
-    ap.add_argument("--json", metavar="PATH", help="also write the curves and the table as JSON")
-    ap.add_argument("--smoke", action="store_true",
-                    help="the smallest run: seed 0, 2 steps, CP-SAT 1 s (tests/test_benchmarks_smoke.py)")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.seeds, args.steps, args.eval_every, args.eval_batches = [0], 2, 1, 1
-    work = Path(tempfile.mkdtemp(prefix="convergence-pipeline-"))
+def run_all(args, work: Path) -> tuple[list, list]:
+    """Every corpus and seed, AdamW then K-FAC, in `work`; prints the table row by row."""
     plans = make_plans(work, 1.0 if args.smoke else 10.0)
     corpora = {} if args.no_pydoc else {"pydoc": []}
     if args.text:
@@ -102,6 +90,25 @@ def main(argv=None) -> int:
             time_ratio = f"{row['time_ratio']:.2f}" if reached else "-"
             print(f"{corpus:>12} {seed:>4} {target:>9.4f} {reached or '>' + str(args.steps):>10} {ratio:>6} "
                   f"{adam_s:>8.1f} {to_target:>16} {time_ratio:>10}", flush=True)
+    return rows, runs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-batches", type=int, default=12)
+    ap.add_argument("--text", default=None, help="a second corpus: a text file (character level)")
+    ap.add_argument("--no-pydoc", action="store_true", help="only the --text corpus")
+    ap.add_argument("--json", metavar="PATH", help="also write the curves and the table as JSON")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest run: seed 0, 2 steps, CP-SAT 1 s (tests/test_benchmarks_smoke.py)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.seeds, args.steps, args.eval_every, args.eval_batches = [0], 2, 1, 1
+    with tempfile.TemporaryDirectory(prefix="convergence-pipeline-") as work:
+        rows, runs = run_all(args, Path(work))
     if args.json:
         from pfcompile.formats.jsonio import write_json
         write_json(args.json, {"rows": rows, "runs": runs, "args": vars(args)})

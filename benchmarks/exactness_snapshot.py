@@ -21,6 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from runtime import launch  # noqa: E402 (after the path fix above)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "profiles/bert-tiny-cpu-optimizers.json"
 STEPS, STAGES, MICRO_BATCHES = 6, 2, 4
@@ -49,11 +53,12 @@ def run_one(work: Path, name: str, optimizer: str, flags: list[str]) -> dict:
                     str(STAGES), "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer, "--method",
                     "greedy", "-o", str(plan)], cwd=ROOT, env=_env(), check=True, capture_output=True)
     ckpt = work / f"{name}-ckpt"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(STAGES), "-m", "runtime", str(plan), "--dtype", "float64", "--data", "synthetic",
-                        "--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS),
-                        "--log-dir", str(work / f"{name}-log"), "--json", *flags],
-                       cwd=work, env=_env(), capture_output=True, text=True)
+    with launch.launch_env(PYTHONPATH=_env()["PYTHONPATH"]) as env:
+        r = subprocess.run(launch.torchrun(STAGES, "-m", "runtime", str(plan), "--dtype", "float64", "--data",
+                                           "synthetic", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
+                                           "--checkpoint-every", str(STEPS), "--log-dir", str(work / f"{name}-log"),
+                                           "--json", *flags),
+                           cwd=work, env=env, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"exactness_snapshot: {name} failed (exit {r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     summary = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))

@@ -12,6 +12,10 @@
 #    preconditioned gradient with the CPU float64 ones (benchmarks/gpu_check.py): a table.
 # Environment: PYTHON (default python3), OUT (default out/gpu-check).
 set -euo pipefail
+# torchrun leaves a torchelastic_* folder in TMPDIR: it gets one of ours, removed at the end
+TMPDIR=$(mktemp -d -t pfcompile-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 cd "$(dirname "$0")/.."
 
 DEVICE=cuda

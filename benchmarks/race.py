@@ -53,6 +53,8 @@ from pathlib import Path
 
 # benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from runtime import launch  # noqa: E402 (after the path fix above)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"
 OPTIMIZERS = ("adamw", "kfac", "shampoo", "muon", "soap")
@@ -134,15 +136,14 @@ def run(plan: Path, settings: dict, seed: int, steps: int, data: list[str], log_
     metrics.unlink(missing_ok=True)
     sets = {"train.steps": steps, "train.seed": seed, "eval.every": eval_every, "eval.batches": eval_batches,
             "log.every": eval_every or steps, **settings}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
-           str(plan), *data, "--log-dir", str(log_dir)]
+    cmd = launch.torchrun(2, "-m", "runtime", str(plan), *data, "--log-dir", str(log_dir))
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     load_before = load_avg()
     t0 = time.perf_counter()
-    with open(log_dir / "output.log", "w") as out:
+    with open(log_dir / "output.log", "w") as out, launch.launch_env() as env:
         # its own session: stopping it at the target ends torchrun and both ranks together
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         reached_at, seen, eval_wall = None, 0, {}
         while reached_at is None:

@@ -67,7 +67,7 @@ PY = sys.executable
 # Run as a script, this file's folder comes first on sys.path and its name would shadow
 # the `runtime` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
+from runtime import launch  # noqa: E402 (after the path fix above)
 
 AGAIN = "1f1b, no K-FAC (again)"  # (a0): an identical run, for the ratio two equal runs give
 # (a) and (a0): ours against torch's, and our 1f1b against itself, launch by launch
@@ -140,9 +140,9 @@ def plan(profile: str, out: Path, name: str, *flags: str) -> Path:
 
 def torchrun(args: list[str], nproc: int = 2) -> dict:
     """Run an `nproc`-rank job; its rank 0 prints one JSON line last."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    with launch.launch_env() as env:
+        r = subprocess.run(launch.torchrun(nproc, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
     if r.returncode or not lines:
         sys.exit(f"benchmark: {' '.join(args[:3])} failed:\n{(r.stdout + r.stderr)[-3000:]}")

@@ -22,6 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from runtime import launch  # noqa: E402 (after the path fix above)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,11 +38,10 @@ def export(commit: str, into: Path) -> Path:
 
 
 def run(tree: Path, plan: Path, steps: int, warmup: int, flags: list[str]) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
-           str(plan.resolve()), "--steps", str(steps), "--warmup", str(warmup), "--data", "synthetic", "--json",
-           *flags]
-    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    cmd = launch.torchrun(2, "-m", "runtime", str(plan.resolve()), "--steps", str(steps), "--warmup", str(warmup),
+                          "--data", "synthetic", "--json", *flags)
+    with launch.launch_env(PYTHONPATH=str(tree)) as env:
+        r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         sys.exit(f"runtime_ab: {plan} under {tree} failed:\n{(r.stdout + r.stderr)[-2000:]}")

@@ -16,6 +16,10 @@
 # PROFILE=fresh|committed (default fresh: measure; committed: reuse profiles/bert-tiny-cpu.json),
 # PROFILE_FLAGS (more flags for pfcompile profile).
 set -euo pipefail
+# torchrun leaves a torchelastic_* folder in TMPDIR: it gets one of ours, removed at the end
+TMPDIR=$(mktemp -d -t pfcompile-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 PY=${PY:-python}
 OUT=${OUT:-out}
 STEPS=${STEPS:-120}

@@ -18,6 +18,10 @@
 # Usage: bash examples/llama.sh
 # Env: PY (python with pfcompile installed), OUT (default out/llama), STEPS (default 40)
 set -euo pipefail
+# torchrun leaves a torchelastic_* folder in TMPDIR: it gets one of ours, removed at the end
+TMPDIR=$(mktemp -d -t pfcompile-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 OUT=${OUT:-out/llama}

@@ -10,6 +10,10 @@
 # Usage: bash examples/train_text.sh [TEXT_FILE]   (default: the GPL-3 text Debian ships)
 # Env: PY (python with pfcompile installed), OUT (default out/text), STEPS (default: the config's 200)
 set -euo pipefail
+# torchrun leaves a torchelastic_* folder in TMPDIR: it gets one of ours, removed at the end
+TMPDIR=$(mktemp -d -t pfcompile-XXXXXX)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 OUT=${OUT:-out/text}

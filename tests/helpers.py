@@ -100,9 +100,9 @@ def torch_runtime(num_stages: int, group_size: int, n_microbatches: int):
     return _PipelineScheduleRuntime([StageShape()], n_microbatches)
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pfcompile", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:

@@ -29,7 +29,7 @@ def test_runtime_matches_torch_pipelining(tmp_path, schedule):
                         "--stages", "2", "--micro-batches", "4", "--no-kfac", "--method", "none", "-o", str(plan)],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(plan.parent)}  # torchelastic_*
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(ROOT / "benchmarks" / "runtime.py"), "--same-math-worker", str(plan), "--steps", str(STEPS)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -162,8 +162,9 @@ SMOKE = {
 # exactness_snapshot). Their parts are CI's: the trainer and the runtime in test_trainer and
 # test_runtime*, `inspect --against --json` in test_calibrate, the launch helpers in
 # runtime.py's smoke. A smoke is what keeps each script from rotting; `make test-all` runs them.
+# CI keeps runtime.py's and split_backward.py's smokes (the runtime launched from Python, runtime.launch)
 FULL = {"convergence.py", "convergence_pipeline.py", "race.py", "race.py --part", "promise.py", "drift.py",
-        "denormals.py", "runtime_ab.py", "exactness_snapshot.py"}
+        "denormals.py", "runtime_ab.py", "exactness_snapshot.py", "planner.py", "partition.py", "compare_commits.py"}
 
 
 def test_every_benchmark_is_smoked_or_excused():
@@ -178,8 +179,12 @@ def test_every_benchmark_is_smoked_or_excused():
 def test_benchmark_runs_to_its_table(script, tmp_path):
     args, check = SMOKE[script]
     cmd = [sys.executable, str(BENCHMARKS / script.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     check(r.stdout)
+    # its torchrun launches made their torchelastic_* folders in TMPDIRs of their own (runtime.launch)
+    assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())

@@ -32,9 +32,10 @@ def run(plan: Path, *flags: str, env: dict | None = None) -> subprocess.Complete
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime", str(plan), "--steps", "3", "--data", "synthetic", "--json", *flags]
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    # in the plan's (temporary) folder, where the run folder goes
+    # in the plan's (temporary) folder, where the run folder and torchrun's torchelastic_* go
     return subprocess.run(cmd, cwd=plan.parent, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path,
-                                                     **(env or {})}, capture_output=True, text=True, timeout=180)
+                                                     "TMPDIR": str(plan.parent), **(env or {})},
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.e2e

@@ -35,9 +35,12 @@ F32, I64 = 4, 8
 def measured(tmp_path_factory):
     """bert-tiny measured through the real CLI and profiler (with the 2-rank gloo comm)."""
     out = tmp_path_factory.mktemp("prof") / "bert-tiny.json"
+    tmp = tmp_path_factory.mktemp("tmpdir")
     r = cli("profile", "--model", "bert-tiny", "--micro-batch", str(MB), "--seq-len", str(SEQ),
-            "--repeats", "3", "--warmup", "1", "--quiet", "-o", str(out))
+            "--repeats", "3", "--warmup", "1", "--quiet", "-o", str(out), env={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr
+    # the runtime probe's torchrun made its torchelastic_* folder in a TMPDIR of the probe's own
+    assert not list(tmp.glob("torchelastic_*")), list(tmp.iterdir())
     return load_profile(str(out))
 
 

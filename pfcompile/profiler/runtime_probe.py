@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
 from pfcompile.formats.dataflow import captures
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
 from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
+from runtime import launch
 
 # The overheads' and parts' run: at least PROBE_STEPS (each stage's fwd and bwd ~90
 # samples), raised to PROBE_SECONDS of predicted run: this VM has slow spells of a second
@@ -92,15 +92,15 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
         steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "runtime",
-               plan_path, "--steps", str(steps), "--warmup", "2", "--data", "synthetic", "--trace", trace_path,
-               "--device", device.type]
+        cmd = launch.torchrun(2, "-m", "runtime", plan_path, "--steps", str(steps), "--warmup", "2",
+                              "--data", "synthetic", "--trace", trace_path, "--device", device.type)
         for s in sets:
             cmd += ["--set", s]
         name = profile.model.get("name", "")
         if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
             cmd += ["--model-code", name]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        with launch.launch_env() as env:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if r.returncode or not os.path.exists(trace_path):
             lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
             # the runtime's own one-line error, not torchrun's banner after it
