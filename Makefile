@@ -39,7 +39,7 @@ llama: setup
 
 # ruff first: a lint finding fails the suite before the slow tests start. CI's tier checks
 # every property once; the cases marked `full` (more families, optimizers and variants of a
-# property checked here, the long benchmarks' smokes) are left to `make test-all`, which runs
+# property checked here, most fuzz cases, the benchmarks' smokes) are left to `make test-all`, which runs
 # the whole suite (twice as long: run it before a change to the runtime or the planner lands).
 test: setup
 	$(VENV)/bin/ruff check .

@@ -183,6 +183,7 @@ def test_bfloat16_pipeline_matches_single_process(tmp_path):
 
 # --- the prepared GPU check, its CPU half ---------------------------------------------------------
 @pytest.mark.e2e
+@pytest.mark.full  # a benchmark's smoke: run it (or `make test-all`) before a session spends GPU time on it
 def test_gpu_check_script_runs_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh --device cpu: the same steps as on a GPU, with bert-tiny, so the
     script cannot rot while no GPU is at hand."""
