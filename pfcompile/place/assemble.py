@@ -84,6 +84,15 @@ def add_baseline_stats(plan: Plan, baseline: ReplayResult) -> None:
     plan.stats["step_overhead"] = round(plan.stats["step_time_ms"] / b - 1, 6) if b > 0 else None
 
 
+def appended_plan(profile: Profile, cfg: PipelineConfig, extra_stats: dict | None = None, *,
+                  graphs: TaskGraphs | None = None, where: str = "<plan>") -> tuple[Plan, ReplayResult]:
+    """Method "none" with an optimizer: the family's order, and the work of the whole refresh
+    cycle (cfg.refresh_steps) after the first step's own ops (appended_steps), replayed."""
+    tg = build_task_graph(profile, cfg, graphs=graphs)
+    plan = assemble(profile, tg, appended_steps(tg), "none")
+    return plan, finish(plan, profile, {"solver_status": "fixed", "gap": None, **(extra_stats or {})}, where=where)
+
+
 def appended_steps(tg: TaskGraph) -> dict[int, list[list[Op]]]:
     """Method "none" with K-FAC: no bubble filling; the K-FAC work of the cycle runs after
     the step's own ops (k = 1), in one global dependency order (so every member of a

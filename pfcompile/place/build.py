@@ -15,7 +15,6 @@ from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
-from pfcompile.graph.taskgraph import build_task_graph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
 from pfcompile.place.greedy import greedy_steps
@@ -141,10 +140,9 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
     if not cfg.optimizer_work:  # the baseline itself: the family's order has no freedom left
         plan, result = base_plan, baseline
     elif method == "none":
-        tg = build_task_graph(profile, replace(cfg, refresh_steps=1), graphs=graphs)
-        plan = assemble.assemble(profile, tg, assemble.appended_steps(tg), "none")
-        result = assemble.finish(plan, profile, {"solver_status": "fixed", "gap": None,
-                                                "solve_seconds": round(time.perf_counter() - t0, 3)}, where=where)
+        plan, result = assemble.appended_plan(profile, replace(cfg, refresh_steps=1),
+                                              {"solve_seconds": round(time.perf_counter() - t0, 3)},
+                                              graphs=graphs, where=where)
     elif method == "greedy":
         plan, result = _greedy_plan(profile, cfg, first_order_ms, where, planning, t0)
     else:

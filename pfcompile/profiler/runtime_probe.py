@@ -63,7 +63,6 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
     from dataclasses import replace
 
     from pfcompile.graph.schedules import PipelineConfig
-    from pfcompile.graph.taskgraph import build_task_graph
     from pfcompile.place import assemble
     from pfcompile.place.build import build_plan
     from pfcompile.place.options import PlanOptions
@@ -71,10 +70,7 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
     cfg = PipelineConfig(PROBE_SCHEDULE, stages=2, micro_batches=4, optimizer=optimizer)
     if not captures(cfg.optimizer_spec):
         return build_plan(profile, cfg, PlanOptions("none"))[0]
-    tg = build_task_graph(profile, replace(cfg, refresh_steps=CAPTURE_PROBE_CYCLE))
-    plan = assemble.assemble(profile, tg, assemble.appended_steps(tg), "none")  # the cycle's work in its first step
-    assemble.finish(plan, profile, {"solver_status": "fixed", "gap": None})
-    return plan
+    return assemble.appended_plan(profile, replace(cfg, refresh_steps=CAPTURE_PROBE_CYCLE))[0]
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int | None = None,
