@@ -9,7 +9,8 @@
 - io: training data, checkpoints, the exported model.
 
 `torchrun -m runtime PLAN`: __main__ (exit codes) -> config.cli (flags and validation) ->
-pipeline.loop (build, then run the plan's ops step after step). `runtime.train` is the
+pipeline.loop (build, then run the plan's ops step after step). `runtime.launch` starts that
+from Python (the profiler's probe, the benchmarks). `runtime.train` is the
 single-process reference trainer. Commands: `python -m runtime.prepare_data`,
 `python -m runtime.evaluate`.
 
