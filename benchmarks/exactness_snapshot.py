@@ -39,9 +39,8 @@ RUNS = [
 ]
 
 
-def _env() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+def _python_path() -> str:
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 def run_one(work: Path, name: str, optimizer: str, flags: list[str]) -> dict:
@@ -49,11 +48,11 @@ def run_one(work: Path, name: str, optimizer: str, flags: list[str]) -> dict:
 
     work.mkdir(parents=True, exist_ok=True)
     plan = work / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "pfcompile", "plan", PROFILE, "--schedule", "1f1b", "--stages",
-                    str(STAGES), "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer, "--method",
-                    "greedy", "-o", str(plan)], cwd=ROOT, env=_env(), check=True, capture_output=True)
     ckpt = work / f"{name}-ckpt"
-    with launch.launch_env(PYTHONPATH=_env()["PYTHONPATH"]) as env:
+    with launch.launch_env(PYTHONPATH=_python_path()) as env:  # the planner's and the run's
+        subprocess.run([sys.executable, "-m", "pfcompile", "plan", PROFILE, "--schedule", "1f1b", "--stages",
+                        str(STAGES), "--micro-batches", str(MICRO_BATCHES), "--optimizer", optimizer, "--method",
+                        "greedy", "-o", str(plan)], cwd=ROOT, env=env, check=True, capture_output=True)
         r = subprocess.run(launch.torchrun(STAGES, "-m", "runtime", str(plan), "--dtype", "float64", "--data",
                                            "synthetic", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
                                            "--checkpoint-every", str(STEPS), "--log-dir", str(work / f"{name}-log"),

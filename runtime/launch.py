@@ -18,7 +18,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 @contextlib.contextmanager
 def launch_env(**extra: str) -> Iterator[dict[str, str]]:
     """The launch's environment: one intra-op thread per rank (the ranks share the cores) and
-    a TMPDIR of its own, removed when the block ends: torchrun makes a torchelastic_* folder
-    there and never removes it."""
+    a TMPDIR of its own, removed when the block ends (with whatever the caller put there):
+    torchrun makes a torchelastic_* folder there and never removes it."""
     with tempfile.TemporaryDirectory(prefix="pfcompile-torchrun-") as tmp:
         yield {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, **extra}

@@ -79,11 +79,11 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
     `steps` steps (None: probe_steps; 2 warm-up) on 2 ranks, one thread each, synthetic
     tokens. -> (MeasuredTrace, None) or (None, the run's one-line error)."""
     import subprocess
-    import tempfile
 
     from pfcompile.calibrate.measured import load_measured
 
-    with tempfile.TemporaryDirectory(prefix="pfcompile-probe-") as tmp:
+    with launch.launch_env() as env:
+        tmp = env["TMPDIR"]  # the launch's own folder holds the probe's plan and trace too
         plan = probe_plan(profile, optimizer)
         steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
@@ -95,8 +95,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
         name = profile.model.get("name", "")
         if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
             cmd += ["--model-code", name]
-        with launch.launch_env() as env:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if r.returncode or not os.path.exists(trace_path):
             lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
             # the runtime's own one-line error, not torchrun's banner after it
