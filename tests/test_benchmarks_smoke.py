@@ -103,14 +103,15 @@ def check_split_backward(out: str) -> None:
 
 def check_promise(out: str) -> None:
     cells = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
-    # adamw and muon in the promise table and in the traced runs' table
-    assert [row[3] for row in cells] == ["adamw", "muon", "adamw", "muon"], out
+    # adamw and muon in the promise table, muon in the one-launch overhead's, both in the traced runs'
+    assert [row[3] for row in cells] == ["adamw", "muon", "muon", "adamw", "muon"], out
     assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
     assert re.match(r"^\d+\.\d{3} \(\d+\.\d{3}–\d+\.\d{3}\)$", cells[0][12]), out  # the schedule alone, per round
     # beside the optimizer's work: nothing to compare in AdamW's run, the ratios in Muon's
-    assert cells[2][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[3][-3]), out
+    assert cells[3][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[4][-3]), out
     assert re.search(r"before profiling \d+\.\d, before the rounds \d+\.\d, after them \d+\.\d", out), out  # the drift
+    assert cells[2][6].endswith("%") and cells[2][-2] in ("yes", "**no**"), out  # in one launch
 
 
 def check_denormals(out: str) -> None:
@@ -122,6 +123,12 @@ def check_drift(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1].split(":")[0].split(",")[0] for r in rows] == ["kernel", "one plan", "the same runs paired"], out
     assert float(rows[0][4]) > 0 and float(rows[1][4]) > 0 and rows[2][3] == "1", out  # 2 runs: one pair
+
+
+def check_interleaved(out: str) -> None:
+    rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    assert [r[1] for r in rows] == ["1"] and rows[0][5].endswith("%"), out  # one launch: both plans' blocks
+    assert re.search(r"measured - planned [-+]\d+\.\d points", out), out
 
 
 def check_runtime_ab(out: str) -> None:
@@ -148,10 +155,12 @@ SMOKE = {
                         "--eval-batches", "1", "--time-limit", "1", "--jobs", "2", "--work", "{tmp}"], check_fair_race),
     "promise.py": (["--models", "bert-tiny", "--profile", "bert-tiny=profiles/bert-tiny-cpu-optimizers.json",
                     "--optimizers", "adamw", "muon", "--schedules", "1f1b", "--rounds", "1", "--steps", "4",
-                    "--warmup", "1", "--time-limit", "1", "--kernel-seconds", "1", "--out", "{tmp}"], check_promise),
+                    "--warmup", "1", "--time-limit", "1", "--kernel-seconds", "1", "--interleaved", "--out", "{tmp}"],
+                   check_promise),
     "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
     "runtime_ab.py": (["--smoke"], check_runtime_ab),
+    "interleaved.py": (["--smoke"], check_interleaved),
     "split_backward.py": (["--model", "bert-tiny", "--parts", "block0", "--micro-batch", "2", "--seq-len", "16",
                            "--repeats", "2", "--warmup", "1"], check_split_backward),
 }
@@ -164,7 +173,7 @@ SMOKE = {
 # runtime.py's smoke. A smoke is what keeps each script from rotting; `make test-all` runs them.
 # CI keeps runtime.py's and split_backward.py's smokes (the runtime launched from Python, runtime.launch)
 FULL = {"convergence.py", "convergence_pipeline.py", "race.py", "race.py --part", "promise.py", "drift.py",
-        "denormals.py", "runtime_ab.py", "exactness_snapshot.py", "planner.py", "partition.py", "compare_commits.py"}
+        "denormals.py", "runtime_ab.py", "interleaved.py", "exactness_snapshot.py", "planner.py", "partition.py", "compare_commits.py"}
 
 
 def test_every_benchmark_is_smoked_or_excused():

@@ -87,15 +87,22 @@ def train_step(r: RankParts, step: int) -> tuple:
     return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, refresh)
 
 
-def run(job) -> measure.Summary | None:
-    """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
-    plan, cfg = job.plan, job.config
-    steps, ckpt, rt = cfg.train.steps, cfg.checkpoint, cfg.runtime
+def join(job) -> tuple[comm.World, bool]:
+    """Set this rank's process up as the job says (its cores if pinned, its torch threads,
+    subnormals flushed) and join the process group. -> (world, denormals flushed)."""
+    rt = job.config.runtime
     if rt.pin_cpus:  # before the process group and torch's thread pool start their threads
         affinity.pin(affinity.share(rt.threads))
     torch.set_num_threads(rt.threads)
     flushed = flush_denormals(job.device_type, rt.flush_denormal)
-    world = comm.init_world(rt.timeout, job.device_type)
+    return comm.init_world(rt.timeout, job.device_type), flushed
+
+
+def run(job) -> measure.Summary | None:
+    """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
+    plan, cfg = job.plan, job.config
+    steps, ckpt = cfg.train.steps, cfg.checkpoint
+    world, flushed = join(job)
     clean = False
     try:
         r = build_rank(job, world)

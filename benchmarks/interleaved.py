@@ -1,0 +1,196 @@
+"""An optimizer's overhead over AdamW with both plans in one launch (not a test: it times).
+
+Two launches a minute apart run at different speeds on a VM whose speed moves within
+minutes, so the overhead of two separate launches (promise.py's paired ratio) carries that
+drift. Here one torchrun builds both plans of a model on every rank (the same stages, data
+and settings as `-m runtime` builds, runtime.pipeline.loop.build_rank) and runs their steps
+in alternating blocks, A B A B ..., a second or two each. Each block skips its first step
+(the switch leaves the other plan's tensors in the caches) and times the next n steps,
+n a multiple of both plans' refresh cycles, as the steady step period: (start of the
+step after the last timed one - start of the first timed one) / n on each rank, averaged
+over the ranks (runtime.observe.measure.step_period's definition). The first block of each
+plan warms up and is dropped. A launch's overhead is the mean period of PLAN's blocks over
+BASE's, minus 1; `--rounds` launches, the order of the two reversed every other one.
+
+    .venv/bin/python benchmarks/interleaved.py BASE PLAN [--rounds 5] [--blocks 6] [--min-steps 8]
+        [--set SECTION.KEY=VALUE ...]   (PLAN's settings, e.g. muon.ns_dtype=float32)
+    .venv/bin/python benchmarks/interleaved.py --smoke   # bert-tiny AdamW against K-FAC, 1 round (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+from runtime import launch  # noqa: E402 (after the path fix above)
+
+BLOCKS, MIN_STEPS = 6, 8  # the defaults: ~1-2 s blocks on the tiny models here
+
+
+class Pair(NamedTuple):
+    """One launch: each plan's step period (ms) per timed block, in run order."""
+    base_ms: list[float]
+    plan_ms: list[float]
+
+    @property
+    def overhead(self) -> float:
+        return statistics.fmean(self.plan_ms) / statistics.fmean(self.base_ms) - 1
+
+
+def block_steps(plans: list[Path], min_steps: int) -> int:
+    """n: the timed steps of a block, whole refresh cycles of every plan, at least min_steps."""
+    k = math.lcm(*(json.loads(p.read_text())["config"]["refresh_steps"] for p in plans))
+    return k * math.ceil(min_steps / k)
+
+
+def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, settings: list[str]) -> Pair:
+    plans = [base, plan] if base_first else [plan, base]
+    args = ["--worker", *map(str, plans), "--blocks", str(blocks), "--timed", str(n)]
+    args += [x for s in settings for x in ("--set", s)] + ["--set-for", "1" if base_first else "0"]
+    nproc = json.loads(plan.read_text())["config"]["world_size"]
+    with launch.launch_env(PYTHONPATH=str(ROOT)) as env:
+        r = subprocess.run(launch.torchrun(nproc, __file__, *args), cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=1800)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        sys.exit(f"interleaved: {base.name} with {plan.name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    periods = json.loads(lines[-1])["periods_ms"]
+    return Pair(*(periods if base_first else periods[::-1]))
+
+
+def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: int = MIN_STEPS,
+           settings: tuple[str, ...] = (), say=None) -> list[Pair]:
+    """`count` launches of the pair, BASE's blocks first in even rounds, PLAN's in odd ones."""
+    n = block_steps([base, plan], min_steps)
+    out = []
+    for r in range(count):
+        out.append(launch_pair(base, plan, blocks, n, r % 2 == 0, list(settings)))
+        if say:
+            say(f"round {r + 1}: {plan.stem} over {base.stem}, in one launch: {out[-1].overhead:+.1%}")
+    return out
+
+
+def planned_overhead(base: Path, plan: Path) -> float:
+    step = lambda p: json.loads(p.read_text())["stats"]["step_time_ms"]  # noqa: E731
+    return step(plan) / step(base) - 1
+
+
+# --- the worker: one rank of the launch ------------------------------------------------------
+def worker(a) -> None:
+    """Build both plans on this rank, run their steps in alternating blocks, and print (rank
+    0) each plan's period per timed block as one JSON line."""
+    import gc
+
+    from runtime.config.cli import build_parser, prepare
+    from runtime.observe.measure import step_period
+    from runtime.pipeline import comm
+    from runtime.pipeline.loop import build_rank, join, train_step
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    length = a.timed + 2  # the step after the switch, n timed steps, and the one whose start ends them
+    steps = a.blocks * length
+    jobs = []
+    for i, path in enumerate(a.plans):
+        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", a.log_dir]
+        jobs.append(prepare(build_parser().parse_args(argv + (a.set if i == a.set_for else [])), rank, world_size))
+    world, _ = join(jobs[0])
+    clean = False
+    try:
+        parts = [build_rank(job, world) for job in jobs]
+        comm.barrier("the barrier before the first block", world.timeout)
+        for r in parts:
+            r.timeline.start()
+        gc.disable()  # collections between blocks, on every rank at once (as the runtime's loop)
+        for block in range(a.blocks):
+            for r in parts:
+                gc.collect(1)
+                for step in range(block * length, (block + 1) * length):
+                    train_step(r, step)
+                r.interp.settle()  # its divergence check, before the other plan's steps
+        periods = []
+        for r in parts:
+            mine = [step_period([r.timeline], list(range(b * length + 1, (b + 1) * length)))
+                    for b in range(1, a.blocks)]
+            periods.append(comm.gather_json(world, mine))
+        clean = True
+        if rank == 0:
+            print(json.dumps({"periods_ms": [[statistics.fmean(ranks[b] for ranks in gathered)
+                                              for b in range(a.blocks - 1)] for gathered in periods]}), flush=True)
+    finally:
+        gc.enable()
+        comm.shutdown(clean, world.timeout)
+    if clean:  # as `-m runtime`: every rank met at the final barrier, leave without gloo's teardown
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def smoke(folder: Path) -> tuple[Path, Path]:
+    made = []
+    for opt, method in (("adamw", ["--method", "none"]), ("kfac", ["--method", "greedy"])):
+        path = folder / f"bert-tiny-1f1b-{opt}.json"
+        r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", "profiles/bert-tiny-cpu.json", "--schedule",
+                            "1f1b", "--stages", "2", "--micro-batches", "4", "--optimizer", opt, *method, "-o",
+                            str(path)], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"interleaved: planning the smoke's {opt} plan failed:\n{r.stderr[-2000:]}")
+        made.append(path)
+    return made[0], made[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plans", nargs="*", type=Path, help="BASE PLAN (both of one model, stage layout and world)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=BLOCKS, help="blocks of each plan per launch, the first a warm-up")
+    ap.add_argument("--min-steps", type=int, default=MIN_STEPS, help="timed steps per block, at least (whole refresh cycles)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of PLAN's run")
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--timed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--set-for", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--log-dir", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        a.plans = [str(p) for p in a.plans]
+        a.log_dir = a.log_dir or os.environ["TMPDIR"]
+        a.set = [x for s in a.set for x in ("--set", s)]
+        return worker(a)
+    if a.blocks < 2:
+        ap.error("--blocks: at least 2 (the first of each plan is a warm-up)")
+    with tempfile.TemporaryDirectory(prefix="interleaved-") as tmp:
+        if a.smoke:
+            a.plans, a.rounds, a.blocks, a.min_steps = list(smoke(Path(tmp))), 1, 2, 2
+        if len(a.plans) != 2:
+            ap.error("give two plans: BASE PLAN")
+        base, plan = a.plans
+        print(f"{plan.name} over {base.name}: {a.rounds} launches of {a.blocks} blocks each of "
+              f"{block_steps([base, plan], a.min_steps)} timed steps; load average {os.getloadavg()}", flush=True)
+        pairs = rounds(base, plan, a.rounds, a.blocks, a.min_steps, tuple(a.set), say=print)
+        over = [p.overhead for p in pairs]
+        planned = planned_overhead(base, plan)
+        print(f"\nload average after: {os.getloadavg()}\n")
+        print("| round | first | BASE ms/step (blocks' mean, min–max) | PLAN ms/step | overhead |")
+        print("|---:|---|---:|---:|---:|")
+        for r, p in enumerate(pairs):
+            print(f"| {r + 1} | {'BASE' if r % 2 == 0 else 'PLAN'} | {statistics.fmean(p.base_ms):.1f} "
+                  f"({min(p.base_ms):.1f}–{max(p.base_ms):.1f}) | {statistics.fmean(p.plan_ms):.1f} "
+                  f"({min(p.plan_ms):.1f}–{max(p.plan_ms):.1f}) | {p.overhead:+.1%} |")
+        mid = statistics.median(over)
+        print(f"\noverhead in one launch: median {mid:+.1%} ({min(over):+.1%} to {max(over):+.1%}); planned "
+              f"{planned:+.1%}; measured - planned {100 * (mid - planned):+.1f} points")
+
+
+if __name__ == "__main__":
+    main()
