@@ -14,6 +14,7 @@ BASE's, minus 1; `--rounds` launches, the order of the two reversed every other 
 
     .venv/bin/python benchmarks/interleaved.py BASE PLAN [--rounds 5] [--blocks 6] [--min-steps 8]
         [--set SECTION.KEY=VALUE ...]   (PLAN's settings, e.g. muon.ns_dtype=float32)
+        [--check-losses]   (each plan alone too: its losses must equal those in the shared launch)
     .venv/bin/python benchmarks/interleaved.py --smoke   # bert-tiny AdamW against K-FAC, 1 round (tests)
 """
 
@@ -40,9 +41,12 @@ BLOCKS, MIN_STEPS = 6, 8  # the defaults: ~1-2 s blocks on the tiny models here
 
 
 class Pair(NamedTuple):
-    """One launch: each plan's step period (ms) per timed block, in run order."""
+    """One launch: each plan's step period (ms) per timed block, in run order, and each
+    plan's loss at every step."""
     base_ms: list[float]
     plan_ms: list[float]
+    base_losses: list[float]
+    plan_losses: list[float]
 
     @property
     def overhead(self) -> float:
@@ -66,8 +70,25 @@ def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, s
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         sys.exit(f"interleaved: {base.name} with {plan.name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    periods = json.loads(lines[-1])["periods_ms"]
-    return Pair(*(periods if base_first else periods[::-1]))
+    out = json.loads(lines[-1])
+    periods, losses = out["periods_ms"], out["losses"]
+    if not base_first:
+        periods, losses = periods[::-1], losses[::-1]
+    return Pair(*periods, *losses)
+
+
+def losses_alone(plan: Path, steps: int, settings: list[str]) -> list[float]:
+    """The plan's losses in a launch of its own (`-m runtime`), the same steps."""
+    args = ["-m", "runtime", str(plan), "--steps", str(steps), "--data", "synthetic", "--json"]
+    nproc = json.loads(plan.read_text())["config"]["world_size"]
+    with launch.launch_env() as env:
+        args += ["--log-dir", env["TMPDIR"], *[x for s in settings for x in ("--set", s)]]
+        r = subprocess.run(launch.torchrun(nproc, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=1800)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        sys.exit(f"interleaved: {plan.name} alone failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    return json.loads(lines[-1])["losses"]
 
 
 def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: int = MIN_STEPS,
@@ -112,22 +133,26 @@ def worker(a) -> None:
         comm.barrier("the barrier before the first block", world.timeout)
         for r in parts:
             r.timeline.start()
+        losses: list[list[float]] = [[] for _ in parts]  # this rank's share of each step's loss, per plan
         gc.disable()  # collections between blocks, on every rank at once (as the runtime's loop)
         for block in range(a.blocks):
-            for r in parts:
+            for r, mine in zip(parts, losses):
                 gc.collect(1)
                 for step in range(block * length, (block + 1) * length):
-                    train_step(r, step)
+                    mine.append(train_step(r, step)[1])
                 r.interp.settle()  # its divergence check, before the other plan's steps
-        periods = []
-        for r in parts:
-            mine = [step_period([r.timeline], list(range(b * length + 1, (b + 1) * length)))
-                    for b in range(1, a.blocks)]
-            periods.append(comm.gather_json(world, mine))
+        periods, shares = [], []
+        for r, mine in zip(parts, losses):
+            periods.append(comm.gather_json(world, [step_period([r.timeline], list(range(b * length + 1, (b + 1) * length)))
+                                                    for b in range(1, a.blocks)]))
+            shares.append(comm.gather_json(world, mine))
         clean = True
         if rank == 0:
+            # each plan's losses, step by step, as its own launch would log them: the check that
+            # the two plans in one process leave each other's training alone
             print(json.dumps({"periods_ms": [[statistics.fmean(ranks[b] for ranks in gathered)
-                                              for b in range(a.blocks - 1)] for gathered in periods]}), flush=True)
+                                              for b in range(a.blocks - 1)] for gathered in periods],
+                              "losses": [[sum(col) for col in zip(*gathered)] for gathered in shares]}), flush=True)
     finally:
         gc.enable()
         comm.shutdown(clean, world.timeout)
@@ -156,6 +181,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=BLOCKS, help="blocks of each plan per launch, the first a warm-up")
     ap.add_argument("--min-steps", type=int, default=MIN_STEPS, help="timed steps per block, at least (whole refresh cycles)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of PLAN's run")
+    ap.add_argument("--check-losses", action="store_true",
+                    help="also run each plan in a launch of its own and check its losses equal those of the first "
+                         "round's, step by step (that the two in one process leave each other alone)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timed", type=int, help=argparse.SUPPRESS)
@@ -171,7 +199,7 @@ def main() -> None:
         ap.error("--blocks: at least 2 (the first of each plan is a warm-up)")
     with tempfile.TemporaryDirectory(prefix="interleaved-") as tmp:
         if a.smoke:
-            a.plans, a.rounds, a.blocks, a.min_steps = list(smoke(Path(tmp))), 1, 2, 2
+            a.plans, a.rounds, a.blocks, a.min_steps, a.check_losses = list(smoke(Path(tmp))), 1, 2, 2, True
         if len(a.plans) != 2:
             ap.error("give two plans: BASE PLAN")
         base, plan = a.plans
@@ -187,6 +215,13 @@ def main() -> None:
             print(f"| {r + 1} | {'BASE' if r % 2 == 0 else 'PLAN'} | {statistics.fmean(p.base_ms):.1f} "
                   f"({min(p.base_ms):.1f}–{max(p.base_ms):.1f}) | {statistics.fmean(p.plan_ms):.1f} "
                   f"({min(p.plan_ms):.1f}–{max(p.plan_ms):.1f}) | {p.overhead:+.1%} |")
+        if a.check_losses:  # the two plans in one process train as each does alone
+            same = [losses_alone(base, len(pairs[0].base_losses), []) == pairs[0].base_losses,
+                    losses_alone(plan, len(pairs[0].plan_losses), list(a.set)) == pairs[0].plan_losses]
+            print(f"losses step by step as in launches of their own: BASE {'equal' if same[0] else 'DIFFERENT'}, "
+                  f"PLAN {'equal' if same[1] else 'DIFFERENT'}")
+            if not all(same):
+                sys.exit(1)
         mid = statistics.median(over)
         print(f"\noverhead in one launch: median {mid:+.1%} ({min(over):+.1%} to {max(over):+.1%}); planned "
               f"{planned:+.1%}; measured - planned {100 * (mid - planned):+.1f} points")

@@ -129,6 +129,7 @@ def check_interleaved(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1] for r in rows] == ["1"] and rows[0][5].endswith("%"), out  # one launch: both plans' blocks
     assert re.search(r"measured - planned [-+]\d+\.\d points", out), out
+    assert "BASE equal, PLAN equal" in out, out  # two plans in one process train as each does alone
 
 
 def check_runtime_ab(out: str) -> None:
