@@ -105,6 +105,21 @@ def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess
                           timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
+def plan_in_process(*args: object) -> None:
+    """`pfcompile plan ARGS` in this process (pfcompile.cli.main, the command's own entry point),
+    for a test whose subject is what runs or draws the plan: a subprocess would add ~1.6 s of
+    start-up. Tests of the command itself (exit codes, stderr, --json) run it through `cli`."""
+    import io
+    from contextlib import redirect_stderr
+
+    from pfcompile.cli import main
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(["plan", *map(str, args)])
+    assert code == 0, err.getvalue()[-2000:]
+
+
 def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiered
+from helpers import plan_in_process, tiered
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -25,10 +25,8 @@ STEPS = 3
 @pytest.mark.parametrize("schedule", tiered([("gpipe",), ("1f1b",)], ["gpipe", "1f1b"], ci={1}))
 def test_runtime_matches_torch_pipelining(tmp_path, schedule):
     plan = tmp_path / f"{schedule}.json"
-    r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", "profiles/bert-tiny-cpu.json", "--schedule", schedule,
-                        "--stages", "2", "--micro-batches", "4", "--no-kfac", "--method", "none", "-o", str(plan)],
-                       cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    plan_in_process(ROOT / "profiles" / "bert-tiny-cpu.json", "--schedule", schedule, "--stages", 2,
+                    "--micro-batches", 4, "--no-kfac", "--method", "none", "-o", plan)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(plan.parent)}  # torchelastic_*
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(ROOT / "benchmarks" / "runtime.py"), "--same-math-worker", str(plan), "--steps", str(STEPS)],

@@ -16,6 +16,7 @@ from helpers import (
     assert_same_params,
     distributed_params,
     make_plan,
+    plan_in_process,
     reference_params,
     run_single,
     tiered,
@@ -31,10 +32,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 def plan_from_profile(tmp_path, schedule: str, stages: int, *extra: str, profile=PROFILE):
     out = tmp_path / f"{schedule}.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(profile), "--schedule", schedule,
-                           "--stages", str(stages), "--micro-batches", "4", "--method", "greedy", *extra,
-                           "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
+    plan_in_process(profile, "--schedule", schedule, "--stages", stages, "--micro-batches", 4, "--method", "greedy",
+                    *extra, "-o", out)
     return out, json.loads(out.read_text())
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, assert_same_params, distributed_params, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, plan_in_process, torchrun
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import load_profile
@@ -181,9 +181,8 @@ def test_the_runtime_runs_the_cut_auto_chose(tmp_path, ops_only_tiny):
     profile = tmp_path / "heavy-head-step.json"
     prof.save(str(profile))
     plan = tmp_path / "auto.json"
-    r = run_plan_cli(str(profile), "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "--optimizer", "muon",
-                     "--partition", "auto", "--time-limit", "30", "-o", str(plan))
-    assert r.returncode == 0, r.stderr
+    plan_in_process(profile, "--schedule", "1f1b", "--stages", 2, "--micro-batches", 4, "--optimizer", "muon",
+                    "--partition", "auto", "--time-limit", 30, "-o", plan)
     loaded = json.loads(plan.read_text())
     assert loaded["partition"] == [["embed", "block0", "block1"], ["head"]] != compute_partition(prof, 2)
     assert loaded["stats"]["partition_search"]["chosen"] == "auto"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import plan_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -21,10 +22,8 @@ pytestmark = pytest.mark.skipif(not CORES, reason="needs Linux's sched_getaffini
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pin") / "gpipe.json"
-    r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),
-                        "--schedule", "gpipe", "--stages", "2", "--micro-batches", "2", "--no-kfac",
-                        "--method", "none", "-o", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    plan_in_process(ROOT / "profiles" / "bert-tiny-cpu.json", "--schedule", "gpipe", "--stages", 2,
+                    "--micro-batches", 2, "--no-kfac", "--method", "none", "-o", out)
     return out
 
 

@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from helpers import torch_runtime
+from helpers import plan_in_process, torch_runtime
 
 from pfcompile.formats.plan import load_plan, plan_from_json
 from pfcompile.formats.verify import model_hash
@@ -196,10 +196,8 @@ def test_large_plan_is_collapsed_automatically_and_says_so(tmp_path):
 def kfac_plan(tmp_path_factory):
     """The planner's 1f1b plan of bert-tiny on 2 devices: its refresh spans several steps."""
     path = tmp_path_factory.mktemp("kfac") / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-tiny-cpu.json"),
-                           "--schedule", "1f1b", "--stages", "2", "--micro-batches", "4", "-o", str(path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert made.returncode == 0, made.stderr
+    plan_in_process(REPO / "profiles/bert-tiny-cpu.json", "--schedule", "1f1b", "--stages", 2, "--micro-batches", 4,
+                    "-o", path)
     plan = load_plan(str(path))
     assert plan.refresh_steps >= 2
     return plan
@@ -500,10 +498,8 @@ def test_planner_plans_render_and_load_in_torch(tmp_path, family):
     from torch.distributed.pipelining.schedules import _simulate_comms_compute
 
     plan_path = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-base-p100-ref.json"),
-                           *PLANNER_CASES[family], "--method", "greedy", "-o", str(plan_path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert made.returncode == 0, made.stderr
+    plan_in_process(REPO / "profiles/bert-base-p100-ref.json", *PLANNER_CASES[family], "--method", "greedy",
+                    "-o", plan_path)
     plan = load_plan(str(plan_path))
     r = cli(plan_path, "--torch-csv", tmp_path / "o.csv", "--trace", tmp_path / "t.json",
             "--graph", tmp_path / "g.svg", "--steps", "0", "--collapse", "--json")
@@ -567,11 +563,8 @@ def test_shampoo_and_muon_plans_show_their_ops_in_inspect_timeline_and_graph(tmp
     from pfcompile.render.style import GROUPS
 
     plan_path = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(REPO / "profiles/bert-base-p100-ref.json"),
-                           "--schedule", "chimera", "--stages", "4", "--micro-batches", "4", "--optimizer", optimizer,
-                           "--method", "greedy", "-o", str(plan_path)], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
-    assert made.returncode == 0, made.stderr
+    plan_in_process(REPO / "profiles/bert-base-p100-ref.json", "--schedule", "chimera", "--stages", 4,
+                    "--micro-batches", 4, "--optimizer", optimizer, "--method", "greedy", "-o", plan_path)
     plan = load_plan(str(plan_path))
 
     # inspect: the header names the optimizer; the op lists hold every op of its work, in text form

@@ -24,6 +24,7 @@ from helpers import (
     assert_same_params,
     distributed_params,
     make_plan,
+    plan_in_process,
     reference_params,
     run_single,
     tiered,
@@ -263,10 +264,8 @@ def test_planner_output_matches_single_process(tmp_path, ops_only_tiny, schedule
     profile's op costs) runs one whole refresh cycle and one step with the new inverses in
     force, and ends equal to the single-process run."""
     plan = tmp_path / f"{schedule}.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ops_only_tiny),
-                           "--schedule", schedule, "--stages", str(D), "--micro-batches", "4", "--method", "greedy",
-                           "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
+    plan_in_process(ops_only_tiny, "--schedule", schedule, "--stages", D, "--micro-batches", 4, "--method", "greedy",
+                    "-o", plan)
     config = json.loads(plan.read_text())["config"]
     steps = config["refresh_steps"] + 1
     r = torchrun(plan, config["world_size"], "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -293,10 +292,8 @@ def test_split_preconditioning_matches_single_process(tmp_path, schedule, args):
     profile = tmp_path / "bert-mini-small-batch.json"
     prof.save(str(profile))
     plan = tmp_path / f"{schedule}-split.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(profile),
-                           "--schedule", schedule, *args, "--micro-batches", "4", "--method", "none",
-                           "--precond", "split", "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
+    plan_in_process(profile, "--schedule", schedule, *args, "--micro-batches", 4, "--method", "none",
+                    "--precond", "split", "-o", plan)
     loaded = json.loads(plan.read_text())
     config = loaded["config"]
     assert config["precond"] == "split" and config["refresh_steps"] == 1

@@ -6,11 +6,17 @@ equal the single process's to 1e-5 relative."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, assert_same_params, distributed_params, optimizer_reference_params, tiered, torchrun
+from helpers import (
+    ROOT,
+    assert_same_params,
+    distributed_params,
+    optimizer_reference_params,
+    plan_in_process,
+    tiered,
+    torchrun,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -30,11 +36,8 @@ def plan_with(tmp_path, optimizer: str, schedule: str, D: int, method: str, *ext
     profile = tmp_path / "profile.json"
     prof.save(str(profile))
     plan = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(profile), "--schedule", schedule,
-                           "--stages", str(D), "--micro-batches", "4", "--optimizer", optimizer, "--method", method,
-                           "--time-limit", "8", "-o", str(plan), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert made.returncode == 0, made.stderr[-2000:]
+    plan_in_process(profile, "--schedule", schedule, "--stages", D, "--micro-batches", 4, "--optimizer", optimizer,
+                    "--method", method, "--time-limit", 8, "-o", plan, *extra)
     return plan, json.loads(plan.read_text())
 
 

@@ -6,12 +6,10 @@ force must equal the single process's to 1e-5."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, assert_same_params, distributed_params, reference_params, tiered, torchrun
+from helpers import ROOT, assert_same_params, distributed_params, plan_in_process, reference_params, tiered, torchrun
 
 ZB_CASES = [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat")]
 
@@ -20,10 +18,8 @@ ZB_CASES = [("zb-v", 2, "none"), ("zb-h1", 4, "greedy"), ("dualpipev", 2, "cpsat
 @pytest.mark.parametrize("schedule,D,method", tiered(ZB_CASES, [f"{s}-{d}-{m}" for s, d, m in ZB_CASES], ci={2}))
 def test_split_backward_matches_single_process(tmp_path, schedule, D, method):
     plan = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(ROOT / "profiles" / "bert-tiny-cpu.json"),
-                           "--schedule", schedule, "--stages", str(D), "--micro-batches", "4", "--method", method,
-                           "-o", str(plan)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
+    plan_in_process(ROOT / "profiles" / "bert-tiny-cpu.json", "--schedule", schedule, "--stages", D,
+                    "--micro-batches", 4, "--method", method, "-o", plan)
     loaded = json.loads(plan.read_text())
     kinds = {o["op"] for r in loaded["ranks"] for s in r["steps"] for o in s}
     assert {"bwd_input", "bwd_weight", "curv_b"} <= kinds and "bwd" not in kinds
