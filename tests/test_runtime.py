@@ -341,7 +341,21 @@ def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
     assert len(steps) >= 10 and 2 * sum(ahead) >= len(steps), [first_start[s + 1] - last_end[s] for s in steps]
 
 
-def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    """One run of the hand-made 2-stage 1F1B plan, traced from its first step (--warmup 0),
+    every runtime setting at its default and no --log-dir (its run folder: runs/PLAN-UTCTIME/
+    beside the plan). Two tests read it, one launch: its trace's runtime row, and the
+    summary's default of flushed subnormals."""
+    d = tmp_path_factory.mktemp("traced")
+    plan = make_plan(d, "1f1b", 2)
+    trace_path = d / "trace.json"
+    steps = 3 * K + 1
+    r = torchrun(plan, 2, "--steps", str(steps), "--warmup", "0", "--trace", str(trace_path))
+    return plan, steps, trace_path, r
+
+
+def test_the_trace_shows_the_runtimes_work_between_ops(traced_run):
     """A measured trace has a "runtime" row per rank (pfcompile.formats.ops.RUNTIME_SPANS):
     every step's batch, receives posted ahead (on a rank that receives), sends completed
     and divergence check, K-FAC's activation of the new inverses on each refresh step after
@@ -350,11 +364,9 @@ def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
     loader keeps them apart from the ops."""
     from pfcompile.calibrate.measured import load_measured
 
-    plan = make_plan(tmp_path, "1f1b", 2)
+    plan, steps, trace_path, r = traced_run
     k = K  # the hand plan's refresh cycle
-    trace_path = tmp_path / "trace.json"
-    steps = 3 * k + 1
-    r = torchrun(plan, 2, "--steps", str(steps), "--warmup", "0", "--trace", str(trace_path))
+    assert steps == 3 * k + 1
     assert r.returncode == 0, r.stdout[-3000:]
     events = json.loads(trace_path.read_text())["traceEvents"]
     rows = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
@@ -371,15 +383,17 @@ def test_the_trace_shows_the_runtimes_work_between_ops(tmp_path):
             assert not any(o.start_ms < s.end_ms - 1e-6 and s.start_ms < o.end_ms - 1e-6 for o in ops), (q, s)
 
 
-def test_ranks_flush_subnormals_unless_told_not_to(tmp_path):
+def test_ranks_flush_subnormals_unless_told_not_to(tmp_path, traced_run):
     """Each rank's arithmetic flushes subnormal floats to zero by default
     (runtime.flush_denormal), read back from the rank's own CPU state into the summary; the
     setting turns it off. (A K-FAC run whose values drift below 1.2e-38 slowed its backward
-    passes 3x within 120 steps without it: benchmarks/results/2026-12-04-denormals.md.)"""
-    plan = make_plan(tmp_path, "1f1b", 2)
-    for setting, want in ((None, True), ("false", False)):
-        log = tmp_path / f"run-{setting}"
-        extra = ["--set", f"runtime.flush_denormal={setting}"] if setting else []
-        r = torchrun(plan, 2, "--steps", "2", "--log-dir", str(log), *extra)
-        assert r.returncode == 0, r.stdout[-3000:]
-        assert json.loads((log / "summary.json").read_text())["denormals_flushed"] == [want, want]
+    passes 3x within 120 steps without it: benchmarks/results/2026-12-04-denormals.md.)
+    The default: the shared traced run (no setting given), its summary in its run folder."""
+    plan, _, _, r = traced_run
+    assert r.returncode == 0, r.stdout[-3000:]
+    (folder,) = (plan.parent / "runs").glob(f"{plan.stem}-*")
+    assert json.loads((folder / "summary.json").read_text())["denormals_flushed"] == [True, True]
+    log = tmp_path / "run-false"
+    r = torchrun(plan, 2, "--steps", "2", "--log-dir", str(log), "--set", "runtime.flush_denormal=false")
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert json.loads((log / "summary.json").read_text())["denormals_flushed"] == [False, False]
