@@ -41,12 +41,15 @@ BLOCKS, MIN_STEPS = 6, 8  # the defaults: ~1-2 s blocks on the tiny models here
 
 
 class Pair(NamedTuple):
-    """One launch: each plan's step period (ms) per timed block, in run order, and each
-    plan's loss at every step."""
+    """One launch: each plan's step period (ms) per timed block, in run order, each plan's
+    loss at every step, and its compute ops' time per step by class, [measured, planned]
+    summed over the ranks (op_time)."""
     base_ms: list[float]
     plan_ms: list[float]
     base_losses: list[float]
     plan_losses: list[float]
+    base_ops: dict
+    plan_ops: dict
 
     @property
     def overhead(self) -> float:
@@ -71,10 +74,10 @@ def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, s
     if r.returncode or not lines:
         sys.exit(f"interleaved: {base.name} with {plan.name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
     out = json.loads(lines[-1])
-    periods, losses = out["periods_ms"], out["losses"]
+    periods, losses, ops = out["periods_ms"], out["losses"], out["op_ms"]
     if not base_first:
-        periods, losses = periods[::-1], losses[::-1]
-    return Pair(*periods, *losses)
+        periods, losses, ops = periods[::-1], losses[::-1], ops[::-1]
+    return Pair(*periods, *losses, *ops)
 
 
 def losses_alone(plan: Path, steps: int, settings: list[str]) -> list[float]:
@@ -141,24 +144,51 @@ def worker(a) -> None:
                 for step in range(block * length, (block + 1) * length):
                     mine.append(train_step(r, step)[1])
                 r.interp.settle()  # its divergence check, before the other plan's steps
-        periods, shares = [], []
+        periods, shares, ops = [], [], []
+        timed = [list(range(b * length + 1, (b + 1) * length)) for b in range(1, a.blocks)]
         for r, mine in zip(parts, losses):
-            periods.append(comm.gather_json(world, [step_period([r.timeline], list(range(b * length + 1, (b + 1) * length)))
-                                                    for b in range(1, a.blocks)]))
+            periods.append(comm.gather_json(world, [step_period([r.timeline], steps) for steps in timed]))
             shares.append(comm.gather_json(world, mine))
+            ops.append(comm.gather_json(world, op_time(r, {s for steps in timed for s in steps[:-1]})))
         clean = True
         if rank == 0:
             # each plan's losses, step by step, as its own launch would log them: the check that
             # the two plans in one process leave each other's training alone
             print(json.dumps({"periods_ms": [[statistics.fmean(ranks[b] for ranks in gathered)
                                               for b in range(a.blocks - 1)] for gathered in periods],
-                              "losses": [[sum(col) for col in zip(*gathered)] for gathered in shares]}), flush=True)
+                              "losses": [[sum(col) for col in zip(*gathered)] for gathered in shares],
+                              "op_ms": [{c: [sum(g[c][i] for g in gathered) for i in (0, 1)] for c in gathered[0]}
+                                        for gathered in ops]}), flush=True)
     finally:
         gc.enable()
         comm.shutdown(clean, world.timeout)
     if clean:  # as `-m runtime`: every rank met at the final barrier, leave without gloo's teardown
         sys.stdout.flush()
         os._exit(0)
+
+
+def op_time(r, steps: set[int]) -> dict[str, list[float]]:
+    """This rank's compute ops over `steps`, measured and planned (ms, per step), as two
+    classes: the pipeline's passes (forward, backward, B, W) and the rest (the update and
+    the optimizer's work). Which class runs slower than its profile says where an overhead
+    beyond the plan comes from."""
+    from pfcompile.formats.ops import COMPUTE_KINDS, PASS_KINDS
+
+    plan, rank = r.interp.plan, r.interp.world.rank
+    planned = [[(str(po.op), po.end - po.start) for po in ops] for ops in plan.ranks[rank]]
+    out = {"passes": [0.0, 0.0], "update and optimizer": [0.0, 0.0]}
+    index: dict[int, int] = {}
+    for step, text, kind, start, end in r.timeline.ops:
+        i = index[step] = index.get(step, -1) + 1
+        if step not in steps or kind not in COMPUTE_KINDS:
+            continue
+        want_text, want_ms = planned[step % len(planned)][i]
+        if want_text != text:  # the run's order is the plan's (measure._op_ratio skips a mismatch alike)
+            continue
+        total = out["passes" if kind in PASS_KINDS else "update and optimizer"]
+        total[0] += (end - start) / len(steps)
+        total[1] += want_ms / len(steps)
+    return out
 
 
 def smoke(folder: Path) -> tuple[Path, Path]:
@@ -209,12 +239,17 @@ def main() -> None:
         over = [p.overhead for p in pairs]
         planned = planned_overhead(base, plan)
         print(f"\nload average after: {os.getloadavg()}\n")
-        print("| round | first | BASE ms/step (blocks' mean, min–max) | PLAN ms/step | overhead |")
-        print("|---:|---|---:|---:|---:|")
+        print("| round | first | BASE ms/step (blocks' mean, min–max) | PLAN ms/step | overhead "
+              "| passes, measured/planned: BASE, PLAN | update and optimizer ops: BASE, PLAN |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
         for r, p in enumerate(pairs):
+            level = lambda ops, c: ops[c][0] / ops[c][1] if ops[c][1] else float("nan")  # noqa: E731
             print(f"| {r + 1} | {'BASE' if r % 2 == 0 else 'PLAN'} | {statistics.fmean(p.base_ms):.1f} "
                   f"({min(p.base_ms):.1f}–{max(p.base_ms):.1f}) | {statistics.fmean(p.plan_ms):.1f} "
-                  f"({min(p.plan_ms):.1f}–{max(p.plan_ms):.1f}) | {p.overhead:+.1%} |")
+                  f"({min(p.plan_ms):.1f}–{max(p.plan_ms):.1f}) | {p.overhead:+.1%} | "
+                  f"{level(p.base_ops, 'passes'):.3f}, {level(p.plan_ops, 'passes'):.3f} | "
+                  + ", ".join(f"{ops['update and optimizer'][0]:.1f} / {ops['update and optimizer'][1]:.1f} ms"
+                              for ops in (p.base_ops, p.plan_ops)) + " |")
         if a.check_losses:  # the two plans in one process train as each does alone
             same = [losses_alone(base, len(pairs[0].base_losses), []) == pairs[0].base_losses,
                     losses_alone(plan, len(pairs[0].plan_losses), list(a.set)) == pairs[0].plan_losses]

@@ -213,8 +213,9 @@ def main() -> None:
               "of whole refresh cycles, each plan's mean step period over AdamW's, one launch per round; the table's "
               "paired ratio above is of two launches):\n")
         print("| model | schedule | optimizer | planned | two launches (paired median) | in one launch (median) | min–max "
-              "| measured − planned | within ±2 pts? |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---|")
+              "| measured − planned | within ±2 pts? | passes measured/planned: AdamW's, its (median) "
+              "| update and optimizer ops: measured / planned ms per step (median) |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
         for row in rows:
             key = (row["model"], row["schedule"], row["optimizer"])
             if key not in one_launch:
@@ -222,9 +223,14 @@ def main() -> None:
             over, planned = [p.overhead for p in one_launch[key]], row["overhead_planned"]
             row["overhead_one_launch"] = over
             mid = statistics.median(over)
+            pairs = one_launch[key]
+            passes = [statistics.median(ops["passes"][0] / ops["passes"][1] for ops in side)
+                      for side in ([p.base_ops for p in pairs], [p.plan_ops for p in pairs])]
+            work = [statistics.median(p.plan_ops["update and optimizer"][i] for p in pairs) for i in (0, 1)]
             print(f"| {' | '.join(key)} | {planned:+.1%} | {statistics.median(row['overhead_measured']):+.1%} | "
                   f"{mid:+.1%} | {spread(over, '+.1%')} | {100 * (mid - planned):+.1f} | "
-                  f"{'yes' if abs(mid - planned) <= 0.02 else '**no**'} |")
+                  f"{'yes' if abs(mid - planned) <= 0.02 else '**no**'} | {passes[0]:.3f}, {passes[1]:.3f} | "
+                  f"{work[0]:.1f} / {work[1]:.1f} |")
     if traced:
         print("\nWhere the time went (one traced run per cell; ms per step; `pfcompile inspect --against --profile`):\n")
         print("| model | schedule | optimizer | measured (median step) | predicted | median/predicted | error "

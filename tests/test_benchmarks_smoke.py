@@ -111,7 +111,8 @@ def check_promise(out: str) -> None:
     # beside the optimizer's work: nothing to compare in AdamW's run, the ratios in Muon's
     assert cells[3][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[4][-3]), out
     assert re.search(r"before profiling \d+\.\d, before the rounds \d+\.\d, after them \d+\.\d", out), out  # the drift
-    assert cells[2][6].endswith("%") and cells[2][-2] in ("yes", "**no**"), out  # in one launch
+    assert cells[2][6].endswith("%") and cells[2][9] in ("yes", "**no**"), out  # in one launch
+    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", cells[2][10]), out  # the passes' level in each plan
 
 
 def check_denormals(out: str) -> None:
@@ -128,6 +129,7 @@ def check_drift(out: str) -> None:
 def check_interleaved(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1] for r in rows] == ["1"] and rows[0][5].endswith("%"), out  # one launch: both plans' blocks
+    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", rows[0][6]), out  # the passes' level in each plan
     assert re.search(r"measured - planned [-+]\d+\.\d points", out), out
     assert "BASE equal, PLAN equal" in out, out  # two plans in one process train as each does alone
 
