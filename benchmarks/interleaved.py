@@ -114,7 +114,8 @@ def planned_overhead(base: Path, plan: Path) -> float:
 # --- the worker: one rank of the launch ------------------------------------------------------
 def worker(a) -> None:
     """Build both plans on this rank, run their steps in alternating blocks, and print (rank
-    0) each plan's period per timed block as one JSON line."""
+    0) one JSON line: each plan's period per timed block (the ranks' mean), its loss at every
+    step, and its compute ops by class (op_time, summed over the ranks)."""
     import gc
 
     from runtime.config.cli import build_parser, prepare
