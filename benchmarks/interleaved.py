@@ -21,21 +21,25 @@ BASE's, minus 1; `--rounds` launches, the order of the two reversed every other 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package.
+# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package; the worker,
+# run as a script, finds the runtime package in the repository.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
-from runtime import launch  # noqa: E402 (after the path fix above)
+# the runtime benchmark's launch and plan helpers (torchrun, plan)
+_spec = importlib.util.spec_from_file_location("bench_runtime", Path(__file__).with_name("runtime.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 BLOCKS, MIN_STEPS = 6, 8  # the defaults: ~1-2 s blocks on the tiny models here
 
@@ -64,34 +68,20 @@ def block_steps(plans: list[Path], min_steps: int) -> int:
 
 def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, settings: list[str]) -> Pair:
     plans = [base, plan] if base_first else [plan, base]
-    args = ["--worker", *map(str, plans), "--blocks", str(blocks), "--timed", str(n)]
+    args = [__file__, "--worker", *map(str, plans), "--blocks", str(blocks), "--timed", str(n)]
     args += [x for s in settings for x in ("--set", s)] + ["--set-for", "1" if base_first else "0"]
-    nproc = json.loads(plan.read_text())["config"]["world_size"]
-    with launch.launch_env(PYTHONPATH=str(ROOT)) as env:
-        r = subprocess.run(launch.torchrun(nproc, __file__, *args), cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=1800)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not lines:
-        sys.exit(f"interleaved: {base.name} with {plan.name} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    out = json.loads(lines[-1])
+    out = bench.torchrun(args, json.loads(plan.read_text())["config"]["world_size"])
     periods, losses, ops = out["periods_ms"], out["losses"], out["op_ms"]
     if not base_first:
         periods, losses, ops = periods[::-1], losses[::-1], ops[::-1]
     return Pair(*periods, *losses, *ops)
 
 
-def losses_alone(plan: Path, steps: int, settings: list[str]) -> list[float]:
+def losses_alone(plan: Path, steps: int, settings: list[str], log_dir: str) -> list[float]:
     """The plan's losses in a launch of its own (`-m runtime`), the same steps."""
-    args = ["-m", "runtime", str(plan), "--steps", str(steps), "--data", "synthetic", "--json"]
-    nproc = json.loads(plan.read_text())["config"]["world_size"]
-    with launch.launch_env() as env:
-        args += ["--log-dir", env["TMPDIR"], *[x for s in settings for x in ("--set", s)]]
-        r = subprocess.run(launch.torchrun(nproc, *args), cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=1800)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    if r.returncode or not lines:
-        sys.exit(f"interleaved: {plan.name} alone failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    return json.loads(lines[-1])["losses"]
+    args = ["-m", "runtime", str(plan), "--steps", str(steps), "--data", "synthetic", "--json", "--log-dir", log_dir,
+            *[x for s in settings for x in ("--set", s)]]
+    return bench.torchrun(args, json.loads(plan.read_text())["config"]["world_size"])["losses"]
 
 
 def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: int = MIN_STEPS,
@@ -173,36 +163,21 @@ def op_time(r, steps: set[int]) -> dict[str, list[float]]:
     classes: the pipeline's passes (forward, backward, B, W) and the rest (the update and
     the optimizer's work). Which class runs slower than its profile says where an overhead
     beyond the plan comes from."""
-    from pfcompile.formats.ops import COMPUTE_KINDS, PASS_KINDS
+    from pfcompile.formats.ops import PASS_KINDS
+    from runtime.observe.measure import matched_compute_ops, predicted_op_table
 
-    plan, rank = r.interp.plan, r.interp.world.rank
-    planned = [[(str(po.op), po.end - po.start) for po in ops] for ops in plan.ranks[rank]]
     out = {"passes": [0.0, 0.0], "update and optimizer": [0.0, 0.0]}
-    index: dict[int, int] = {}
-    for step, text, kind, start, end in r.timeline.ops:
-        i = index[step] = index.get(step, -1) + 1
-        if step not in steps or kind not in COMPUTE_KINDS:
-            continue
-        want_text, want_ms = planned[step % len(planned)][i]
-        if want_text != text:  # the run's order is the plan's (measure._op_ratio skips a mismatch alike)
-            continue
+    for kind, ms, want_ms in matched_compute_ops(r.timeline, steps, predicted_op_table(r.interp.plan)):
         total = out["passes" if kind in PASS_KINDS else "update and optimizer"]
-        total[0] += (end - start) / len(steps)
+        total[0] += ms / len(steps)
         total[1] += want_ms / len(steps)
     return out
 
 
 def smoke(folder: Path) -> tuple[Path, Path]:
-    made = []
-    for opt, method in (("adamw", ["--method", "none"]), ("kfac", ["--method", "greedy"])):
-        path = folder / f"bert-tiny-1f1b-{opt}.json"
-        r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", "profiles/bert-tiny-cpu.json", "--schedule",
-                            "1f1b", "--stages", "2", "--micro-batches", "4", "--optimizer", opt, *method, "-o",
-                            str(path)], cwd=ROOT, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"interleaved: planning the smoke's {opt} plan failed:\n{r.stderr[-2000:]}")
-        made.append(path)
-    return made[0], made[1]
+    return tuple(bench.plan("profiles/bert-tiny-cpu.json", folder, f"bert-tiny-1f1b-{opt}", "--schedule", "1f1b",
+                            "--micro-batches", "4", "--optimizer", opt, "--method", method)
+                 for opt, method in (("adamw", "none"), ("kfac", "greedy")))
 
 
 def main() -> None:
@@ -252,8 +227,9 @@ def main() -> None:
                   + ", ".join(f"{ops['update and optimizer'][0]:.1f} / {ops['update and optimizer'][1]:.1f} ms"
                               for ops in (p.base_ops, p.plan_ops)) + " |")
         if a.check_losses:  # the two plans in one process train as each does alone
-            same = [losses_alone(base, len(pairs[0].base_losses), []) == pairs[0].base_losses,
-                    losses_alone(plan, len(pairs[0].plan_losses), list(a.set)) == pairs[0].plan_losses]
+            same = [losses_alone(base, len(pairs[0].base_losses), [], f"{tmp}/base-alone") == pairs[0].base_losses,
+                    losses_alone(plan, len(pairs[0].plan_losses), list(a.set), f"{tmp}/plan-alone")
+                    == pairs[0].plan_losses]
             print(f"losses step by step as in launches of their own: BASE {'equal' if same[0] else 'DIFFERENT'}, "
                   f"PLAN {'equal' if same[1] else 'DIFFERENT'}")
             if not all(same):

@@ -280,21 +280,35 @@ def step_period(timelines: list[Timeline], kept: list[int]) -> float | None:
     return sum(periods) / len(periods) if periods else None
 
 
+def predicted_op_table(plan) -> list[list[list[tuple[str, float]]]]:
+    """[rank][cycle step] = [(op text, planned ms)] in execution order: what matched_compute_ops
+    matches a timeline's ops against."""
+    return [[[(str(po.op), po.end - po.start) for po in ops] for ops in steps] for steps in plan.ranks]
+
+
+def matched_compute_ops(tl: Timeline, kept: set[int], predicted_ops):
+    """(op kind, measured ms, planned ms) of each compute op of `tl` in the `kept` steps whose
+    text is the plan's at its place (predicted_op_table), in the order run."""
+    k = len(predicted_ops[tl.rank])
+    index: dict[int, int] = {}
+    for step, text, kind, s, e in tl.ops:
+        i = index.get(step, 0)
+        index[step] = i + 1
+        if step not in kept or kind not in COMPUTE_KINDS:
+            continue
+        want_text, want_ms = predicted_ops[tl.rank][step % k][i]
+        if want_text == text:
+            yield kind, e - s, want_ms
+
+
 def _op_ratio(timelines: list[Timeline], kept: set[int], predicted_ops) -> float | None:
     """Σ measured / Σ predicted duration over compute ops with a predicted duration.
     predicted_ops[rank][cycle step] = [(op text, predicted ms)] in execution order."""
     measured = predicted = 0.0
     for tl in timelines:
-        k = len(predicted_ops[tl.rank])
-        index: dict[int, int] = {}
-        for step, text, kind, s, e in tl.ops:
-            i = index.get(step, 0)
-            index[step] = i + 1
-            if step not in kept or kind not in COMPUTE_KINDS:
-                continue
-            want_text, want_ms = predicted_ops[tl.rank][step % k][i]
-            if want_text == text and want_ms > 0:
-                measured += e - s
+        for _, ms, want_ms in matched_compute_ops(tl, kept, predicted_ops):
+            if want_ms > 0:
+                measured += ms
                 predicted += want_ms
     return measured / predicted if predicted > 0 else None
 

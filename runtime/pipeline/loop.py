@@ -269,9 +269,7 @@ def _summary(job, timelines: list[measure.Timeline], losses: torch.Tensor, first
     warmup = rt.warmup if rt.warmup is not None else (k if steps - first > 2 * k else 1)
     summary = measure.summarize(timelines, float(losses[last]) if last >= first else None,
                                 plan.stats.get("step_time_ms"), first + warmup, steps, first,
-                                losses[first:].tolist(), predicted_ops=[
-                                    [[(str(po.op), po.end - po.start) for po in ops] for ops in steps_]
-                                    for steps_ in plan.ranks],
+                                losses[first:].tolist(), predicted_ops=measure.predicted_op_table(plan),
                                 predicted_peaks=plan.stats.get("peak_memory_bytes"),
                                 memory_limit=plan.config.memory_limit_bytes,
                                 expected_ms=plan.stats.get("expected_step_time_ms"), refresh_steps=k)
