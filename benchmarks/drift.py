@@ -3,7 +3,8 @@
 Three figures, measured one after the other with nothing else running:
 
 - a fixed single-thread kernel (--size square float32 matmuls, 100 of them) timed every
-  0.2 s for --seconds: the machine's own jitter, no runtime in it;
+  0.2 s for --seconds: the machine's own jitter, no runtime in it; beside it a memory-bound
+  one (AdamW-like updates), and the two's ratio: whether the machine moves them together;
 - one plan run --runs times back to back, --steps steps each (--profile's model, 2 stages,
   1F1B, AdamW in the family's order, synthetic tokens, 2 ranks x 1 thread, gloo): each
   run's ms/step (the runtime's Summary.step_ms), what a measured/predicted ratio from one
@@ -32,22 +33,41 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 KERNEL_SIZE = 256
 
 
-def kernel_times(seconds: float, size: int = KERNEL_SIZE) -> list[float]:
-    """ms per 100 matmuls of `size` x `size`, one thread, every 0.2 s for `seconds`."""
+STREAM_FLOATS = 4_000_000  # bert-tiny's parameter count, about: its AdamW update's working set
+
+
+def kernel_pairs(seconds: float, size: int = KERNEL_SIZE) -> tuple[list[float], list[float]]:
+    """Two kernels timed alternately every 0.2 s for `seconds`, one thread: 100 matmuls of
+    `size` x `size` (compute-bound, as the passes and most optimizer ops are) and 2
+    AdamW-like updates of STREAM_FLOATS floats (memory-bound, as AdamW's step is). When a
+    machine slows one and not the other, a plan's ops do not all move by one factor, and
+    a plan with more compute-bound work moves more. -> (matmul ms, update ms)."""
     import torch
 
     torch.set_num_threads(1)
     a = torch.randn(size, size)
+    p, g, m, v = (torch.randn(STREAM_FLOATS) for _ in range(4))
+
+    def update():
+        for _ in range(2):
+            m.mul_(0.9).add_(g, alpha=0.1)
+            v.mul_(0.999).addcmul_(g, g, value=0.001)
+            p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+
     for _ in range(20):
         a @ a
-    out, until = [], time.monotonic() + seconds
+    update()
+    mm, st, until = [], [], time.monotonic() + seconds
     while time.monotonic() < until:
         t = time.perf_counter()
         for _ in range(100):
             a @ a
-        out.append((time.perf_counter() - t) * 1e3)
+        t1 = time.perf_counter()
+        update()
+        mm.append((t1 - t) * 1e3)
+        st.append((time.perf_counter() - t1) * 1e3)
         time.sleep(0.2)
-    return out
+    return mm, st
 
 
 def row(what: str, unit: str, v: list[float], fmt: str = ".2f", ratio: bool = True) -> str:
@@ -74,7 +94,7 @@ def main() -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     load0 = os.getloadavg()
-    kernel = kernel_times(a.seconds, a.size)
+    kernel, stream = kernel_pairs(a.seconds, a.size)
     with tempfile.TemporaryDirectory(prefix="pfcompile-drift-") as tmp:
         plan = bench.plan(a.profile, Path(tmp), "drift-1f1b-adamw", "--schedule", "1f1b", "--micro-batches", "4",
                           "--optimizer", "adamw", "--method", "none")
@@ -89,6 +109,8 @@ def main() -> None:
     print("| what | unit | n | median | p10 | p90 | min | max | max/min |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     print(row(f"kernel: 100 matmuls {a.size}x{a.size}, 1 thread, every 0.2 s for {a.seconds:g} s", "ms", kernel))
+    print(row(f"beside it: 2 AdamW-like updates of {STREAM_FLOATS:,} floats (memory-bound)", "ms", stream))
+    print(row("the two, sample by sample: matmuls over updates", "ratio", [k / s for k, s in zip(kernel, stream)], ".3f"))
     print(row(f"one plan, back-to-back runs of {a.steps} steps ({Path(a.profile).stem}, 1F1B, AdamW, 2 ranks)",
               "ms/step", runs))
     print(row("the same runs paired, each over the one before (0 in truth)", "% over", paired, "+.1f", ratio=False))

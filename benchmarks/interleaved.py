@@ -15,6 +15,8 @@ BASE's, minus 1; `--rounds` launches, the order of the two reversed every other 
     .venv/bin/python benchmarks/interleaved.py BASE PLAN [--rounds 5] [--blocks 6] [--min-steps 8]
         [--set SECTION.KEY=VALUE ...]   (PLAN's settings, e.g. muon.ns_dtype=float32)
         [--check-losses]   (each plan alone too: its losses must equal those in the shared launch)
+        [--traces DIR]   (each timed block of each plan as a measured trace, for
+                          `pfcompile inspect TRACE --against PLAN`)
     .venv/bin/python benchmarks/interleaved.py --smoke   # bert-tiny AdamW against K-FAC, 1 round (tests)
 """
 
@@ -25,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -54,6 +57,8 @@ class Pair(NamedTuple):
     plan_losses: list[float]
     base_ops: dict
     plan_ops: dict
+    base_os: list[float]  # minor page faults and involuntary context switches per step, the ranks' sum
+    plan_os: list[float]
 
     @property
     def overhead(self) -> float:
@@ -66,15 +71,18 @@ def block_steps(plans: list[Path], min_steps: int) -> int:
     return k * math.ceil(min_steps / k)
 
 
-def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, settings: list[str]) -> Pair:
+def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, settings: list[str],
+                trace_prefix: Path | None = None) -> Pair:
     plans = [base, plan] if base_first else [plan, base]
     args = [__file__, "--worker", *map(str, plans), "--blocks", str(blocks), "--timed", str(n)]
+    if trace_prefix:
+        args += ["--trace-prefix", str(trace_prefix)]
     args += [x for s in settings for x in ("--set", s)] + ["--set-for", "1" if base_first else "0"]
     out = bench.torchrun(args, json.loads(plan.read_text())["config"]["world_size"])
-    periods, losses, ops = out["periods_ms"], out["losses"], out["op_ms"]
+    periods, losses, ops, events = out["periods_ms"], out["losses"], out["op_ms"], out["os_per_step"]
     if not base_first:
-        periods, losses, ops = periods[::-1], losses[::-1], ops[::-1]
-    return Pair(*periods, *losses, *ops)
+        periods, losses, ops, events = periods[::-1], losses[::-1], ops[::-1], events[::-1]
+    return Pair(*periods, *losses, *ops, *events)
 
 
 def losses_alone(plan: Path, steps: int, settings: list[str], log_dir: str) -> list[float]:
@@ -85,15 +93,74 @@ def losses_alone(plan: Path, steps: int, settings: list[str], log_dir: str) -> l
 
 
 def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: int = MIN_STEPS,
-           settings: tuple[str, ...] = (), say=None) -> list[Pair]:
-    """`count` launches of the pair, BASE's blocks first in even rounds, PLAN's in odd ones."""
+           settings: tuple[str, ...] = (), say=None, trace_dir: Path | None = None) -> list[Pair]:
+    """`count` launches of the pair, BASE's blocks first in even rounds, PLAN's in odd ones;
+    with `trace_dir`, each timed block of each plan as a measured trace there
+    (trace_path)."""
     n = block_steps([base, plan], min_steps)
     out = []
     for r in range(count):
-        out.append(launch_pair(base, plan, blocks, n, r % 2 == 0, list(settings)))
+        prefix = trace_dir / f"round{r + 1}" if trace_dir else None
+        out.append(launch_pair(base, plan, blocks, n, r % 2 == 0, list(settings), prefix))
         if say:
             say(f"round {r + 1}: {plan.stem} over {base.stem}, in one launch: {out[-1].overhead:+.1%}")
     return out
+
+
+def trace_path(prefix: str, which: str, plan: str, block: int) -> str:
+    """A timed block's measured trace: PREFIX-blockB-base|plan-PLANSTEM.trace.json."""
+    return f"{prefix}-block{block}-{which}-{Path(plan).stem}.trace.json"
+
+
+# the plan replayed with a block's own op times (pfcompile.calibrate.compare.replayed_with_measured),
+# each row adding one cause to the one before
+SPLIT_ROWS = (("predicted", None, "the plans' step times replayed from the profile"),
+              ("planned_work_step_ms", "the op times' level", "each op at its mean time in the block"),
+              ("mean_ops_step_ms", "the runtime's work beyond the plan", "with the runtime's work between ops"),
+              ("own_ops_step_ms", "the op times' spread", "each step's own op times"),
+              ("measured_step_ms", "messages and collectives beyond the model", "measured"))
+
+
+def split_overhead(folder: Path, base: Path, plan: Path, profile_path: Path) -> dict[str, list[float]] | None:
+    """Each plan's step (ms) at every row of SPLIT_ROWS, the mean over all the traced blocks
+    in `folder` (`--traces`): the overhead PLAN/BASE - 1 row by row says which cause adds
+    what to the planned overhead, in the same launches (no drift between the two plans).
+    None when a plan has no block with two whole refresh cycles (`--traces` makes n >= 3 k)."""
+    from pfcompile.calibrate.compare import replayed_with_measured
+    from pfcompile.calibrate.measured import load_measured
+    from pfcompile.check.replay import replay
+    from pfcompile.formats.plan import load_plan
+    from pfcompile.formats.profile import load_profile
+
+    profile = load_profile(str(profile_path))
+    out = {}
+    for which, path in (("base", base), ("plan", plan)):
+        p = load_plan(str(path))
+        predicted = replay(p, profile, cycles=max(3, 16 // p.refresh_steps), check_memory=False).step_time_ms
+        rows = [replayed_with_measured(load_measured(str(t)), p, profile)
+                for t in sorted(folder.glob(f"round*-block*-{which}-{path.stem}.trace.json"))]
+        rows = [r for r in rows if r]
+        if not rows:
+            return None
+        out[which] = [predicted] + [statistics.fmean(r[key] for r in rows) for key, _, _ in SPLIT_ROWS[1:]]
+        out[which + "_blocks"] = len(rows)
+    return out
+
+
+def format_split(split: dict[str, list[float]] | None) -> str:
+    if split is None:
+        return "the overhead, cause by cause: n/a (no traced block holds two whole refresh cycles)"
+    lines = [f"the overhead, cause by cause (each plan replayed with its blocks' own op times; "
+             f"the mean over {split['base_blocks']} BASE and {split['plan_blocks']} PLAN blocks):",
+             "| row | BASE ms/step | PLAN ms/step | overhead | added (points) | cause |",
+             "|---|---:|---:|---:|---:|---|"]
+    prev = None
+    for (_, cause, name), b, p in zip(SPLIT_ROWS, split["base"], split["plan"]):
+        over = p / b - 1
+        added = f"{100 * (over - prev):+.1f}" if prev is not None else ""
+        lines.append(f"| {name} | {b:.2f} | {p:.2f} | {over:+.1%} | {added} | {cause or ''} |")
+        prev = over
+    return "\n".join(lines)
 
 
 def planned_overhead(base: Path, plan: Path) -> float:
@@ -129,18 +196,33 @@ def worker(a) -> None:
             r.timeline.start()
         losses: list[list[float]] = [[] for _ in parts]  # this rank's share of each step's loss, per plan
         gc.disable()  # collections between blocks, on every rank at once (as the runtime's loop)
+        # this rank's minor page faults and involuntary context switches in each plan's blocks
+        # after the first: what the plan costs its process beyond its ops' arithmetic
+        os_events = [[0, 0] for _ in parts]
         for block in range(a.blocks):
-            for r, mine in zip(parts, losses):
+            for r, mine, events in zip(parts, losses, os_events):
                 gc.collect(1)
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 for step in range(block * length, (block + 1) * length):
                     mine.append(train_step(r, step)[1])
                 r.interp.settle()  # its divergence check, before the other plan's steps
+                if block:
+                    after = resource.getrusage(resource.RUSAGE_SELF)
+                    events[0] += after.ru_minflt - before.ru_minflt
+                    events[1] += after.ru_nivcsw - before.ru_nivcsw
+        os_events = comm.gather_json(world, os_events)
         periods, shares, ops = [], [], []
         timed = [list(range(b * length + 1, (b + 1) * length)) for b in range(1, a.blocks)]
         for r, mine in zip(parts, losses):
             periods.append(comm.gather_json(world, [step_period([r.timeline], steps) for steps in timed]))
             shares.append(comm.gather_json(world, mine))
             ops.append(comm.gather_json(world, op_time(r, {s for steps in timed for s in steps[:-1]})))
+        if a.trace_prefix:
+            for i, (r, job) in enumerate(zip(parts, jobs)):
+                for b in range(1, a.blocks):
+                    which = "plan" if i == a.set_for else "base"
+                    write_block(r, job, world, trace_path(a.trace_prefix, which, job.plan_path, b),
+                                range(b * length, (b + 1) * length))
         clean = True
         if rank == 0:
             # each plan's losses, step by step, as its own launch would log them: the check that
@@ -149,13 +231,33 @@ def worker(a) -> None:
                                               for b in range(a.blocks - 1)] for gathered in periods],
                               "losses": [[sum(col) for col in zip(*gathered)] for gathered in shares],
                               "op_ms": [{c: [sum(g[c][i] for g in gathered) for i in (0, 1)] for c in gathered[0]}
-                                        for gathered in ops]}), flush=True)
+                                        for gathered in ops],
+                              "os_per_step": [[sum(ranks[i][j] for ranks in os_events) / ((a.blocks - 1) * length)
+                                               for j in (0, 1)] for i in range(len(parts))]}), flush=True)
     finally:
         gc.enable()
         comm.shutdown(clean, world.timeout)
     if clean:  # as `-m runtime`: every rank met at the final barrier, leave without gloo's teardown
         sys.stdout.flush()
         os._exit(0)
+
+
+def write_block(r, job, world, path: str, block: range) -> None:
+    """One block of the plan as a measured trace (rank 0 writes it): its first step, after the
+    switch, is the trace's warm-up, so `inspect --against` decomposes the n steps timed."""
+    from runtime.observe import measure
+    from runtime.pipeline import comm
+
+    tl = r.timeline
+    mine = measure.Timeline(tl.rank, tl.t0, [o for o in tl.ops if o[0] in block], [s for s in tl.steps if s[0] in block],
+                            [m for m in tl.memory if m[0] in block], [s for s in tl.spans if s[0] in block],
+                            tl.device_type, tl.host)
+    gathered = comm.gather_json(world, mine.to_json())
+    if world.rank == 0:
+        measure.write_measured_trace(path, measure.align([measure.Timeline.from_json(d) for d in gathered]), {
+            "plan": os.path.abspath(job.plan_path), "steps": block.stop, "warmup_steps": block.start + 1,
+            **measure.plan_identity(job.plan_path, job.plan), "dtype": job.precision.name,
+            "device_type": job.device_type, "interleaved": True})
 
 
 def op_time(r, steps: set[int]) -> dict[str, list[float]]:
@@ -190,6 +292,12 @@ def main() -> None:
     ap.add_argument("--check-losses", action="store_true",
                     help="also run each plan in a launch of its own and check its losses equal those of the first "
                          "round's, step by step (that the two in one process leave each other alone)")
+    ap.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                    help="write each timed block of each plan as a measured trace in DIR "
+                         "(`pfcompile inspect TRACE --against PLAN` splits its step time)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="with --traces: the plans' profile, to split the overhead cause by cause (split_overhead)")
+    ap.add_argument("--trace-prefix", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timed", type=int, help=argparse.SUPPRESS)
@@ -206,18 +314,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="interleaved-") as tmp:
         if a.smoke:
             a.plans, a.rounds, a.blocks, a.min_steps, a.check_losses = list(smoke(Path(tmp))), 1, 2, 2, True
+            a.traces, a.profile = Path(tmp) / "traces", ROOT / "profiles" / "bert-tiny-cpu.json"
         if len(a.plans) != 2:
             ap.error("give two plans: BASE PLAN")
         base, plan = a.plans
         print(f"{plan.name} over {base.name}: {a.rounds} launches of {a.blocks} blocks each of "
               f"{block_steps([base, plan], a.min_steps)} timed steps; load average {os.getloadavg()}", flush=True)
-        pairs = rounds(base, plan, a.rounds, a.blocks, a.min_steps, tuple(a.set), say=print)
+        if a.traces:
+            a.traces.mkdir(parents=True, exist_ok=True)
+            # two whole refresh cycles in every block, wherever it starts, for the split
+            a.min_steps = max(a.min_steps, 3 * max(json.loads(p.read_text())["config"]["refresh_steps"]
+                                                   for p in (base, plan)))
+        pairs = rounds(base, plan, a.rounds, a.blocks, a.min_steps, tuple(a.set), say=print, trace_dir=a.traces)
         over = [p.overhead for p in pairs]
         planned = planned_overhead(base, plan)
         print(f"\nload average after: {os.getloadavg()}\n")
         print("| round | first | BASE ms/step (blocks' mean, min–max) | PLAN ms/step | overhead "
-              "| passes, measured/planned: BASE, PLAN | update and optimizer ops: BASE, PLAN |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
+              "| passes, measured/planned: BASE, PLAN | update and optimizer ops: BASE, PLAN "
+              "| page faults per step: BASE, PLAN | preemptions per step: BASE, PLAN |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for r, p in enumerate(pairs):
             level = lambda ops, c: ops[c][0] / ops[c][1] if ops[c][1] else float("nan")  # noqa: E731
             print(f"| {r + 1} | {'BASE' if r % 2 == 0 else 'PLAN'} | {statistics.fmean(p.base_ms):.1f} "
@@ -225,7 +340,8 @@ def main() -> None:
                   f"({min(p.plan_ms):.1f}–{max(p.plan_ms):.1f}) | {p.overhead:+.1%} | "
                   f"{level(p.base_ops, 'passes'):.3f}, {level(p.plan_ops, 'passes'):.3f} | "
                   + ", ".join(f"{ops['update and optimizer'][0]:.1f} / {ops['update and optimizer'][1]:.1f} ms"
-                              for ops in (p.base_ops, p.plan_ops)) + " |")
+                              for ops in (p.base_ops, p.plan_ops))
+                  + f" | {p.base_os[0]:.0f}, {p.plan_os[0]:.0f} | {p.base_os[1]:.1f}, {p.plan_os[1]:.1f} |")
         if a.check_losses:  # the two plans in one process train as each does alone
             same = [losses_alone(base, len(pairs[0].base_losses), [], f"{tmp}/base-alone") == pairs[0].base_losses,
                     losses_alone(plan, len(pairs[0].plan_losses), list(a.set), f"{tmp}/plan-alone")
@@ -234,6 +350,8 @@ def main() -> None:
                   f"PLAN {'equal' if same[1] else 'DIFFERENT'}")
             if not all(same):
                 sys.exit(1)
+        if a.traces and a.profile:
+            print("\n" + format_split(split_overhead(a.traces, base, plan, a.profile)))
         mid = statistics.median(over)
         print(f"\noverhead in one launch: median {mid:+.1%} ({min(over):+.1%} to {max(over):+.1%}); planned "
               f"{planned:+.1%}; measured - planned {100 * (mid - planned):+.1f} points")

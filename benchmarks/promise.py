@@ -171,9 +171,10 @@ def main() -> None:
           f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
           f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
     if speed[0] is not None:
-        print(f"The machine's speed (benchmarks/drift.py's kernel, median ms over {a.kernel_seconds:g} s): before "
-              f"profiling {speed[0]:.1f}, before the rounds {speed[1]:.1f}, after them {speed[2]:.1f} (after / before "
-              f"profiling: {speed[2] / speed[0]:.3f}; a profile predicts the speed it was made at).")
+        print(f"The machine's speed (benchmarks/drift.py's kernels, median ms over {a.kernel_seconds:g} s, matmuls / "
+              f"memory-bound updates): before profiling {speed[0][0]:.1f} / {speed[0][1]:.1f}, before the rounds "
+              f"{speed[1][0]:.1f} / {speed[1][1]:.1f}, after them {speed[2][0]:.1f} / {speed[2][1]:.1f} (matmuls after / "
+              f"before profiling: {speed[2][0] / speed[0][0]:.3f}; a profile predicts the speed it was made at).")
     print()
     print("| model | schedule | optimizer | k | predicted ms | measured ms (median) | min–max | measured/predicted "
           "| within ±10%? | measured/expected | compute ops measured/profiled | schedule alone (min–max) "
@@ -296,10 +297,15 @@ def beside_cells(b: dict | None) -> str:
     return f"{ratio(b['after'])} / {ratio(b['during'])} | {lag(b['lag']['optimizer'])} / {lag(b['lag']['pipeline'])}"
 
 
-def machine_speed(seconds: float) -> float | None:
-    """The median of drift.py's fixed kernel over `seconds` (None when 0): the machine's own
-    speed, with no runtime in it."""
-    return statistics.median(drift.kernel_times(seconds)) if seconds > 0 else None
+def machine_speed(seconds: float) -> tuple[float, float] | None:
+    """The medians of drift.py's two kernels over `seconds` (None when 0): the machine's own
+    speed, with no runtime in it, at compute-bound work (matmuls) and at memory-bound work
+    (AdamW-like updates). A machine that slows one and not the other moves an optimizer's
+    overhead over AdamW: its work is more compute-bound than AdamW's update."""
+    if seconds <= 0:
+        return None
+    mm, st = drift.kernel_pairs(seconds)
+    return statistics.median(mm), statistics.median(st)
 
 
 def fmt_load(load) -> str:

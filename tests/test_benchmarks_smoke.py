@@ -110,7 +110,8 @@ def check_promise(out: str) -> None:
     assert re.match(r"^\d+\.\d{3} \(\d+\.\d{3}–\d+\.\d{3}\)$", cells[0][12]), out  # the schedule alone, per round
     # beside the optimizer's work: nothing to compare in AdamW's run, the ratios in Muon's
     assert cells[3][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[4][-3]), out
-    assert re.search(r"before profiling \d+\.\d, before the rounds \d+\.\d, after them \d+\.\d", out), out  # the drift
+    assert re.search(r"before profiling \d+\.\d / \d+\.\d, before the rounds \d+\.\d / \d+\.\d, after them "
+                     r"\d+\.\d / \d+\.\d", out), out  # the drift, compute- and memory-bound
     assert cells[2][6].endswith("%") and cells[2][9] in ("yes", "**no**"), out  # in one launch
     assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", cells[2][10]), out  # the passes' level in each plan
 
@@ -122,16 +123,23 @@ def check_denormals(out: str) -> None:
 
 def check_drift(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
-    assert [r[1].split(":")[0].split(",")[0] for r in rows] == ["kernel", "one plan", "the same runs paired"], out
-    assert float(rows[0][4]) > 0 and float(rows[1][4]) > 0 and rows[2][3] == "1", out  # 2 runs: one pair
+    assert [r[1].split(":")[0].split(",")[0] for r in rows] == [
+        "kernel", "beside it", "the two", "one plan", "the same runs paired"], out
+    assert all(float(rows[i][4]) > 0 for i in range(4)) and rows[4][3] == "1", out  # 2 runs: one pair
 
 
 def check_interleaved(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
-    assert [r[1] for r in rows] == ["1"] and rows[0][5].endswith("%"), out  # one launch: both plans' blocks
-    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", rows[0][6]), out  # the passes' level in each plan
+    rounds = [r for r in rows if r[1].isdigit()]
+    assert [r[1] for r in rounds] == ["1"] and rounds[0][5].endswith("%"), out  # one launch: both plans' blocks
+    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", rounds[0][6]), out  # the passes' level in each plan
+    assert re.match(r"^\d+, \d+$", rounds[0][8]), out  # each plan's page faults per step
     assert re.search(r"measured - planned [-+]\d+\.\d points", out), out
     assert "BASE equal, PLAN equal" in out, out  # two plans in one process train as each does alone
+    # the traced blocks' split, cause by cause: five rows from the profile's prediction to the measured step
+    split = [r for r in rows if not r[1].isdigit()]
+    assert [r[1].split()[0] for r in split] == ["the", "each", "with", "each", "measured"], out
+    assert all(r[4].endswith("%") for r in split) and split[1][6] == "the op times' level", out
 
 
 def check_runtime_ab(out: str) -> None:
