@@ -200,6 +200,33 @@ def test_thread_clock_counts_cpu_time_only():
     assert 0 < thread.median < 20
 
 
+def test_entries_timed_in_turn_share_the_machines_slow_spells():
+    """Clock.time_in_turn: one sample of each entry per round, so a spell that slows the
+    machine from the fifth call on falls on both entries alike and their ratio holds; timed
+    one after the other, the first entry keeps the fast machine and the ratio is 3x off."""
+    import time
+
+    import torch
+
+    from pfcompile.profiler.clocks import Clock
+
+    calls = []
+
+    def work(units: int):
+        def run():
+            calls.append(units)
+            time.sleep(0.004 * units * (3 if len(calls) > 4 else 1))
+        return run
+
+    clock = Clock(torch.device("cpu"), repeats=6, warmup=0)
+    got = clock.time_in_turn({"a": (work(1), None), "b": (work(2), None)})
+    assert calls == [1, 2] * 6 and got["a"].samples == got["b"].samples == 6  # in turn
+    assert 1.6 < got["b"].median / got["a"].median < 2.5
+    calls.clear()
+    a, b = clock.time(work(1)), clock.time(work(2))
+    assert b.median / a.median > 4  # the spell the turns shared
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     from pfcompile.formats.profile import fit_link
 

@@ -152,14 +152,15 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                         if traces[opt] is None:
                             del traces[opt]
                             comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
-                    comm_prov["in_run"] = in_run_levels(draft, trace, traces)
+                    comm_prov["in_run"], comm_prov["in_run_level"] = in_run_levels(draft, trace, traces)
                     ran = ", ".join(f"{o} {t.meta.get('steps')}" for o, t in traces.items())
                     comm_prov["runtime_note"] += (
                         f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "
                         f"each optimizer's from a run with its work appended to its refresh steps "
                         f"({ran} steps; K-FAC refreshes "
                         f"every other step, its capture_ms is its refresh steps' ops over its others'): "
-                        f"in_run holds each entry's in-run time over its time alone")
+                        f"in_run holds each entry's in-run time over its time alone; each optimizer's entries are "
+                        f"put at the first run's speed, in_run_level holding its run's passes over the first run's")
                 if measured_rt.any():
                     runtime = measured_rt
                 if probe_link is not None:

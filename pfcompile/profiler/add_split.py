@@ -7,7 +7,7 @@
 For each part, under the profile's own settings (model, micro-batch, sequence length, dtype,
 threads, clock, repeats, warm-up: read from the file), times in one sitting the whole
 backward and the split backward's B and W exactly as `pfcompile profile` does
-(pfcompile.profiler.parts.measure_split_backward), and stores
+(pfcompile.profiler.parts.measure_passes, in turn), and stores
 
     bwd_input_ms = bwd_ms * B / bwd_now,   bwd_weight_ms = bwd_ms * W / bwd_now
 
@@ -28,7 +28,7 @@ import torch
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.profile import Profile, load_profile, upgraded
 from pfcompile.profiler.clocks import Clock
-from pfcompile.profiler.parts import PartBench, measure_split_backward, weight_pass_kept_bytes
+from pfcompile.profiler.parts import PartBench, measure_passes, weight_pass_kept_bytes
 from pfcompile.profiler.provenance import load_average
 from pfcompile.profiler.settings import DTYPES, check_device, resolve_spec
 
@@ -57,8 +57,9 @@ def add_split(prof: Profile, where: str) -> Profile:
         part.wgrad_bytes = weight_pass_kept_bytes(bench)
         if part.split_measured:  # only the bytes were missing: the times stay as measured
             continue
-        whole = timer.time(bench.backward, setup=bench.forward)
-        split = measure_split_backward(bench, timer)
+        timed_now = measure_passes(bench, timer)
+        whole = timed_now["bwd_ms"]
+        split = {k: timed_now[k] for k in ("bwd_input_ms", "bwd_weight_ms")}
         scale = part.bwd_ms / whole.median if whole.median > 0 else 1.0
         part.bwd_input_ms = split["bwd_input_ms"].median * scale
         part.bwd_weight_ms = split["bwd_weight_ms"].median * scale

@@ -57,17 +57,31 @@ class Clock:
         return (self.now() - t0) * 1e3
 
     def time(self, fn: Callable[[], object], setup: Callable[[], object] | None = None) -> Timing:
-        samples: list[float] = []
+        return self.time_in_turn({"": (fn, setup)})[""]
+
+    def time_in_turn(self, entries: dict[str, tuple[Callable[[], object], Callable[[], object] | None]]
+                     ) -> dict[str, Timing]:
+        """Each entry's callable (after its untimed setup) timed in turn, one sample of each
+        per round, so a slow spell of the machine falls on all of them alike: their ratios
+        (a split backward's B + W against the whole backward) hold where entries timed one
+        after the other would each catch another spell. Stops early as `time` does, once
+        the rounds add up to the entries' budgets."""
+        samples: dict[str, list[float]] = {name: [] for name in entries}
         for i in range(self.warmup + self.repeats):
-            if setup is not None:
-                setup()
-            if self._sweep is not None:
-                self._sweep.fill_(float(i))
-            self._sync()
-            ms = self._once(fn)
-            if i >= self.warmup:
-                samples.append(ms)
-                if len(samples) >= 3 and sum(samples) > self.budget * 1e3:
-                    break
-        p10, p50, p90 = np.percentile(samples, [10, 50, 90])
-        return Timing(float(p50), float(p10), float(p90), len(samples))
+            for name, (fn, setup) in entries.items():
+                if setup is not None:
+                    setup()
+                if self._sweep is not None:
+                    self._sweep.fill_(float(i))
+                self._sync()
+                ms = self._once(fn)
+                if i >= self.warmup:
+                    samples[name].append(ms)
+            taken = i + 1 - self.warmup
+            if taken >= 3 and sum(map(sum, samples.values())) > self.budget * 1e3 * len(entries):
+                break
+        out = {}
+        for name, v in samples.items():
+            p10, p50, p90 = np.percentile(v, [10, 50, 90])
+            out[name] = Timing(float(p50), float(p10), float(p90), len(v))
+        return out

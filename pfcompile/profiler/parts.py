@@ -78,8 +78,7 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
     timed: dict[bool, dict[str, Timing]] = {}
     for capture in (False, True) if bench.kfac else (False,):  # a part without K-FAC layers captures nothing
         bench.capture = capture
-        timed[capture] = {"fwd_ms": clock.time(bench.forward), "bwd_ms": clock.time(bench.backward, setup=bench.forward),
-                          **measure_split_backward(bench, clock)}
+        timed[capture] = measure_passes(bench, clock)
     params = list(bench.stage.parameters())
     grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
     steps = measure_step(bench, clock)
@@ -114,13 +113,15 @@ def weight_pass_kept_bytes(bench: PartBench) -> int:
         split.kept.clear()
 
 
-def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
-    """The zero-bubble families' split backward of this part, as the runtime's interpreter
-    runs it (runtime.pipeline.split_backward.WeightPasses): the forward recorded for the split, B
-    (`backward_input`: input gradient, non-Linear parameters', Linear output gradients kept)
-    and W (`backward_weight`: each Linear's weight gradient from the kept tensors), with
-    K-FAC's hooks capturing or idle as `bench.capture` says, as for bwd_ms. Each timed run
-    starts from its own forward (and B)."""
+def measure_passes(bench: PartBench, clock: Clock) -> dict[str, Timing]:
+    """The part's forward, its backward and the zero-bubble families' split backward, as the
+    runtime's interpreter runs it (runtime.pipeline.split_backward.WeightPasses): the forward
+    recorded for the split, B (`backward_input`: input gradient, non-Linear parameters', Linear
+    output gradients kept) and W (`backward_weight`: each Linear's weight gradient from the
+    kept tensors), with K-FAC's hooks capturing or idle as `bench.capture` says. Each timed run
+    starts from its own forward (and B). The four are timed in turn (Clock.time_in_turn):
+    the planner compares a plan with B and W against one with the whole backward, so B + W
+    over bwd must not carry the machine's drift between two timings."""
     from runtime.pipeline.split_backward import WeightPasses
 
     split = WeightPasses(bench.stage)
@@ -146,13 +147,13 @@ def measure_split_backward(bench: PartBench, clock: Clock) -> dict[str, Timing]:
         backward_input()
 
     try:
-        b = clock.time(backward_input, setup=forward)
-        w = clock.time(backward_weight, setup=forward_and_b)
+        return clock.time_in_turn({"fwd_ms": (bench.forward, None), "bwd_ms": (bench.backward, bench.forward),
+                                   "bwd_input_ms": (backward_input, forward),
+                                   "bwd_weight_ms": (backward_weight, forward_and_b)})
     finally:
         split.close()
         split.saved.clear()
         split.kept.clear()
-    return {"bwd_input_ms": b, "bwd_weight_ms": w}
 
 
 def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:

@@ -138,7 +138,12 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[
     proportion within their stage); what a capturing optimizer's refresh step adds to the
     parts' ops (capture_ms) from its run's refresh steps against its others. A split
     backward's B and W, which no probe runs, move with their part's backward, and share its
-    capture in proportion. -> entry path -> in-run time / time alone (the factor)."""
+    capture in proportion. Each optimizer's run is a few seconds after the base run, and this
+    machine's speed moves by more than an optimizer's overhead within seconds, so its entries
+    are put at the base run's level: divided by its own passes' time over the base run's
+    (`levels`; the optimizer's work over the passes of its own run holds within a few percent
+    from run to run while both move together). -> (entry path -> in-run time / time alone,
+    optimizer -> the level of its run against the base run)."""
     import copy
 
     from pfcompile.calibrate.fit import calibrate
@@ -152,6 +157,8 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[
         return new
 
     fitted, _ = calibrate(ref, [base_trace])
+    passes = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
+    levels: dict[str, float] = {}
     for p, f in zip(profile.parts, fitted.parts):
         b = f.bwd_ms / p.bwd_ms if p.bwd_ms > 0 else 1.0
         p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms)
@@ -163,25 +170,28 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[
             p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"])
     for name, trace in optimizer_traces.items():
         fitted, counts = calibrate(ref, [trace])
+        own = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
+        level = levels[name] = own / passes if own > 0 and passes > 0 else 1.0
         for layer, f in zip(profile.covered_layers, fitted.covered_layers):
             mine, theirs = layer.optimizer_ms.get(name, {}), f.optimizer_ms.get(name, {})
             for key in mine:
                 if key in theirs and theirs[key] != mine[key]:  # fitted (an entry the run has no op of keeps its value)
-                    mine[key] = put(f"covered_layers.{layer.name}.optimizer_ms.{name}.{key}", mine[key], theirs[key])
+                    mine[key] = put(f"covered_layers.{layer.name}.optimizer_ms.{name}.{key}", mine[key],
+                                    theirs[key] / level)
         if "step" in counts:
             for p, f in zip(profile.parts, fitted.parts):
                 if name in f.step_ms and name in p.step_ms:
-                    p.step_ms[name] = put(f"parts.{p.name}.step_ms.{name}", p.step_ms[name], f.step_ms[name])
+                    p.step_ms[name] = put(f"parts.{p.name}.step_ms.{name}", p.step_ms[name], f.step_ms[name] / level)
         if "capture" in counts:  # its refresh steps against its others, in the one run
             for p, f in zip(profile.parts, fitted.parts):
                 mine, theirs = dict(p.capture_ms or {}), f.capture_ms or {}
                 for kind in ("fwd", "bwd"):  # the probe's 1F1B has no B or W: they share bwd's
                     if kind in theirs and theirs[kind] != mine.get(kind):
-                        mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0), theirs[kind])
+                        mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0), theirs[kind] / level)
                 b, w = p.split_backward_ms()
                 if "bwd" in mine and b + w > 0:
                     for kind, share in (("bwd_input", b), ("bwd_weight", w)):
                         mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0),
                                          mine["bwd"] * share / (b + w))
                 p.capture_ms = mine
-    return factors
+    return factors, levels
