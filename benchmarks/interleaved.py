@@ -15,8 +15,9 @@ BASE's, minus 1; `--rounds` launches, the order of the two reversed every other 
     .venv/bin/python benchmarks/interleaved.py BASE PLAN [--rounds 5] [--blocks 6] [--min-steps 8]
         [--set SECTION.KEY=VALUE ...]   (PLAN's settings, e.g. muon.ns_dtype=float32)
         [--check-losses]   (each plan alone too: its losses must equal those in the shared launch)
-        [--traces DIR]   (each timed block of each plan as a measured trace, for
-                          `pfcompile inspect TRACE --against PLAN`)
+        [--traces DIR [--profile PROFILE]]   (each timed block of each plan as a measured
+                          trace, for `pfcompile inspect TRACE --against PLAN`; with the plans'
+                          profile, the overhead split cause by cause over those blocks)
     .venv/bin/python benchmarks/interleaved.py --smoke   # bert-tiny AdamW against K-FAC, 1 round (tests)
 """
 
@@ -311,6 +312,8 @@ def main() -> None:
         return worker(a)
     if a.blocks < 2:
         ap.error("--blocks: at least 2 (the first of each plan is a warm-up)")
+    if a.profile and not a.traces:
+        ap.error("--profile: only with --traces (it splits the traced blocks' overhead)")
     with tempfile.TemporaryDirectory(prefix="interleaved-") as tmp:
         if a.smoke:
             a.plans, a.rounds, a.blocks, a.min_steps, a.check_losses = list(smoke(Path(tmp))), 1, 2, 2, True
