@@ -111,13 +111,14 @@ def scaled_profile(prof: Profile, factor: float) -> Profile:
 
 
 def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "",
-                    activation: bool = False, extra_gap_ms: float = 0.0) -> Path:
+                    activation: bool = False, extra_gap_ms: float = 0.0, level=None) -> Path:
     """The run as the cost model says it goes, written from the model's definition (not with
     the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
     it, the runtime's step work follows the step; a send takes its posting time and its data
     reaches a waiting receiver one link time after it ends; a receive lasts at least its
     completion time (recv_ms) and ends no earlier than that. Steps run one after the other on every rank.
     `vary(op, step)`: a multiplier of each compute op's and send's own time, per instance.
+    `level(rank, step)`: a multiplier of every compute op of that rank in that step.
     `activation`: each refresh step after the first starts with the activation of the
     rank's layers (Costs.activation_ms), a span of the runtime row, as the runtime does it.
     `extra_gap_ms`: runtime work after every op beyond its dispatch, which no profile has."""
@@ -154,7 +155,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
                         arrival[op.message_key()] = end + costs.link_ms(op)
                     else:
                         own = costs.work_ms(op, step % k) - costs.between_steps_ms(op, step % k)
-                        end = t + own * (vary(op, step) if vary else 1.0)
+                        end = t + own * (vary(op, step) if vary else 1.0) * (level(q, step) if level else 1.0)
                     tl.record(step, str(op), op.kind, t, end)
                     clock[q] = end + rt.op_ms + extra_gap_ms
                     pos[q] += 1
@@ -274,12 +275,16 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
 def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_path):
     """A run whose every compute op and send takes 0.5x its time in even refresh cycles and
     1.5x in odd ones (after the warm-up step; known durations, written from the cost model's definition, not with the
-    replay): calibration gives back the entries (the means) and, per op kind, the spread as
-    20 quantile multipliers, ten 0.5 and ten 1.5. With the same two multipliers drawn at
+    replay): calibration gives back the entries (the means) and the spread as 20 quantile
+    multipliers: ten 0.5 and ten 1.5 as each rank's level from step to step (every compute op
+    of a rank-step moved together), 1s for each compute kind beyond it, and ten 0.5 and ten
+    1.5 for the sends, which the level leaves out. With the same two multipliers drawn at
     random per op instance, the plan's expected step time with that spread
     (expected_step_time, the replay with drawn op times) is checked against the independent
     trace writer run with the same spread: each one's step time over its own time without
-    spread agree to 3%; a late op delays its peers, so both are well above 1."""
+    spread agree to 3%; a late op delays its peers, so both are well above 1. Drawn per rank
+    and step instead (the level spread), the two agree again, and a slow rank-step costs more
+    than as many slow ops spread over the ranks."""
     import random
 
     prof = load_profile(str(PROFILE))
@@ -294,16 +299,20 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
     fitted, _ = calibrate(prof, [load_measured(str(trace))])
     spread = fitted.runtime.op_spread
     assert set(spread) == {"fwd", "bwd", "step", "curv_a", "curv_b", "precond", "inv", "send"}  # receives: none
+    assert fitted.runtime.level_spread == pytest.approx([0.5] * 10 + [1.5] * 10, abs=1e-6)
     for kind, mult in spread.items():
         assert statistics.fmean(mult) == pytest.approx(1.0, abs=1e-5), kind
-        assert mult == pytest.approx([0.5] * 10 + [1.5] * 10, abs=1e-6), kind
+        want = [0.5] * 10 + [1.5] * 10 if kind == "send" else [1.0] * 20
+        assert mult == pytest.approx(want, abs=1e-6), kind
     for got, want in zip(fitted.parts, truth.parts):  # the entries stay the means
         assert got.fwd_ms == pytest.approx(want.fwd_ms, rel=0.1), got.name
     # the spread goes through the file and into every plan made from the profile
     path = tmp_path / "spread.json"
     fitted.save(str(path))
     again = load_profile(str(path))
-    assert again.runtime.op_spread == spread and "12.5% / 87.5%" in cli("inspect", str(path)).stdout
+    assert again.runtime.op_spread == spread and again.runtime.level_spread == fitted.runtime.level_spread
+    shown = cli("inspect", str(path)).stdout
+    assert "12.5% / 87.5%" in shown and "level from step to step (runtime.level_spread, 12.5% / 87.5%): 0.50/1.50" in shown
 
     # the expected step time against the independent writer, both over their no-spread step time
     truth_spread = copy.deepcopy(truth)
@@ -321,9 +330,23 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
     model = expected_step_time(plan, truth_spread, steps=4000) / replay(plan, truth).step_time_ms
     assert writer > 1.03 and model > 1.03
     assert model == pytest.approx(writer, rel=0.03)
+    # the same multipliers drawn per rank and step: writer and model agree, and cost more
+    truth_level = copy.deepcopy(truth)
+    truth_level.runtime.level_spread = [0.5] * 10 + [1.5] * 10
+    ranks = random.Random(11)
+    levels = {}
+    slow = load_measured(str(synthetic_trace(
+        tmp_path, plan_path, truth, steps=steps, name=".leveled",
+        level=lambda q, step: levels.setdefault((q, step), ranks.choice((0.5, 1.5))))))
+    writer_level = writer_step_ms(slow) / writer_step_ms(flat)
+    model_level = expected_step_time(plan, truth_level, steps=4000) / replay(plan, truth).step_time_ms
+    assert model_level == pytest.approx(writer_level, rel=0.03)
+    print(f"\nper op: writer {writer:.3f} model {model:.3f}; per rank-step: writer {writer_level:.3f} model {model_level:.3f}")
+    assert model_level > model + 0.03 and writer_level > writer + 0.03
     # a spread of 1s is no spread; no spread recorded, no expected step time
     ones = copy.deepcopy(truth)
     ones.runtime.op_spread = {kind: [1.0] * 20 for kind in spread}
+    ones.runtime.level_spread = [1.0] * 20
     assert expected_step_time(plan, ones) == pytest.approx(replay(plan, truth).step_time_ms, rel=1e-9)
     assert expected_step_time(plan, truth) is None
     made, _, _ = build_plan(again, PipelineConfig("gpipe", stages=4, micro_batches=4), PlanOptions("greedy"))

@@ -543,6 +543,13 @@ def test_op_spread_must_average_one(tmp_path):
     path = tmp_path / "spread.json"
     path.write_text(json.dumps(obj))
     one_line_error(cli("inspect", str(path)), str(path), "runtime.op_spread.fwd", "must average 1")
+    # a rank's level likewise, in process (the same reader): named by its own field
+    obj["runtime"]["op_spread"]["fwd"] = [1.0] * 20
+    for bad, why in (([1.0] * 19 + [1e308], "must average 1"), (["slow"], "non-empty list of finite numbers")):
+        obj["runtime"]["level_spread"] = bad
+        with pytest.raises(InputError) as e:
+            profile_from_json(obj, str(path), check_hash=False)
+        assert "runtime.level_spread" in str(e.value) and why in str(e.value), str(e.value)
 
 
 @pytest.mark.e2e

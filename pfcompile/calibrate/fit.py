@@ -27,10 +27,12 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   profiler's message benchmark fits them);
   with one, the latency, the bandwidth staying the profile's (its message benchmark spans
   sizes). Ranks share a clock origin (runtime.observe.measure.align).
-- the op times' spread (`runtime.op_spread`, fit_spread): each sample over the mean of its
-  entry's samples, pooled per op kind, as 20 quantile midpoints scaled to mean 1 (a kind with
-  fewer than SPREAD_MIN_SAMPLES samples records none); receives have none (their waiting is
-  the message's lag, which the replay makes).
+- the op times' spread (fit_spread): a rank's level in each step (its compute ops'
+  occupancy over their entries' means) as `runtime.level_spread`, and each sample over the
+  mean of its entry's samples and over its rank's level in its step, pooled per op kind, as
+  `runtime.op_spread`; each as 20 quantile midpoints scaled to mean 1 (fewer than
+  SPREAD_MIN_SAMPLES samples: none); receives have none (their waiting is the message's lag,
+  which the replay makes).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -57,6 +59,7 @@ from pfcompile.formats.dataflow import captures as spec_captures
 from pfcompile.formats.optimizers import Optimizer, optimizer
 from pfcompile.formats.profile import (
     CAPTURE_KINDS,
+    LEVEL_KINDS,
     SCHEMA_VERSION,
     SPREAD_KINDS,
     LinkModel,
@@ -84,7 +87,7 @@ def dispatch_gaps(traces: list[MeasuredTrace]) -> list[float]:
             for a, b in zip(ops, ops[1:]) if a.step == b.step]
 
 
-def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float]]:
+def op_instances(traces: list[MeasuredTrace], op_ms: float):
     """What each op costs its rank, less the dispatch of the next (op_ms): its occupancy - op_ms
     when the next op is in the same step, its timed span when it is the step's last.
     (kind, key) -> ms, key = (trace index, stage) for parts, (layer, factor) for the per-layer
@@ -94,8 +97,8 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
     ("activate", trace index, stages of the rank) -> the rank's activation at a cycle's start
     (the trace's runtime row), which the cost model counts apart (Costs.activation_ms);
     (kind, trace index, stage, "capture") -> a pipeline op of a refresh step whose optimizer
-    captures (K-FAC), apart from the same op in the cycle's other steps (Part.capture_ms)."""
-    out: dict[tuple, list[float]] = defaultdict(list)
+    captures (K-FAC), apart from the same op in the cycle's other steps (Part.capture_ms).
+    Yields (key, (trace index, rank, step) or None for the runtime's own work, ms)."""
     for i, tr in enumerate(traces):
         spec = optimizer(optimizer_of(tr.layout))
         captures, cycle = spec_captures(spec), int(tr.layout.get("refresh_steps", 1))
@@ -108,20 +111,19 @@ def samples(traces: list[MeasuredTrace], op_ms: float) -> dict[tuple, list[float
             for a, b in zip(ops, ops[1:] + [None]):
                 if b is not None and b.step != a.step:
                     act = activation.get((rank, b.step), 0.0)
-                    out[("between steps",)].append(b.start_ms - a.end_ms - op_ms - act)
+                    yield ("between steps",), None, b.start_ms - a.end_ms - op_ms - act
                     if act > 0 and spec.activation is not None:
-                        out[("activate", i, stages)].append(act)
+                        yield ("activate", i, stages), None, act
                 occ = b.start_ms - a.start_ms - op_ms if b is not None and b.step == a.step else a.ms
-                k = a.op.kind
+                k, where = a.op.kind, (i, rank, a.step)
                 if k in CAPTURE_KINDS and captures and a.step % cycle == 0:
-                    out[(k, i, a.op.stage, "capture")].append(occ)
+                    yield (k, i, a.op.stage, "capture"), where, occ
                 elif k in PART_KINDS:
-                    out[(k, i, a.op.stage)].append(occ)
+                    yield (k, i, a.op.stage), where, occ
                 elif _costed(spec, k) and a.op.layer is not None:
-                    out[(k, a.op.layer, a.op.factor)].append(occ)
+                    yield (k, a.op.layer, a.op.factor), where, occ
                 elif k in ("send_act", "send_grad"):
-                    out[("send",)].append(occ)
-    return out
+                    yield ("send",), where, occ
 
 
 def receives(trace: MeasuredTrace, profile: Profile) -> list[tuple[int, float, float]]:
@@ -164,32 +166,58 @@ def fit_receives(recvs: list[tuple[int, float, float]], old: LinkModel, statisti
     return LinkModel(latency_ms=lat, bytes_per_ms=old.bytes_per_ms), recv
 
 
-def fit_spread(samples_by_key: dict[tuple, list[float]]) -> dict[str, list[float]]:
-    """Op kind -> SPREAD_QUANTILES multipliers: every sample over its entry's mean, pooled per
-    kind, at the quantile midpoints, scaled so they average exactly 1 (the spread moves an op
-    around its entry's time, never the entry itself)."""
+def quantile_multipliers(ratios: list[float]) -> list[float] | None:
+    """SPREAD_QUANTILES multipliers of `ratios` (samples over their means): the quantile
+    midpoints, scaled so they average exactly 1 (a spread moves an op around its entry's
+    time, never the entry itself). None below SPREAD_MIN_SAMPLES."""
+    v = sorted(ratios)
+    if len(v) < SPREAD_MIN_SAMPLES:
+        return None
+    Q = SPREAD_QUANTILES
+    q = [v[min(len(v) - 1, int((i + 0.5) / Q * len(v)))] for i in range(Q)]
+    scale = statistics.fmean(q)
+    return [round(x / scale, 6) for x in q] if scale > 0 else None
+
+
+def fit_spread(instances: list[tuple]) -> tuple[dict[str, list[float]], list[float]]:
+    """The op times' spread (module doc) from op_instances: (runtime.op_spread,
+    runtime.level_spread). A rank's level in a step is the occupancy of its LEVEL_KINDS ops
+    in that step over their entries' means; each op's ratio to its entry's mean is then
+    divided by its rank's level in its step, so op_spread keeps only what the ops do apart.
+    Too few steps for a level (fewer than SPREAD_MIN_SAMPLES): no level spread, and op_spread
+    the ratios as they are."""
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    for key, where, ms in instances:
+        if where is not None:
+            by_key[key].append(ms)
+    mean = {key: statistics.fmean(v) for key, v in by_key.items()}
+    own: dict[tuple, float] = defaultdict(float)
+    expected: dict[tuple, float] = defaultdict(float)
+    for key, where, ms in instances:
+        if where is not None and key[0] in LEVEL_KINDS and mean[key] > 0:
+            own[where] += max(0.0, ms)
+            expected[where] += mean[key]
+    level = {w: own[w] / expected[w] for w in own if expected[w] > 0}
+    level_spread = quantile_multipliers(list(level.values()))
     pooled: dict[str, list[float]] = defaultdict(list)
-    for key, values in samples_by_key.items():
-        kind = key[0]
-        mean = statistics.fmean(values)
-        if kind in SPREAD_KINDS and mean > 0:
-            pooled[kind] += [max(0.0, v) / mean for v in values]
-    out = {}
-    for kind in SPREAD_KINDS:
-        v = sorted(pooled.get(kind, []))
-        if len(v) < SPREAD_MIN_SAMPLES:
+    for key, where, ms in instances:
+        if where is None or key[0] not in SPREAD_KINDS or mean[key] <= 0:
             continue
-        Q = SPREAD_QUANTILES
-        q = [v[min(len(v) - 1, int((i + 0.5) / Q * len(v)))] for i in range(Q)]
-        scale = statistics.fmean(q)
-        if scale > 0:
-            out[kind] = [round(x / scale, 6) for x in q]
-    return out
+        ratio = max(0.0, ms) / mean[key]
+        if level_spread is not None and key[0] in LEVEL_KINDS and level.get(where, 0) > 0:
+            ratio /= level[where]
+        pooled[key[0]].append(ratio)
+    op_spread = {}
+    for kind in SPREAD_KINDS:
+        mult = quantile_multipliers(pooled.get(kind, []))
+        if mult is not None:
+            op_spread[kind] = mult
+    return op_spread, level_spread or []
 
 
 @dataclass
 class RuntimeFit:
-    entries: dict[tuple, float]      # samples() keys -> the statistic, less op_ms (>= 0)
+    entries: dict[tuple, float]      # op_instances() keys -> the statistic, less op_ms (>= 0)
     overheads: RuntimeOverheads
     link: LinkModel                  # the p2p link (the profile's when no receive was traced)
     receives: int                    # receives the link and recv_ms were fitted from
@@ -203,7 +231,10 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     stat = STATISTICS[statistic]
     gaps = dispatch_gaps(traces)
     op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    by_key = samples(traces, op_ms)
+    instances = list(op_instances(traces, op_ms))
+    by_key: dict[tuple, list[float]] = defaultdict(list)
+    for key, _, ms in instances:
+        by_key[key].append(ms)
     entries = {key: max(0.0, stat(v)) for key, v in by_key.items()}
     old = profile.runtime
     link, recv_ms = profile.comm.p2p, old.recv_ms
@@ -214,9 +245,14 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     # after it may still wait for the data, and its duration's long tail is the message's lag,
     # which the replay already makes; drawing it as well would count that wait twice and
     # over-predict the step.
+    # A level spread fitted makes op_spread's kinds the ops' variation beyond it: one kept from
+    # the old profile without it would be the whole variation, so none is kept then.
+    op_spread, level_spread = fit_spread(instances)
+    keep = {} if level_spread and not old.level_spread else old.op_spread
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,
-                                 op_spread={**old.op_spread, **fit_spread(by_key)})
+                                 op_spread={**keep, **op_spread},
+                                 level_spread=level_spread or (old.level_spread if not op_spread else []))
     given = sum(1 for key in (("between steps",), ("send",)) if key in entries) + bool(gaps) + bool(recvs)
     return RuntimeFit(entries, overheads, link, len(recvs), given)
 

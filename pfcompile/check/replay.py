@@ -29,7 +29,7 @@ import numpy as np
 
 from pfcompile.formats.ops import COLLECTIVE_KINDS, COMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES, Op
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.profile import Profile
+from pfcompile.formats.profile import LEVEL_KINDS, Profile
 from pfcompile.formats.rules import CycleIndex, PlanError, PlanLayout, check_ops
 from pfcompile.formats.verify import check_pair_order
 from pfcompile.graph.costs import Costs
@@ -117,16 +117,18 @@ SPREAD_KIND = {"send_act": "send", "send_grad": "send"}
 def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: int = 0,
                        max_instances: int = 200_000) -> float | None:
     """The step time a run sees when each op's time varies as the profile's
-    `runtime.op_spread` says (formats.profile): the plan replayed over about `steps` steps
-    (whole refresh cycles, at most `max_instances` op instances) with every instance's work
-    drawn independently from its kind's multipliers (kinds without a spread keep their
-    time; receives, collectives and every wait are the replay's). A late op delays whoever
-    waits on it and an early one rarely lets them start sooner, so the result is above the
-    step of mean op times (the plan's step_time_ms) by what the pipeline's dependencies
-    make of the spread. None without a spread. The draws are seeded: the same plan and
-    profile give the same number."""
-    spread = profile.runtime.op_spread
-    if not spread:
+    `runtime.op_spread` and `runtime.level_spread` say (formats.profile): the plan replayed
+    over about `steps` steps (whole refresh cycles, at most `max_instances` op instances)
+    with every instance's work drawn independently from its kind's multipliers, times its
+    rank's level in its step, drawn once per rank and step from the level spread for every
+    LEVEL_KINDS op of it (kinds without either keep their time; receives, collectives and
+    every wait are the replay's). A late op delays whoever waits on it and an early one
+    rarely lets them start sooner, so the result is above the step of mean op times (the
+    plan's step_time_ms) by what the pipeline's dependencies make of the spread; a slow
+    rank-step more so than as many slow ops spread over the ranks. None without a spread.
+    The draws are seeded: the same plan and profile give the same number."""
+    spread, levels = profile.runtime.op_spread, profile.runtime.level_spread
+    if not spread and not levels:
         return None
     L = PlanLayout(plan)
     X = CycleIndex(plan, L)
@@ -134,14 +136,20 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     cycles = max(3, min(-(-steps // L.k), max_instances // max(1, X.M)))
     rng = np.random.default_rng(seed)
     op_ms = profile.runtime.op_ms
+    # a level per (cycle, step of the cycle, rank), or 1s without a level spread
+    level = (rng.choice(np.asarray(levels), size=(cycles, L.k, L.W)) if levels
+             else np.ones((cycles, L.k, L.W)))
     durations: dict[int, float] = {}
     for j, op in enumerate(X.ops):
         kind = SPREAD_KIND.get(op.kind, op.kind)
-        mult = spread.get(kind)
-        if mult is None:
+        mult, leveled = spread.get(kind), bool(levels) and kind in LEVEL_KINDS
+        if mult is None and not leveled:
             continue
         work = costs.work_ms(op, X.step[j])
-        for c, m in enumerate(rng.choice(np.asarray(mult), size=cycles).tolist()):
+        draws = rng.choice(np.asarray(mult), size=cycles) if mult is not None else np.ones(cycles)
+        if leveled:
+            draws = draws * level[:, X.step[j], X.rank[j]]
+        for c, m in enumerate(draws.tolist()):
             durations[c * X.M + j] = work * m + op_ms
     return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
 

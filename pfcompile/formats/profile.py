@@ -79,6 +79,14 @@ way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiti
 so the expected step is longer than the step of mean op times). Fitted from a measured run
 (the profiler's runtime probe, `pfcompile calibrate`); absent, kinds missing: no spread.
 
+`runtime.level_spread` (optional) is the part of that variation a rank's ops share within a
+step: 20 multipliers like op_spread's, of a rank's LEVEL in one step (the occupancy of its
+compute ops in that step over their entries' means). A slow spell of the machine, or of
+the core a rank runs on, stretches every op of that rank for a while; drawn op by op, those
+stretches would average out over a step's ops and the pipeline would absorb them, drawn per
+rank and step they do not. With it, op_spread holds each op's variation beyond its rank's
+level in its step, and expected_step_time draws both. Absent: the ops vary independently.
+
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.pipeline.split_backward runs them: B, the input gradient
 (and the non-Linear parameters'), and W, each nn.Linear's weight gradient from the kept
@@ -128,6 +136,9 @@ SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 4
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
 SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
+# the op kinds a rank's level in a step is taken over and applied to (runtime.level_spread):
+# its compute, not the posting of its sends
+LEVEL_KINDS = tuple(k for k in SPREAD_KINDS if k != "send")
 READS_VERSIONS = (1, 2, 3, 4)
 STEP_KINDS = ("kfac", "adamw")
 # The estimate for version-1 profiles (see the module doc): passes over the parameter bytes
@@ -302,14 +313,17 @@ class RuntimeOverheads:
     send_ms: float = 0.0
     recv_ms: float = 0.0
     op_spread: dict[str, list[float]] = field(default_factory=dict)  # op kind -> multipliers (module doc)
+    level_spread: list[float] = field(default_factory=list)  # a rank's level in a step: multipliers (module doc)
 
     def any(self) -> bool:
-        return any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms)) or bool(self.op_spread)
+        return (any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms))
+                or bool(self.op_spread) or bool(self.level_spread))
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        if not self.op_spread:  # absent as written before it existed (the hash stays)
-            d.pop("op_spread")
+        for key in ("op_spread", "level_spread"):
+            if not d[key]:  # absent as written before it existed (the hash stays)
+                d.pop(key)
         return d
 
 
@@ -472,6 +486,17 @@ def _pos(v) -> bool:
 # names them: the parts and the covered layers (under their schema's key)
 def _spread_sections(version: int) -> tuple[str, str]:
     return ("parts", "covered_layers" if version >= 4 else LAYERS_KEY_V3)
+
+
+def _multipliers(f: Fields, key: str, mult) -> list[float]:
+    """A spread's multipliers (module doc), or the one-line error naming `key`."""
+    if not (isinstance(mult, list) and mult and all(_pos(m) for m in mult)):
+        raise f.fail(key, "must be a non-empty list of finite numbers >= 0")
+    # multipliers move an op around its entry, never the entry itself (module doc);
+    # averaging 1 also bounds each by their count, so no draw overflows a replay
+    if abs(sum(mult) / len(mult) - 1.0) > 1e-3:
+        raise f.fail(key, f"must average 1 (they scale the entry's time), got {sum(mult) / len(mult):.6g}")
+    return [float(m) for m in mult]
 
 
 def _check_provenance(pf: Fields) -> None:
@@ -655,13 +680,9 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
             for kind, mult in sf.obj.items():
                 if kind not in SPREAD_KINDS:
                     raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
-                if not (isinstance(mult, list) and mult and all(_pos(m) for m in mult)):
-                    raise sf.fail(kind, "must be a non-empty list of finite numbers >= 0")
-                # multipliers move an op around its entry, never the entry itself (module doc);
-                # averaging 1 also bounds each by their count, so no draw overflows a replay
-                if abs(sum(mult) / len(mult) - 1.0) > 1e-3:
-                    raise sf.fail(kind, f"must average 1 (they scale the entry's time), got {sum(mult) / len(mult):.6g}")
-                runtime.op_spread[kind] = [float(m) for m in mult]
+                runtime.op_spread[kind] = _multipliers(sf, kind, mult)
+        if rf.opt("level_spread", list) is not None:
+            runtime.level_spread = _multipliers(rf, "level_spread", rf.obj["level_spread"])
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
                    covered_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
@@ -839,6 +860,9 @@ def format_profile(profile: Profile) -> str:
         if r.op_spread:
             comm += ("\nop times from run to run (runtime.op_spread, 12.5% / 87.5% quantiles over the mean): "
                      + ", ".join(f"{k} {v[2]:.2f}/{v[-3]:.2f}" if len(v) == 20 else k for k, v in r.op_spread.items()))
+        if len(r.level_spread) == 20:
+            comm += (f"\na rank's level from step to step (runtime.level_spread, 12.5% / 87.5%): "
+                     f"{r.level_spread[2]:.2f}/{r.level_spread[-3]:.2f}; op_spread is each op's beyond it")
     else:
         comm += "\nruntime overheads: not in this profile (costed as 0)"
     spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread

@@ -111,8 +111,8 @@ def measure_runtime(profile: Profile, device: torch.device,
     (torchrun, one thread each, synthetic tokens), its measured trace fitted as `pfcompile
     calibrate` fits one (pfcompile.calibrate.fit): the dispatch gap per op, the work between
     steps, a send's posting, a receive's completion, and the op times' spread
-    (runtime.op_spread: 24 steps or more give each stage's fwd and bwd ~90 samples or
-    more), and the p2p link as the run sees it: the latency of its receives posted before
+    (runtime.op_spread, and each rank's level from step to step, runtime.level_spread: 24
+    steps or more give each stage's fwd and bwd ~90 samples or more, and 48 rank-steps), and the p2p link as the run sees it: the latency of its receives posted before
     their send ended, at the benchmark's bandwidth (None when none was). Kept only where the run worked; otherwise the message benchmark's
     link and send/receive times stand (said in the provenance). Also returns the trace (None
     when the run failed), for in_run_levels."""
