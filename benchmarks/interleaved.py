@@ -118,7 +118,8 @@ def trace_path(prefix: str, which: str, plan: str, block: int) -> str:
 SPLIT_ROWS = (("predicted", None, "the plans' step times replayed from the profile"),
               ("planned_work_step_ms", "the op times' level", "each op at its mean time in the block"),
               ("mean_ops_step_ms", "the runtime's work beyond the plan", "with the runtime's work between ops"),
-              ("own_ops_step_ms", "the op times' spread", "each step's own op times"),
+              ("level_ops_step_ms", "a rank's slow spells", "each rank's level in each step"),
+              ("own_ops_step_ms", "each op's spread beyond its rank's level", "each step's own op times"),
               ("measured_step_ms", "messages and collectives beyond the model", "measured"))
 
 

@@ -138,9 +138,10 @@ def check_interleaved(out: str) -> None:
     assert re.match(r"^\d+, \d+$", rounds[0][8]), out  # each plan's page faults per step
     assert re.search(r"measured - planned [-+]\d+\.\d points", out), out
     assert "BASE equal, PLAN equal" in out, out  # two plans in one process train as each does alone
-    # the traced blocks' split, cause by cause: five rows from the profile's prediction to the measured step
+    # the traced blocks' split, cause by cause: six rows from the profile's prediction to the measured step
     split = [r for r in rows if not r[1].isdigit()]
-    assert [r[1].split()[0] for r in split] == ["the", "each", "with", "each", "measured"], out
+    assert [r[1].split()[0] for r in split] == ["the", "each", "with", "each", "each", "measured"], out
+    assert split[3][6] == "a rank's slow spells", out
     assert all(r[4].endswith("%") for r in split) and split[1][6] == "the op times' level", out
 
 

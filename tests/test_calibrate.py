@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import re
 import statistics
 import subprocess
@@ -245,6 +246,7 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
         got[name] = json.loads(r.stdout)["replayed"]
         assert got[name]["cycles"] == (8 * k + 1) // k - 1  # whole cycles after the 1 warm-up step
         assert got[name]["mean_ops_step_ms"] == pytest.approx(got[name]["own_ops_step_ms"], rel=1e-9)
+        assert got[name]["level_ops_step_ms"] == pytest.approx(got[name]["own_ops_step_ms"], rel=1e-9)
     same = got["same"]
     # the runtime's work is what the profile says: the run's op times with the planned work
     # replay as the run's own occupancies
@@ -257,7 +259,8 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     other = got["other"]
     assert other["own_ops_step_ms"] / other["measured_step_ms"] > 1.05  # the profile's messages are slower
     text = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(prof_path)).stdout
-    assert "their spread from step to step" in text and "messages and collectives beyond the model" in text
+    assert "its slow spells from step to step" in text and "each op's spread beyond its rank's level" in text
+    assert "messages and collectives beyond the model" in text
     assert "the runtime's work beyond the plan" in text
     # 0.2 ms more after every op than the dispatch the profile has: the op times' level is
     # unchanged, the runtime's work beyond the plan is the difference
@@ -266,6 +269,15 @@ def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     g = json.loads(r.stdout)["replayed"]
     assert g["planned_work_step_ms"] == pytest.approx(same["planned_work_step_ms"], rel=1e-6)
     assert g["mean_ops_step_ms"] - g["planned_work_step_ms"] > 0.2  # the critical path has more than one op
+    # each rank 0.5x or 1.5x in each step, its ops alike: the ranks' levels replay the run's
+    # own op times exactly, and above their means (a slow rank-step holds its peers)
+    rng, drawn = random.Random(5), {}
+    spells = synthetic_trace(tmp_path, plan_path, same_messages, steps=8 * k + 1, name="spells",
+                             level=lambda q, step: drawn.setdefault((q, step), rng.choice((0.5, 1.5))))
+    r = cli("inspect", str(spells), "--against", str(plan_path), "--profile", str(prof_path), "--json")
+    s = json.loads(r.stdout)["replayed"]
+    assert s["level_ops_step_ms"] == pytest.approx(s["own_ops_step_ms"], rel=1e-9)
+    assert s["level_ops_step_ms"] > 1.05 * s["mean_ops_step_ms"]
     truth.save(str(tmp_path / "truth.json"))  # not the profile the plan was made from
     r = cli("inspect", str(trace), "--against", str(plan_path), "--profile", str(tmp_path / "truth.json"))
     assert r.returncode == 2 and "plan_profile.hash" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -285,8 +297,6 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
     spread agree to 3%; a late op delays its peers, so both are well above 1. Drawn per rank
     and step instead (the level spread), the two agree again, and a slow rank-step costs more
     than as many slow ops spread over the ranks."""
-    import random
-
     prof = load_profile(str(PROFILE))
     plan_path = make_plan(tmp_path, prof, "gpipe4")
     plan = load_plan(str(plan_path))

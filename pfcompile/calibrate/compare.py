@@ -271,9 +271,12 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
       level (the profile against this run);
     - `mean_ops_step_ms`: every op at its mean occupancy in this run: the difference to the
       previous is the runtime's work between ops beyond what the plan counts;
+    - `level_ops_step_ms`: every op at its mean occupancy times its rank's level in its step
+      (the rank-step's occupancy over its ops' means): the difference to the previous is
+      the spread a rank's slow spells make (profile.runtime.level_spread);
     - `own_ops_step_ms`: every op instance at its own occupancy: the difference to the
-      previous is the op times' spread from step to step (a late op delays its peers; a
-      prediction from means cannot have it);
+      previous is the rest of the op times' spread from step to step, each op's beyond its
+      rank's level (a late op delays its peers; a prediction from means cannot have it);
     - `measured_step_ms` against `own_ops_step_ms`: what the message and collective model
       misses.
     None when the run has fewer than two whole cycles after warm-up."""
@@ -289,6 +292,7 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     X = CycleIndex(plan, PlanLayout(plan))
     lo, hi = c0 * k, (c0 + cycles) * k
     own: dict[int, float] = {}
+    rank_step: dict[int, tuple[int, int]] = {}  # x -> (rank, step) it ran in
     bare: dict[int, float] = {}  # x -> the op's own time + the runtime's work the plan counts in its span
     op_ms = profile.runtime.op_ms
     planned_runtime_ms = runtime_in_span(plan, profile)
@@ -304,6 +308,7 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
             if j >= 0:
                 x = (o.step // k - c0) * X.M + j
                 own[x] = (nxt.start_ms if nxt is not None else o.end_ms + op_ms) - o.start_ms
+                rank_step[x] = (q, o.step)
                 bare[x] = o.end_ms - o.start_ms + planned_runtime_ms(o.op, o.step % k)
         # the work between steps goes where the cost model has it, into the step's `step` ops
         # (Costs.between_steps_ms: one share per stage the rank holds)
@@ -320,13 +325,19 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
         return {c * X.M + j: sum(v) / len(v) for j, v in sums.items() for c in range(cycles)}
 
     planned_work = cycle_means(bare)
+    means = cycle_means(own)
+    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for x, ms in own.items():
+        sums[rank_step[x]][0] += ms
+        sums[rank_step[x]][1] += means[x]
+    leveled = {x: means[x] * (sums[w][0] / sums[w][1] if sums[w][1] > 0 else 1.0) for x, w in rank_step.items()}
     out = {"measured_step_ms": measured, "cycles": cycles}
 
     def step_with(durations: dict[int, float]) -> float:
         return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
 
-    for key, durations in (("planned_work_step_ms", planned_work), ("mean_ops_step_ms", cycle_means(own)),
-                           ("own_ops_step_ms", own)):
+    for key, durations in (("planned_work_step_ms", planned_work), ("mean_ops_step_ms", means),
+                           ("level_ops_step_ms", leveled), ("own_ops_step_ms", own)):
         out[key] = step_with(durations)  # the spacing of its cycle ends over k
     # the level by op kind: the step with this kind's ops at their mean own time (and the work
     # the plan counts in their spans) and every other op at its profiled time, against the
@@ -346,7 +357,8 @@ def format_replayed(r: dict | None, predicted_ms: float) -> str:
     rows = [("predicted (the profile's op times)", predicted_ms, ""),
             ("this run's mean op times, its work as planned", r["planned_work_step_ms"], "the op times' level"),
             ("the same with its work between ops", r["mean_ops_step_ms"], "the runtime's work beyond the plan"),
-            ("each step's own op times", r["own_ops_step_ms"], "their spread from step to step"),
+            ("each rank's level in each step", r["level_ops_step_ms"], "its slow spells from step to step"),
+            ("each step's own op times", r["own_ops_step_ms"], "each op's spread beyond its rank's level"),
             ("measured", r["measured_step_ms"], "messages and collectives beyond the model")]
     lines = [f"the plan replayed with this run's op times (receives and collectives as modelled), "
              f"{r['cycles']} refresh cycles:"]
