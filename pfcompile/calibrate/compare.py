@@ -27,7 +27,7 @@ from pfcompile.calibrate.fit import sends_by_message
 from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
 from pfcompile.formats.ops import COMPUTE_KINDS, P2P_KINDS
 from pfcompile.formats.plan import Plan
-from pfcompile.formats.profile import CAPTURE_KINDS, Profile
+from pfcompile.formats.profile import CAPTURE_KINDS, LEVEL_KINDS, Profile
 
 
 def _p90(values: list[float]) -> float:
@@ -293,6 +293,7 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     lo, hi = c0 * k, (c0 + cycles) * k
     own: dict[int, float] = {}
     rank_step: dict[int, tuple[int, int]] = {}  # x -> (rank, step) it ran in
+    steps_work: dict[int, float] = {}  # x -> the work between steps a `step` op carries
     bare: dict[int, float] = {}  # x -> the op's own time + the runtime's work the plan counts in its span
     op_ms = profile.runtime.op_ms
     planned_runtime_ms = runtime_in_span(plan, profile)
@@ -317,7 +318,9 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
                 j = X.find(o.step % k, q, o.op)
                 shares = sum(1 for op in plan.ops(q, o.step % k) if op.kind == "step")
                 if j >= 0:
-                    own[(o.step // k - c0) * X.M + j] += between[o.step] / shares
+                    x = (o.step // k - c0) * X.M + j
+                    own[x] += between[o.step] / shares
+                    steps_work[x] = between[o.step] / shares
     def cycle_means(durations: dict[int, float]) -> dict[int, float]:
         sums: dict[int, list[float]] = defaultdict(list)
         for x, ms in durations.items():
@@ -326,11 +329,17 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
 
     planned_work = cycle_means(bare)
     means = cycle_means(own)
+    # a rank's level in a step is over its ops' occupancies less the dispatch, as fit_spread
+    # takes it: the dispatch and the runtime's work between steps stay at their means
+    # (its compute ops only: a send's posting takes no level)
+    ops_own = {x: ms - steps_work.get(x, 0.0) - op_ms for x, ms in own.items() if X.ops[x % X.M].kind in LEVEL_KINDS}
+    ops_means, work_means = cycle_means(ops_own), cycle_means(steps_work)
     sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for x, ms in own.items():
+    for x, ms in ops_own.items():
         sums[rank_step[x]][0] += ms
-        sums[rank_step[x]][1] += means[x]
-    leveled = {x: means[x] * (sums[w][0] / sums[w][1] if sums[w][1] > 0 else 1.0) for x, w in rank_step.items()}
+        sums[rank_step[x]][1] += ops_means[x]
+    leveled = {x: ops_means[x] * (sums[w][0] / sums[w][1] if sums[w][1] > 0 else 1.0) + op_ms
+               + work_means.get(x, 0.0) if x in ops_own else means[x] for x, w in rank_step.items()}
     out = {"measured_step_ms": measured, "cycles": cycles}
 
     def step_with(durations: dict[int, float]) -> float:

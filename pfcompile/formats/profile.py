@@ -71,7 +71,7 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 
 `runtime.op_spread` (optional) is how an op's time varies from one run of it to the next in
 the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
-inv, send; a receive's waiting is the message's lag, which the replay makes): 20
+inv, stats, orth, send; a receive's waiting is the message's lag, which the replay makes): 20
 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ..., 97.5%) of the
 measured op's occupancy over its own mean, scaled to average exactly 1. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
@@ -135,7 +135,8 @@ from pfcompile.formats.optimizers import INVERSE_METHODS, OPTIMIZERS
 SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 4
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
-SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "send")
+SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "stats",
+                "orth", "send")
 # the op kinds a rank's level in a step is taken over and applied to (runtime.level_spread):
 # its compute, not the posting of its sends
 LEVEL_KINDS = tuple(k for k in SPREAD_KINDS if k != "send")
