@@ -23,7 +23,7 @@ import bisect
 import statistics
 from collections import defaultdict
 
-from pfcompile.calibrate.fit import sends_by_message
+from pfcompile.calibrate.fit import rank_levels, sends_by_message
 from pfcompile.calibrate.measured import MeasuredOp, MeasuredTrace
 from pfcompile.formats.ops import COMPUTE_KINDS, P2P_KINDS
 from pfcompile.formats.plan import Plan
@@ -334,12 +334,9 @@ def replayed_with_measured(trace: MeasuredTrace, plan: Plan, profile) -> dict | 
     # (its compute ops only: a send's posting takes no level)
     ops_own = {x: ms - steps_work.get(x, 0.0) - op_ms for x, ms in own.items() if X.ops[x % X.M].kind in LEVEL_KINDS}
     ops_means, work_means = cycle_means(ops_own), cycle_means(steps_work)
-    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for x, ms in ops_own.items():
-        sums[rank_step[x]][0] += ms
-        sums[rank_step[x]][1] += ops_means[x]
-    leveled = {x: ops_means[x] * (sums[w][0] / sums[w][1] if sums[w][1] > 0 else 1.0) + op_ms
-               + work_means.get(x, 0.0) if x in ops_own else means[x] for x, w in rank_step.items()}
+    level = rank_levels((rank_step[x], ms, ops_means[x]) for x, ms in ops_own.items())
+    leveled = {x: ops_means[x] * level.get(w, 1.0) + op_ms + work_means.get(x, 0.0) if x in ops_own else means[x]
+               for x, w in rank_step.items()}
     out = {"measured_step_ms": measured, "cycles": cycles}
 
     def step_with(durations: dict[int, float]) -> float:

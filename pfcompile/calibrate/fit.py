@@ -179,25 +179,26 @@ def quantile_multipliers(ratios: list[float]) -> list[float] | None:
     return [round(x / scale, 6) for x in q] if scale > 0 else None
 
 
-def fit_spread(instances: list[tuple]) -> tuple[dict[str, list[float]], list[float]]:
-    """The op times' spread (module doc) from op_instances: (runtime.op_spread,
-    runtime.level_spread). A rank's level in a step is the occupancy of its LEVEL_KINDS ops
-    in that step over their entries' means; each op's ratio to its entry's mean is then
-    divided by its rank's level in its step, so op_spread keeps only what the ops do apart.
-    Too few steps for a level (fewer than SPREAD_MIN_SAMPLES): no level spread, and op_spread
-    the ratios as they are."""
-    by_key: dict[tuple, list[float]] = defaultdict(list)
-    for key, where, ms in instances:
-        if where is not None:
-            by_key[key].append(ms)
+def rank_levels(rows) -> dict:
+    """A rank's level in each of its steps: the sum of its compute ops' times there over the
+    sum of their means. `rows`: (where: the rank-step, op's time, its mean); where -> level."""
+    sums: dict = defaultdict(lambda: [0.0, 0.0])
+    for where, ms, mean in rows:
+        sums[where][0] += ms
+        sums[where][1] += mean
+    return {w: own / expected for w, (own, expected) in sums.items() if expected > 0}
+
+
+def fit_spread(instances: list[tuple], by_key: dict[tuple, list[float]]) -> tuple[dict[str, list[float]], list[float]]:
+    """The op times' spread (module doc) from op_instances and their samples by key:
+    (runtime.op_spread, runtime.level_spread). A rank's level in a step is the occupancy of
+    its LEVEL_KINDS ops in that step over their entries' means (rank_levels); each op's ratio
+    to its entry's mean is then divided by its rank's level in its step, so op_spread keeps
+    only what the ops do apart. Too few steps for a level (fewer than SPREAD_MIN_SAMPLES): no
+    level spread, and op_spread the ratios as they are."""
     mean = {key: statistics.fmean(v) for key, v in by_key.items()}
-    own: dict[tuple, float] = defaultdict(float)
-    expected: dict[tuple, float] = defaultdict(float)
-    for key, where, ms in instances:
-        if where is not None and key[0] in LEVEL_KINDS and mean[key] > 0:
-            own[where] += max(0.0, ms)
-            expected[where] += mean[key]
-    level = {w: own[w] / expected[w] for w in own if expected[w] > 0}
+    level = rank_levels((where, max(0.0, ms), mean[key]) for key, where, ms in instances
+                        if where is not None and key[0] in LEVEL_KINDS and mean[key] > 0)
     level_spread = quantile_multipliers(list(level.values()))
     pooled: dict[str, list[float]] = defaultdict(list)
     for key, where, ms in instances:
@@ -247,7 +248,7 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     # over-predict the step.
     # A level spread fitted makes op_spread's kinds the ops' variation beyond it: one kept from
     # the old profile without it would be the whole variation, so none is kept then.
-    op_spread, level_spread = fit_spread(instances)
+    op_spread, level_spread = fit_spread(instances, by_key)
     keep = {} if level_spread and not old.level_spread else old.op_spread
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,

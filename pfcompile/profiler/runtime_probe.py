@@ -112,9 +112,11 @@ def measure_runtime(profile: Profile, device: torch.device,
     calibrate` fits one (pfcompile.calibrate.fit): the dispatch gap per op, the work between
     steps, a send's posting, a receive's completion, and the op times' spread
     (runtime.op_spread, and each rank's level from step to step, runtime.level_spread: 24
-    steps or more give each stage's fwd and bwd ~90 samples or more, and 48 rank-steps), and the p2p link as the run sees it: the latency of its receives posted before
-    their send ended, at the benchmark's bandwidth (None when none was). Kept only where the run worked; otherwise the message benchmark's
-    link and send/receive times stand (said in the provenance). Also returns the trace (None
+    steps or more give each stage's fwd and bwd ~90 samples or more, and 48 rank-steps),
+    and the p2p link as the run sees it: the latency of its receives posted before their
+    send ended, at the benchmark's bandwidth (None when none was). Kept only where the run
+    worked; otherwise the message benchmark's link and send/receive times stand (said in
+    the provenance). Also returns the trace (None
     when the run failed), for in_run_levels."""
     from pfcompile.calibrate.fit import fit_runtime
 
@@ -130,7 +132,7 @@ def measure_runtime(profile: Profile, device: torch.device,
                                        f"fitted like pfcompile calibrate (mean occupancy)"}, trace
 
 
-def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> dict[str, float]:
+def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple[dict[str, float], dict[str, float]]:
     """Set `profile`'s entries (in place) to their in-run times: the parts' fwd, bwd and
     AdamW step from `base_trace` (the probe's run without optimizer work), each optimizer's
     per-layer entries and its step from its own probe run (`optimizer_traces`: name ->
