@@ -305,3 +305,31 @@ def test_an_exhausted_time_limit_skips_cpsat_and_still_returns_a_checked_plan():
     assert st["solver_status"] in ("FEASIBLE", "OPTIMAL") and len(st["k_search"]) == 1  # no second k tried
     again = replay(plan_from_json(plan.to_json()), prof)  # a valid plan from the warm starts
     assert again.step_time_ms == pytest.approx(st["step_time_ms"], rel=1e-6)
+
+
+def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_time():
+    """With an op-time spread in the profile, the reserve kept before the search holds the
+    expected step time's shortest replay: a search that ran to its deadline (all that is left
+    is the reserve) still leaves the plan that figure. Without that part of the reserve there
+    is no time for it, and the plan has none rather than running past the limit."""
+    import time
+
+    from pfcompile.place.budget import Budget
+    from pfcompile.place.build import _add_expected_step_time
+    from pfcompile.place.solver import keep_time_for_the_plan, warm_start
+
+    kw = FAMILIES["1f1b"]
+    prof = _profile(kw, curv=0.3, inv=0.7)
+    prof.runtime.level_spread = [0.8] * 10 + [1.2] * 10
+    cfg, opts = PipelineConfig(**kw), PlanOptions(time_limit=30, workers=1)
+    plan = solve_plan(prof, cfg, opts)
+    for spread in (False, True):
+        budget = Budget(600.0)
+        budget.replay_s_per_op = 1e-3  # slow enough that a cycle's replay dwarfs this test's own Python
+        keep_time_for_the_plan(budget, warm_start(prof, cfg, opts, Planning(budget=budget)), opts, spread=spread)
+        budget.deadline = time.monotonic() + budget.reserve  # the search used every second of its share
+        assert budget.left() <= 0.0
+        plan.stats.pop("expected_step_time_ms", None)
+        _add_expected_step_time(plan, prof, Planning(budget=budget))
+        assert ("expected_step_time_ms" in plan.stats) is spread
+    assert plan.stats["expected_step_time_ms"] > plan.stats["step_time_ms"]

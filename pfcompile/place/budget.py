@@ -15,6 +15,17 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 MIN_SOLVE_S = 0.05  # a CP-SAT call shorter than this finds nothing: skip it instead
+# a budget's reserve for what follows the search (assembling, replaying, verifying and
+# writing the plan): a fixed part, plus this many replays at this run's measured seconds per
+# op (before one is measured, the guess below, a slow machine's figure so the limit holds)
+RESERVE_FIXED_S = 2.0
+RESERVE_REPLAYS = 2
+REPLAY_S_PER_OP_GUESS = 8e-4
+# and, where the profile has an op-time spread, the expected step time's least replay
+# (check.replay.expected_step_time: this many refresh cycles, each op instance drawn, which
+# costs about this many plain replayed ops)
+EXPECTED_STEP_MIN_CYCLES = 3
+EXPECTED_STEP_COST_PER_OP = 1.5
 
 
 class Budget:

@@ -43,7 +43,14 @@ from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import TaskGraph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
-from pfcompile.place.budget import Budget
+from pfcompile.place.budget import (
+    EXPECTED_STEP_COST_PER_OP,
+    EXPECTED_STEP_MIN_CYCLES,
+    REPLAY_S_PER_OP_GUESS,
+    RESERVE_FIXED_S,
+    RESERVE_REPLAYS,
+    Budget,
+)
 from pfcompile.place.cpmodel import Result, solve
 from pfcompile.place.cycle_model import (
     CycleModel,
@@ -76,12 +83,6 @@ TIGHT_BASELINE_TIME_LIMIT_S = 10.0
 # how one k's time limit is shared by its three stages (solve_cycle): the pipeline
 # timeline is usually proven optimal at once, the whole cycle is where the search pays
 STAGE_SHARES = {"pipeline timeline": 0.2, "packing": 0.3, "whole cycle": 0.5}
-# a budget's reserve for what follows the search (assembling, replaying, verifying and
-# writing the plan): a fixed part, plus this many replays at this run's measured seconds per
-# op (before one is measured, the guess below, a slow machine's figure so the limit holds)
-RESERVE_FIXED_S = 2.0
-RESERVE_REPLAYS = 2
-REPLAY_S_PER_OP_GUESS = 8e-4
 # the next k is tried only when the time left holds its graph and warm starts with this
 # margin (the largest k so far is the estimate; a larger k takes longer)
 NEXT_K_MARGIN = 1.2
@@ -375,7 +376,8 @@ def solve_plan_replayed(profile: Profile, cfg: PipelineConfig, options: PlanOpti
     budget = planning.budget
     t0 = time.perf_counter()
     warm = warm_start(profile, cfg, opts, planning)
-    keep_time_for_the_plan(budget, warm, opts)
+    keep_time_for_the_plan(budget, warm, opts, 
+                           spread=bool(profile.runtime.op_spread or profile.runtime.level_spread))
     k_lb, target = k_lower_bound(profile, cfg, opts, planning, warm, first_order_step_ms)
     ks = ks_to_try(opts, k_lb, warm.k)
     search = search_k(profile, cfg, opts, planning, ks, warm)
@@ -423,14 +425,17 @@ def warm_start(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, plannin
     return warm
 
 
-def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions) -> None:
+def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions, *, spread: bool = False) -> None:
     """Reserve the seconds that assembling and replaying the plan and the check on writing it
     (about one and a half replays) take after the search, plus a margin, at the seconds per
-    op this run's first replay took (the machine's load counts)."""
+    op this run's first replay took (the machine's load counts); with `spread` (the profile
+    has an op-time spread) also the expected step time's shortest replay, so a search that
+    uses its whole share still leaves the plan that figure."""
     ops = sum(len(ops) for steps in warm.steps.values() for ops in steps) / warm.k
     per_op = budget.replay_s_per_op or REPLAY_S_PER_OP_GUESS
     cycle = max(warm.k, opts.refresh_steps or 1, 2)
-    budget.reserve = max(budget.reserve, RESERVE_FIXED_S + RESERVE_REPLAYS * per_op * ops * cycle)
+    replays = RESERVE_REPLAYS + (EXPECTED_STEP_MIN_CYCLES * EXPECTED_STEP_COST_PER_OP if spread else 0.0)
+    budget.reserve = max(budget.reserve, RESERVE_FIXED_S + replays * per_op * ops * cycle)
 
 
 def k_lower_bound(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning: Planning, warm: WarmStart,
