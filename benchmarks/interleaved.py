@@ -256,10 +256,8 @@ def write_block(r, job, world, path: str, block: range) -> None:
                             tl.device_type, tl.host)
     gathered = comm.gather_json(world, mine.to_json())
     if world.rank == 0:
-        measure.write_measured_trace(path, measure.align([measure.Timeline.from_json(d) for d in gathered]), {
-            "plan": os.path.abspath(job.plan_path), "steps": block.stop, "warmup_steps": block.start + 1,
-            **measure.plan_identity(job.plan_path, job.plan), "dtype": job.precision.name,
-            "device_type": job.device_type, "interleaved": True})
+        measure.write_measured_trace(path, measure.align([measure.Timeline.from_json(d) for d in gathered]),
+                                     measure.run_metadata(job, block.stop, block.start + 1, interleaved=True))
 
 
 def op_time(r, steps: set[int]) -> dict[str, list[float]]:

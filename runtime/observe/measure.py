@@ -18,6 +18,7 @@ instant t0, so the ranks still line up. On CPU the marks are perf_counter instan
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import statistics
 import time
@@ -340,6 +341,14 @@ def plan_identity(path: str, plan) -> dict:
                             "schedule": plan.config.schedule, "optimizer": plan.config.optimizer,
                             "inverse": plan.config.inverse,
                             "replicas": plan.config.replicas, "refresh_steps": plan.refresh_steps}}
+
+
+def run_metadata(job, steps: int, warmup_steps: int, **extra) -> dict:
+    """A run's measured-trace metadata: its plan (path and identity), how many steps it ran
+    and how many of them were warm-up, its dtype and device; `extra` adds the caller's own."""
+    return {"plan": os.path.abspath(job.plan_path), "steps": steps, "warmup_steps": warmup_steps,
+            **plan_identity(job.plan_path, job.plan), "dtype": job.precision.name, "device_type": job.device_type,
+            **extra}
 
 
 def write_measured_trace(path: str, timelines: list[Timeline], metadata: dict) -> None:

@@ -274,8 +274,6 @@ def _summary(job, timelines: list[measure.Timeline], losses: torch.Tensor, first
                                 memory_limit=plan.config.memory_limit_bytes,
                                 expected_ms=plan.stats.get("expected_step_time_ms"), refresh_steps=k)
     if rt.trace:
-        measure.write_measured_trace(rt.trace, timelines, {
-            "plan": os.path.abspath(job.plan_path), "steps": steps, "summary": summary.line(),
-            **measure.plan_identity(job.plan_path, plan), "warmup_steps": first + warmup,
-            "dtype": job.precision.name, "device_type": job.device_type, "cpus": summary.cpus})
+        measure.write_measured_trace(rt.trace, timelines, measure.run_metadata(
+            job, steps, first + warmup, summary=summary.line(), cpus=summary.cpus))
     return summary
