@@ -308,13 +308,12 @@ def test_an_exhausted_time_limit_skips_cpsat_and_still_returns_a_checked_plan():
 
 
 def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_time():
-    """With an op-time spread in the profile, the reserve kept before the search holds the
-    expected step time's shortest replay: a search that ran to its deadline (all that is left
-    is the reserve) still leaves the plan that figure. Without that part of the reserve there
-    is no time for it, and the plan has none rather than running past the limit."""
+    """With an op-time spread in the profile, the reserve kept before the search grows by the
+    expected step time's shortest replay, and a search that ran to its deadline (all that is
+    left is the reserve) still leaves the plan that figure, from that replay."""
     import time
 
-    from pfcompile.place.budget import Budget
+    from pfcompile.place.budget import EXPECTED_STEP_MIN_CYCLES, Budget
     from pfcompile.place.build import _add_expected_step_time
     from pfcompile.place.solver import keep_time_for_the_plan, warm_start
 
@@ -323,13 +322,20 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
     prof.runtime.level_spread = [0.8] * 10 + [1.2] * 10
     cfg, opts = PipelineConfig(**kw), PlanOptions(time_limit=30, workers=1)
     plan = solve_plan(prof, cfg, opts)
+    reserve = {}
     for spread in (False, True):
         budget = Budget(600.0)
-        budget.replay_s_per_op = 1e-3  # slow enough that a cycle's replay dwarfs this test's own Python
+        budget.replay_s_per_op = 1e-3
         keep_time_for_the_plan(budget, warm_start(prof, cfg, opts, Planning(budget=budget)), opts, spread=spread)
-        budget.deadline = time.monotonic() + budget.reserve  # the search used every second of its share
-        assert budget.left() <= 0.0
-        plan.stats.pop("expected_step_time_ms", None)
-        _add_expected_step_time(plan, prof, Planning(budget=budget))
-        assert ("expected_step_time_ms" in plan.stats) is spread
+        reserve[spread] = budget.reserve
+    assert reserve[True] > reserve[False]
+    budget.deadline = time.monotonic() + budget.reserve  # the search used every second of its share
+    assert budget.left() <= 0.0
+    plan.stats.pop("expected_step_time_ms", None)
+    _add_expected_step_time(plan, prof, Planning(budget=budget))
     assert plan.stats["expected_step_time_ms"] > plan.stats["step_time_ms"]
+    # from the shortest replay: the same figure as expected_step_time over that many cycles
+    from pfcompile.check.replay import expected_step_time
+    least = EXPECTED_STEP_MIN_CYCLES * plan.stats["tasks"]
+    assert plan.stats["expected_step_time_ms"] == pytest.approx(expected_step_time(plan, prof, max_instances=least),
+                                                                 abs=1e-6)

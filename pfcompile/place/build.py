@@ -17,12 +17,12 @@ from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
-from pfcompile.place.budget import EXPECTED_STEP_COST_PER_OP, EXPECTED_STEP_MIN_CYCLES, RESERVE_FIXED_S
+from pfcompile.place.budget import EXPECTED_STEP_COST_PER_OP, EXPECTED_STEP_MIN_CYCLES
 from pfcompile.place.greedy import greedy_steps
 from pfcompile.place.options import Planning, PlanOptions
 
 # the replayed ops the expected step time (with the ops' spread) may cost at most, and the
-# share of the time to the deadline it may take under a wall-clock limit
+# share of the time left beyond the reserve it may take under a wall-clock limit
 EXPECTED_STEP_MAX_OPS = 200_000
 EXPECTED_STEP_SHARE_OF_TIME_LEFT = 0.5
 
@@ -94,21 +94,17 @@ def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, 
 
 def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) -> None:
     """The step a run sees with the ops' measured spread (check.replay.expected_step_time).
-    Under a wall-clock limit it replays as many op instances as a share of the time to the
-    deadline holds at this run's replay speed, after keeping what writing the plan takes;
-    at least its shortest replay, which the search's reserve kept for it
-    (solver.keep_time_for_the_plan)."""
-    cycle_ops = plan.stats.get("tasks", 0)
-    least = EXPECTED_STEP_MIN_CYCLES * cycle_ops
+    Under a wall-clock limit: its shortest replay (EXPECTED_STEP_MIN_CYCLES cycles), which the
+    search's reserve kept for it (solver.keep_time_for_the_plan), and more op instances only
+    as a share of the time the search left beyond the reserve, at this run's replay speed."""
+    least = EXPECTED_STEP_MIN_CYCLES * plan.stats.get("tasks", 0)
     cap = EXPECTED_STEP_MAX_OPS
     budget = planning.budget
     if budget.deadline is not None and budget.replay_s_per_op:
-        per_op = budget.replay_s_per_op
-        after = RESERVE_FIXED_S + per_op * cycle_ops  # the check on writing it: a cycle's replay or so
-        fits = int((budget.deadline - time.monotonic() - after) / (EXPECTED_STEP_COST_PER_OP * per_op))
-        if fits < least:
-            return
-        cap = min(cap, max(least, int(EXPECTED_STEP_SHARE_OF_TIME_LEFT * fits)))
+        spare = EXPECTED_STEP_SHARE_OF_TIME_LEFT * max(0.0, budget.left())
+        cap = min(cap, least + int(spare / (EXPECTED_STEP_COST_PER_OP * budget.replay_s_per_op)))
+    if cap < least:  # a plan too large for even its shortest replay under the cap
+        return
     expected = expected_step_time(plan, profile, max_instances=cap)
     if expected is not None:
         plan.stats["expected_step_time_ms"] = round(expected, 6)
