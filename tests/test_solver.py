@@ -313,6 +313,7 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
     left is the reserve) still leaves the plan that figure, from that replay."""
     import time
 
+    from pfcompile.check.replay import expected_step_time
     from pfcompile.place.budget import EXPECTED_STEP_MIN_CYCLES, Budget
     from pfcompile.place.build import _add_expected_step_time
     from pfcompile.place.solver import keep_time_for_the_plan, warm_start
@@ -335,7 +336,6 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
     _add_expected_step_time(plan, prof, Planning(budget=budget))
     assert plan.stats["expected_step_time_ms"] > plan.stats["step_time_ms"]
     # from the shortest replay: the same figure as expected_step_time over that many cycles
-    from pfcompile.check.replay import expected_step_time
     least = EXPECTED_STEP_MIN_CYCLES * plan.stats["tasks"]
     assert plan.stats["expected_step_time_ms"] == pytest.approx(expected_step_time(plan, prof, max_instances=least),
                                                                  abs=1e-6)

@@ -127,9 +127,9 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     plan's step_time_ms) by what the pipeline's dependencies make of the spread; a slow
     rank-step more so than as many slow ops spread over the ranks. None without a spread.
     The draws are seeded: the same plan and profile give the same number."""
-    spread, levels = profile.runtime.op_spread, profile.runtime.level_spread
-    if not spread and not levels:
+    if not profile.runtime.has_spread():
         return None
+    spread, levels = profile.runtime.op_spread, profile.runtime.level_spread
     L = PlanLayout(plan)
     X = CycleIndex(plan, L)
     costs = plan_costs(plan, profile, L)

@@ -316,9 +316,13 @@ class RuntimeOverheads:
     op_spread: dict[str, list[float]] = field(default_factory=dict)  # op kind -> multipliers (module doc)
     level_spread: list[float] = field(default_factory=list)  # a rank's level in a step: multipliers (module doc)
 
+    def has_spread(self) -> bool:
+        """Whether op times vary here (op_spread or level_spread): what check.replay's
+        expected step time needs."""
+        return bool(self.op_spread) or bool(self.level_spread)
+
     def any(self) -> bool:
-        return (any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms))
-                or bool(self.op_spread) or bool(self.level_spread))
+        return any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms)) or self.has_spread()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -376,8 +376,7 @@ def solve_plan_replayed(profile: Profile, cfg: PipelineConfig, options: PlanOpti
     budget = planning.budget
     t0 = time.perf_counter()
     warm = warm_start(profile, cfg, opts, planning)
-    keep_time_for_the_plan(budget, warm, opts, 
-                           spread=bool(profile.runtime.op_spread or profile.runtime.level_spread))
+    keep_time_for_the_plan(budget, warm, opts, spread=profile.runtime.has_spread())
     k_lb, target = k_lower_bound(profile, cfg, opts, planning, warm, first_order_step_ms)
     ks = ks_to_try(opts, k_lb, warm.k)
     search = search_k(profile, cfg, opts, planning, ks, warm)

@@ -116,8 +116,7 @@ def measure_runtime(profile: Profile, device: torch.device,
     and the p2p link as the run sees it: the latency of its receives posted before their
     send ended, at the benchmark's bandwidth (None when none was). Kept only where the run
     worked; otherwise the message benchmark's link and send/receive times stand (said in
-    the provenance). Also returns the trace (None
-    when the run failed), for in_run_levels."""
+    the provenance). Also returns the trace (None when the run failed), for in_run_levels."""
     from pfcompile.calibrate.fit import fit_runtime
 
     trace, error = probe_trace(profile, device, steps=steps)
