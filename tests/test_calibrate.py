@@ -112,7 +112,8 @@ def scaled_profile(prof: Profile, factor: float) -> Profile:
 
 
 def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int, vary=None, name: str = "",
-                    activation: bool = False, extra_gap_ms: float = 0.0, level=None) -> Path:
+                    activation: bool = False, extra_gap_ms: float = 0.0, level=None, transfer=None,
+                    between=None) -> Path:
     """The run as the cost model says it goes, written from the model's definition (not with
     the replay): each rank runs its ops in order with the TRUE costs; an op's dispatch follows
     it, the runtime's step work follows the step; a send takes its posting time and its data
@@ -122,7 +123,9 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
     `level(rank, step)`: a multiplier of every compute op of that rank in that step.
     `activation`: each refresh step after the first starts with the activation of the
     rank's layers (Costs.activation_ms), a span of the runtime row, as the runtime does it.
-    `extra_gap_ms`: runtime work after every op beyond its dispatch, which no profile has."""
+    `extra_gap_ms`: runtime work after every op beyond its dispatch, which no profile has.
+    `transfer(op, step)`: a multiplier of a send's link time; `between(rank, step)`: of the
+    runtime's work after that rank's step (runtime.step_ms)."""
     plan = load_plan(str(plan_path))
     k = plan.refresh_steps
     costs = Costs(truth, plan.partition, plan.config.replicas, plan.config.inverse,
@@ -153,7 +156,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
                         end = max(t + rt.recv_ms, at)
                     elif op.kind.startswith("send"):
                         end = t + rt.send_ms * (vary(op, step) if vary else 1.0)
-                        arrival[op.message_key()] = end + costs.link_ms(op)
+                        arrival[op.message_key()] = end + costs.link_ms(op) * (transfer(op, step) if transfer else 1.0)
                     else:
                         own = costs.work_ms(op, step % k) - costs.between_steps_ms(op, step % k)
                         end = t + own * (vary(op, step) if vary else 1.0) * (level(q, step) if level else 1.0)
@@ -164,7 +167,7 @@ def synthetic_trace(tmp_path: Path, plan_path: Path, truth: Profile, steps: int,
             assert moved, "the synthetic run deadlocked"
         for q, tl in enumerate(timelines):
             tl.steps.append((step, starts[q], clock[q] - rt.op_ms))
-            clock[q] += rt.step_ms
+            clock[q] += rt.step_ms * (between(q, step) if between else 1.0)
     out = tmp_path / f"{plan_path.stem}{name}.measured.json"
     measure.write_measured_trace(str(out), timelines, {
         "plan": str(plan_path), "steps": steps, **measure.plan_identity(str(plan_path), plan), "warmup_steps": 1})
@@ -308,7 +311,9 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
                             name=".spread")
     fitted, _ = calibrate(prof, [load_measured(str(trace))])
     spread = fitted.runtime.op_spread
-    assert set(spread) == {"fwd", "bwd", "step", "curv_a", "curv_b", "precond", "inv", "send"}  # receives: none
+    # receives: none; the messages' transfers and the work between steps did not vary: 1s
+    assert set(spread) == {"fwd", "bwd", "step", "curv_a", "curv_b", "precond", "inv", "send", "message",
+                           "between_steps"}
     assert fitted.runtime.level_spread == pytest.approx([0.5] * 10 + [1.5] * 10, abs=1e-6)
     for kind, mult in spread.items():
         assert statistics.fmean(mult) == pytest.approx(1.0, abs=1e-5), kind
@@ -326,7 +331,8 @@ def test_calibration_records_the_op_times_spread_and_plans_predict_with_it(tmp_p
 
     # the expected step time against the independent writer, both over their no-spread step time
     truth_spread = copy.deepcopy(truth)
-    truth_spread.runtime.op_spread = {kind: [0.5] * 10 + [1.5] * 10 for kind in spread}
+    truth_spread.runtime.op_spread = {kind: [0.5] * 10 + [1.5] * 10 for kind in spread
+                                      if kind not in ("message", "between_steps")}  # the writer varies neither
     steps = 80 * k + 1
     flat = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, name=".flat")))
     varied = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, vary=vary, name=".varied")))
@@ -802,3 +808,53 @@ def test_beside_the_work_compares_ops_with_their_own_kind_within_one_run():
     assert b["lag"]["pipeline"]["mean_ms"] == pytest.approx(0.5) and b["lag"]["pipeline"]["messages"] == 4
     without = [o for o in ops if o.op.kind != "inv"]
     assert beside_the_work(MeasuredTrace("adamw.json", {}, without)) is None  # no optimizer work: nothing to compare
+
+
+def test_message_and_between_step_stalls_are_fitted_and_priced_in_the_expected_step(tmp_path):
+    """A run whose messages take 0.25x or 1.75x their link time and whose runtime work between
+    steps takes 0.25x or 1.75x its mean, alternately by refresh cycle (after the warm-up
+    step; the known run written from the cost model's definition, not with the replay):
+    calibration records both as op_spread's `message` and `between_steps`, each half its
+    low and half its high multiplier. Drawn at random per message and per rank-step
+    instead, the plan's expected step time with those two spreads is checked against the
+    independent writer run with them: each one's step over its own step without them agree
+    to 3%, and both are above 1 (a late message or a long pause between steps delays the
+    rank waiting on it, an early one rarely lets it start sooner)."""
+    prof = load_profile(str(PROFILE))
+    plan_path = make_plan(tmp_path, prof, "gpipe4")
+    plan = load_plan(str(plan_path))
+    k = plan.refresh_steps
+    truth = true_profile(prof)
+    truth.comm.p2p.latency_ms = 2.0  # stalls large enough to move the step
+    truth.runtime.step_ms = 6.0
+    low_high = lambda step: 0.25 + 1.5 * ((step - 1) // k % 2)  # noqa: E731
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=20 * k + 1, name=".stalls",
+                            transfer=lambda op, step: low_high(step), between=lambda q, step: low_high(step))
+    fitted, _ = calibrate(prof, [load_measured(str(trace))])
+    spread = fitted.runtime.op_spread
+    assert spread["between_steps"] == pytest.approx([0.25] * 10 + [1.75] * 10, abs=1e-6)
+    message = spread["message"]
+    assert statistics.fmean(message) == pytest.approx(1.0, abs=1e-5)
+    assert statistics.fmean(message[:10]) < 0.4 and statistics.fmean(message[10:]) > 1.6
+    for kind in ("fwd", "bwd", "send"):  # the ops themselves did not vary
+        assert spread[kind] == pytest.approx([1.0] * 20, abs=1e-6), kind
+
+    steps = 80 * k + 1
+    rng = random.Random(5)
+    pick = lambda *_: rng.choice((0.25, 1.75))  # noqa: E731
+    flat = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, name=".flat")))
+    varied = load_measured(str(synthetic_trace(tmp_path, plan_path, truth, steps=steps, name=".varied",
+                                               transfer=pick, between=pick)))
+
+    def writer_step_ms(tr) -> float:  # the steady spacing of step ends, after the first step
+        ends = defaultdict(float)
+        for o in tr.ops:
+            ends[o.step] = max(ends[o.step], o.end_ms)
+        return (ends[steps - 1] - ends[1]) / (steps - 2)
+    stalls = copy.deepcopy(truth)
+    stalls.runtime.op_spread = {"message": [0.25] * 10 + [1.75] * 10, "between_steps": [0.25] * 10 + [1.75] * 10}
+    writer = writer_step_ms(varied) / writer_step_ms(flat)
+    model = expected_step_time(plan, stalls, steps=4000) / replay(plan, truth).step_time_ms
+    print(f"\nwriter {writer:.3f} model {model:.3f}")
+    assert writer > 1.02 and model > 1.02
+    assert model == pytest.approx(writer, rel=0.03)

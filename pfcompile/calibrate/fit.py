@@ -32,7 +32,9 @@ dispatch of the next op), not only the span the runtime timed. The fit:
   mean of its entry's samples and over its rank's level in its step, pooled per op kind, as
   `runtime.op_spread`; each as 20 quantile midpoints scaled to mean 1 (fewer than
   SPREAD_MIN_SAMPLES samples: none); receives have none (their waiting is the message's lag,
-  which the replay makes).
+  which the replay makes). Beside them, op_spread's `message` (a waiting receive's end - its
+  send's end, over the fitted link's time for its size: message_spread) and `between_steps`
+  (the runtime's work between steps over its mean).
 The statistic is the MEAN by default: a step is a sum of op occupancies, and sums add
 means; a skewed op (rare stalls) has a median below its mean, and a profile of medians
 predicts a step that is too short. `statistic="median"` fits medians.
@@ -179,6 +181,19 @@ def quantile_multipliers(ratios: list[float]) -> list[float] | None:
     return [round(x / scale, 6) for x in q] if scale > 0 else None
 
 
+def message_spread(recvs: list[tuple[int, float, float]], link: LinkModel) -> list[float] | None:
+    """runtime.op_spread["message"]: each receive that waited for its data (posted before its
+    send ended), its end - its send's end over the link's time for its size."""
+    return quantile_multipliers([(gap + d) / link.time_ms(n) for n, gap, d in recvs
+                                 if gap < 0 and link.time_ms(n) > 0])
+
+
+def over_mean(samples: list[float]) -> list[float] | None:
+    """Quantile multipliers of samples over their mean (None when the mean is not positive)."""
+    mean = statistics.fmean(samples) if samples else 0.0
+    return quantile_multipliers([max(0.0, x) / mean for x in samples]) if mean > 0 else None
+
+
 def rank_levels(rows) -> dict:
     """A rank's level in each of its steps: the sum of its compute ops' times there over the
     sum of their means. `rows`: (where: the rank-step, op's time, its mean); where -> level."""
@@ -249,6 +264,11 @@ def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = 
     # A level spread fitted makes op_spread's kinds the ops' variation beyond it: one kept from
     # the old profile without it would be the whole variation, so none is kept then.
     op_spread, level_spread = fit_spread(instances, by_key)
+    # not ops, but they vary too, and their stalls delay whoever waits on them
+    for kind, mult in (("message", message_spread(recvs, link) if recvs else None),
+                       ("between_steps", over_mean(by_key.get(("between steps",), [])))):
+        if mult is not None:
+            op_spread[kind] = mult
     keep = {} if level_spread and not old.level_spread else old.op_spread
     overheads = RuntimeOverheads(op_ms=op_ms, step_ms=entries.get(("between steps",), old.step_ms),
                                  send_ms=entries.get(("send",), old.send_ms), recv_ms=recv_ms,

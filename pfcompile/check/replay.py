@@ -84,10 +84,12 @@ def _where(q: int, t: int, i: int, op: Op) -> str:
 
 
 def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool = True,
-           where: str = "<plan>", durations: dict[int, float] | None = None) -> ReplayResult:
+           where: str = "<plan>", durations: dict[int, float] | None = None,
+           transfers: dict[int, float] | None = None) -> ReplayResult:
     """The plan run by the cost model, `cycles` cycles from an idle start. `durations`:
     instance (cycle * ops per cycle + listing id of CycleIndex) -> ms, in place of the
-    profile's duration (a measured run's ops: `pfcompile inspect --against --profile`)."""
+    profile's duration (a measured run's ops: `pfcompile inspect --against --profile`).
+    `transfers`: instance -> a multiplier of the link time of the messages it receives."""
     if len(profile.covered_layers) != len(plan.layers) or any(
             l.name != n for l, n in zip(profile.covered_layers, plan.layers)):
         raise ReplayError(where, "layers", "do not match the profile's K-FAC layers (plan made from another profile?)")
@@ -96,7 +98,7 @@ def replay(plan: Plan, profile: Profile, *, cycles: int = 3, check_memory: bool 
     if costs.layer_stage != list(plan.layer_stage):
         raise ReplayError(where, "layer_stage", "does not follow from the partition and the profile")
     check_ops(plan, L, where)
-    result = _simulate(plan, L, costs, cycles, check_memory, where, durations)
+    result = _simulate(plan, L, costs, cycles, check_memory, where, durations, transfers)
     check_pair_order(plan, L, where)  # after: a missing message is named by its consumer first
     return result
 
@@ -122,7 +124,9 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     with every instance's work drawn independently from its kind's multipliers, times its
     rank's level in its step, drawn once per rank and step from the level spread for every
     LEVEL_KINDS op of it (kinds without either keep their time; receives, collectives and
-    every wait are the replay's). A late op delays whoever waits on it and an early one
+    every wait are the replay's). The `message` spread draws each received message's link
+    time, the `between_steps` spread each step op's share of the runtime's work between
+    steps (neither takes the level). A late op delays whoever waits on it and an early one
     rarely lets them start sooner, so the result is above the step of mean op times (the
     plan's step_time_ms) by what the pipeline's dependencies make of the spread; a slow
     rank-step more so than as many slow ops spread over the ranks. None without a spread.
@@ -139,25 +143,37 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     # a level per (cycle, step of the cycle, rank), or 1s without a level spread
     level = (rng.choice(np.asarray(levels), size=(cycles, L.k, L.W)) if levels
              else np.ones((cycles, L.k, L.W)))
+    def draw(mult: list[float] | None):
+        return rng.choice(np.asarray(mult), size=cycles) if mult is not None else np.ones(cycles)
+
     durations: dict[int, float] = {}
+    transfers: dict[int, float] = {}
+    between, message = spread.get("between_steps"), spread.get("message")
     for j, op in enumerate(X.ops):
+        if message is not None and (X.remote[0][j] or X.remote[1][j]):
+            for c, m in enumerate(draw(message).tolist()):
+                transfers[c * X.M + j] = m
         kind = SPREAD_KIND.get(op.kind, op.kind)
         mult, leveled = spread.get(kind), bool(levels) and kind in LEVEL_KINDS
-        if mult is None and not leveled:
+        gap_mult = between if op.kind == "step" else None
+        if mult is None and not leveled and gap_mult is None:
             continue
-        work = costs.work_ms(op, X.step[j])
-        draws = rng.choice(np.asarray(mult), size=cycles) if mult is not None else np.ones(cycles)
+        gap = costs.between_steps_ms(op, X.step[j])  # the runtime's, not the op's: no level
+        work = costs.work_ms(op, X.step[j]) - gap
+        draws = draw(mult)
         if leveled:
             draws = draws * level[:, X.step[j], X.rank[j]]
-        for c, m in enumerate(draws.tolist()):
-            durations[c * X.M + j] = work * m + op_ms
-    return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations).step_time_ms
+        gaps = draw(gap_mult)
+        for c, (m, g) in enumerate(zip(draws.tolist(), gaps.tolist())):
+            durations[c * X.M + j] = work * m + gap * g + op_ms
+    return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations,
+                  transfers=transfers or None).step_time_ms
 
 
 # --- the simulation --------------------------------------------------------------------------
 
 def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory: bool, where: str,
-              durations: dict[int, float] | None = None) -> ReplayResult:
+              durations: dict[int, float] | None = None, transfers: dict[int, float] | None = None) -> ReplayResult:
     """Run each rank's lists in order, cycle after cycle, over the integer ids of
     CycleIndex (instance c * M + j: listing j in cycle c): an op starts when its rank is
     free and the sends it receives have arrived; a collective when every member is at it."""
@@ -168,6 +184,11 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     # a receive waits for its send's end plus the transfer time of the message (by its link)
     lag = [[[costs.message_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
            for b in (0, 1)]
+    # a transfer drawn m times its link time: the receive (recv_ms long) ends at the send's end + m x link
+    link = None if transfers is None else [
+        [[costs.link_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
+        for b in (0, 1)]
+    recv_ms = costs.profile.runtime.recv_ms
     n_of = [first[q + 1] - first[q] for q in range(W)]
     pos = [0] * W  # instances of rank q run so far (over all cycles)
     clock = [0.0] * W
@@ -196,7 +217,9 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
         at = clock[q]
         rem = X.remote[b][j]
         if rem:
-            for (dc, d), lg in zip(rem, lag[b][j]):
+            m = transfers.get(c * M + j) if transfers is not None else None
+            lags = lag[b][j] if m is None else [max(0.0, m * t - recv_ms) for t in link[b][j]]
+            for (dc, d), lg in zip(rem, lags):
                 x = (c + dc) * M + d
                 if d < 0 or not done[x]:
                     return None

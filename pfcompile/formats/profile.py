@@ -73,7 +73,12 @@ profile` measures them where it can; `pfcompile calibrate` fits all four from me
 the runtime, per op kind (fwd, bwd, bwd_input, bwd_weight, step, curv_a, curv_b, precond,
 inv, stats, orth, send; a receive's waiting is the message's lag, which the replay makes): 20
 multipliers of the entry's time at the quantile midpoints (2.5%, 7.5%, ..., 97.5%) of the
-measured op's occupancy over its own mean, scaled to average exactly 1. A plan
+measured op's occupancy over its own mean, scaled to average exactly 1. Two more keys are
+not ops: `message`, a point-to-point message's transfer (its send's end to the end of a
+receive that waited for it) over the link's time for its size, and `between_steps`, the
+runtime's work between a rank's steps (runtime.step_ms: the next batch, the receives posted
+ahead, the checks) over its mean; their rare long stalls (a gloo thread waiting for a core,
+a receive posted while the pair is busy) cost a step more than their means say. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
 way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
 so the expected step is longer than the step of mean op times). Fitted from a measured run
@@ -136,10 +141,13 @@ SCHEMA = "pfcompile-profile"
 SCHEMA_VERSION = 4
 # op kinds whose time-to-time variation a profile may record (runtime.op_spread, module doc)
 SPREAD_KINDS = ("fwd", "bwd", "bwd_input", "bwd_weight", "step", "curv_a", "curv_b", "precond", "inv", "stats",
-                "orth", "send")
+                "orth", "send", "message", "between_steps")
+# what varies but is no op's compute: a send's posting, a message's transfer, the runtime's
+# work between steps
+NOT_COMPUTE = ("send", "message", "between_steps")
 # the op kinds a rank's level in a step is taken over and applied to (runtime.level_spread):
-# its compute, not the posting of its sends
-LEVEL_KINDS = tuple(k for k in SPREAD_KINDS if k != "send")
+# its compute only
+LEVEL_KINDS = tuple(k for k in SPREAD_KINDS if k not in NOT_COMPUTE)
 READS_VERSIONS = (1, 2, 3, 4)
 STEP_KINDS = ("kfac", "adamw")
 # The estimate for version-1 profiles (see the module doc): passes over the parameter bytes
