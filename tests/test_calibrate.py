@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from pfcompile.calibrate.compare import against_fitted_run
-from pfcompile.calibrate.fit import calibrate
+from pfcompile.calibrate.fit import calibrate, message_spread
 from pfcompile.calibrate.measured import load_measured
 from pfcompile.check.replay import expected_step_time, replay
 from pfcompile.cli import main as pfcompile_main
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import load_plan
-from pfcompile.formats.profile import Profile, RuntimeOverheads, load_profile
+from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads, load_profile
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
@@ -858,3 +858,13 @@ def test_message_and_between_step_stalls_are_fitted_and_priced_in_the_expected_s
     print(f"\nwriter {writer:.3f} model {model:.3f}")
     assert writer > 1.02 and model > 1.02
     assert model == pytest.approx(writer, rel=0.03)
+
+
+def test_a_message_seen_to_arrive_before_its_send_ended_counts_as_no_lag():
+    """The ranks' clocks are aligned to within a fraction of a millisecond: a waiting receive
+    may end a little before its send's end by the trace. Its transfer counts as 0, and the
+    spread stays a valid profile entry (no negative multiplier)."""
+    link = LinkModel(latency_ms=0.1, bytes_per_ms=1e6)
+    recvs = [(100_000, -0.5, 0.45)] * 4 + [(100_000, -0.5, 0.7)] * 36  # four end 0.05 ms early
+    mult = message_spread(recvs, link)
+    assert min(mult) == 0.0 and statistics.fmean(mult) == pytest.approx(1.0, abs=1e-5)

@@ -183,8 +183,9 @@ def quantile_multipliers(ratios: list[float]) -> list[float] | None:
 
 def message_spread(recvs: list[tuple[int, float, float]], link: LinkModel) -> list[float] | None:
     """runtime.op_spread["message"]: each receive that waited for its data (posted before its
-    send ended), its end - its send's end over the link's time for its size."""
-    return quantile_multipliers([(gap + d) / link.time_ms(n) for n, gap, d in recvs
+    send ended), its end - its send's end over the link's time for its size (0 at least: the
+    ranks' clocks are aligned to within a fraction of a millisecond, not exactly)."""
+    return quantile_multipliers([max(0.0, gap + d) / link.time_ms(n) for n, gap, d in recvs
                                  if gap < 0 and link.time_ms(n) > 0])
 
 
