@@ -143,6 +143,7 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     # a level per (cycle, step of the cycle, rank), or 1s without a level spread
     level = (rng.choice(np.asarray(levels), size=(cycles, L.k, L.W)) if levels
              else np.ones((cycles, L.k, L.W)))
+
     def draw(mult: list[float] | None):
         return rng.choice(np.asarray(mult), size=cycles) if mult is not None else np.ones(cycles)
 

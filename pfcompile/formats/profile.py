@@ -77,8 +77,8 @@ measured op's occupancy over its own mean, scaled to average exactly 1. Two more
 not ops: `message`, a point-to-point message's transfer (its send's end to the end of a
 receive that waited for it) over the link's time for its size, and `between_steps`, the
 runtime's work between a rank's steps (runtime.step_ms: the next batch, the receives posted
-ahead, the checks) over its mean; their rare long stalls (a gloo thread waiting for a core,
-a receive posted while the pair is busy) cost a step more than their means say. A plan
+ahead, the checks) over its mean; their rare stalls of milliseconds (gloo on a busy CPU)
+cost a step more than their means say. A plan
 made from such a profile also predicts the step time a run sees when every op varies that
 way (pfcompile.check.replay.expected_step_time: a late op delays the ranks waiting on it,
 so the expected step is longer than the step of mean op times). Fitted from a measured run
