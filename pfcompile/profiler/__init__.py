@@ -23,8 +23,8 @@ first alone in a loop (its median and spread), then in a run: the runtime probe 
 2-stage 1F1B plan without optimizer work and one with each profiled optimizer's work
 appended, and the entries become those runs' mean occupancies (an op in a run finds its
 caches as the ops before it left them, shares memory bandwidth with the other rank, and is
-stalled now and then; a step adds means). `provenance.in_run`: each entry's in-run time
-over its time alone. Without the probe (`--no-runtime-probe`) the entries are the medians.
+stalled now and then; a step adds means), all put at the runs' common speed.
+`provenance.in_run`: each entry's in-run time over its time alone. Without the probe (`--no-runtime-probe`) the entries are the medians.
 """
 
 from __future__ import annotations
@@ -159,8 +159,9 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                         f"each optimizer's from a run with its work appended to its refresh steps "
                         f"({ran} steps; K-FAC refreshes "
                         f"every other step, its capture_ms is its refresh steps' ops over its others'): "
-                        f"in_run holds each entry's in-run time over its time alone; each optimizer's entries are "
-                        f"put at the first run's speed, in_run_level holding its run's passes over the first run's")
+                        f"in_run holds each entry's in-run time over its time alone; every entry is put at the "
+                        f"runs' common speed (in_run_level.common: the runs' passes' levels, their mean weighted by "
+                        f"steps), in_run_level holding each optimizer's run's passes over the first run's")
                 if measured_rt.any():
                     runtime = measured_rt
                 if probe_link is not None:

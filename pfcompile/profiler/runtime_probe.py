@@ -139,12 +139,16 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple
     proportion within their stage); what a capturing optimizer's refresh step adds to the
     parts' ops (capture_ms) from its run's refresh steps against its others. A split
     backward's B and W, which no probe runs, move with their part's backward, and share its
-    capture in proportion. Each optimizer's run is a few seconds after the base run, and this
-    machine's speed moves by more than an optimizer's overhead within seconds, so its entries
-    are put at the base run's level: divided by its own passes' time over the base run's
+    capture in proportion.
+
+    This machine's speed moves by more than an optimizer's overhead within seconds, and
+    every run has the passes: each run's level is its passes' time over the base run's
     (`levels`; the optimizer's work over the passes of its own run holds within a few percent
-    from run to run while both move together). -> (entry path -> in-run time / time alone,
-    optimizer -> the level of its run against the base run)."""
+    from run to run while both move together). Every entry is put at the runs' common level,
+    their levels' mean weighted by their steps: one run's window of the machine is one draw
+    of its speed, and the runs together sample more of it than the base run alone.
+    -> (entry path -> in-run time / time alone, optimizer -> its run's level against the
+    base run; "common" -> the common level)."""
     import copy
 
     from pfcompile.calibrate.fit import calibrate
@@ -157,22 +161,30 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple
             factors[path] = new / old
         return new
 
+    def steps(trace) -> int:
+        return len({o.step for o in trace.ops})
+
     fitted, _ = calibrate(ref, [base_trace])
     passes = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
+    runs = {name: calibrate(ref, [trace]) for name, trace in optimizer_traces.items()}
     levels: dict[str, float] = {}
+    for name, (own_fit, _) in runs.items():
+        own = sum(f.fwd_ms + f.bwd_ms for f in own_fit.parts)
+        levels[name] = own / passes if own > 0 and passes > 0 else 1.0
+    weights = {name: steps(optimizer_traces[name]) for name in runs}
+    total = steps(base_trace) + sum(weights.values())
+    common = (steps(base_trace) + sum(w * levels[n] for n, w in weights.items())) / total if total else 1.0
     for p, f in zip(profile.parts, fitted.parts):
-        b = f.bwd_ms / p.bwd_ms if p.bwd_ms > 0 else 1.0
-        p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms)
-        p.bwd_ms = put(f"parts.{p.name}.bwd_ms", p.bwd_ms, f.bwd_ms)
+        b = f.bwd_ms * common / p.bwd_ms if p.bwd_ms > 0 else 1.0
+        p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms * common)
+        p.bwd_ms = put(f"parts.{p.name}.bwd_ms", p.bwd_ms, f.bwd_ms * common)
         if p.bwd_input_ms is not None and p.bwd_weight_ms is not None:
             p.bwd_input_ms = put(f"parts.{p.name}.bwd_input_ms", p.bwd_input_ms, p.bwd_input_ms * b)
             p.bwd_weight_ms = put(f"parts.{p.name}.bwd_weight_ms", p.bwd_weight_ms, p.bwd_weight_ms * b)
         if "adamw" in f.step_ms and "adamw" in p.step_ms:
-            p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"])
-    for name, trace in optimizer_traces.items():
-        fitted, counts = calibrate(ref, [trace])
-        own = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
-        level = levels[name] = own / passes if own > 0 and passes > 0 else 1.0
+            p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"] * common)
+    for name, (fitted, counts) in runs.items():
+        level = levels[name] / common  # its run's entries over the common level's
         for layer, f in zip(profile.covered_layers, fitted.covered_layers):
             mine, theirs = layer.optimizer_ms.get(name, {}), f.optimizer_ms.get(name, {})
             for key in mine:
@@ -195,4 +207,4 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple
                         mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0),
                                          mine["bwd"] * share / (b + w))
                 p.capture_ms = mine
-    return factors, levels
+    return factors, {**levels, "common": common}
