@@ -265,13 +265,20 @@ def main() -> None:
             print(f"| {m} | {s} | {o} | {d['measured_step_ms']:.1f} | {d['predicted_step_ms']:.1f} | {ratio:.3f} | "
                   f"{d['error_ms']:+.1f} | {shown} | {d['between_ops_ms']:+.1f} | "
                   f"{work:.2f} / {d.get('runtime_planned_ms', float('nan')):.2f} | {stall} | "
-                  f"{rp.get('planned_work_step_ms', float('nan')):.1f} | {level or '-'} | "
-                  f"{rp.get('mean_ops_step_ms', float('nan')):.1f} | "
-                  f"{rp.get('own_ops_step_ms', float('nan')):.1f} | {rp.get('measured_step_ms', float('nan')):.1f} | "
+                  f"{replayed(rp, 'planned_work_step_ms')} | {level or '-'} | {replayed(rp, 'mean_ops_step_ms')} | "
+                  f"{replayed(rp, 'own_ops_step_ms')} | {replayed(rp, 'measured_step_ms')} | "
                   f"{beside_cells(d.get('beside_work'))} |")
+        if any(not d.get("replayed") for d in traced.values() if "error" not in d):
+            print("\nn/a: the traced run has fewer than two whole refresh cycles after its warm-up, "
+                  "too few for `inspect`'s replay (a longer `--steps` gives them).")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
                                                     "load": [load0, load1, load2], "kernel_ms": speed},
                                                    indent=1) + "\n")
+
+
+def replayed(rp: dict, key: str) -> str:
+    """One figure of a traced run's replay (ms per step), or n/a where it has none."""
+    return f"{rp[key]:.1f}" if rp.get(key) is not None else "n/a"
 
 
 def in_one_launch(plans: dict, rounds: int, console) -> dict:
