@@ -182,14 +182,11 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
     M, W = X.M, L.W
     ops, first = X.ops, X.first
     dur = [costs.duration(op, t) for op, t in zip(ops, X.step)]
-    # a receive waits for its send's end plus the transfer time of the message (by its link)
-    lag = [[[costs.message_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
-           for b in (0, 1)]
-    # a transfer drawn m times its link time: the receive (recv_ms long) ends at the send's end + m x link
-    link = None if transfers is None else [
-        [[costs.link_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
-        for b in (0, 1)]
-    recv_ms = costs.profile.runtime.recv_ms
+    # a receive waits for its send's end plus the transfer time of the message (by its link,
+    # Costs.message_ms); with `transfers`, m times its link time
+    link = [[[costs.link_ms(ops[d], X.rank[d]) if d >= 0 else 0.0 for _, d in X.remote[b][j]] for j in range(M)]
+            for b in (0, 1)]
+    lag = [[[costs.lag_of_link(t) for t in links] for links in by_op] for by_op in link]
     n_of = [first[q + 1] - first[q] for q in range(W)]
     pos = [0] * W  # instances of rank q run so far (over all cycles)
     clock = [0.0] * W
@@ -219,7 +216,7 @@ def _simulate(plan: Plan, L: PlanLayout, costs: Costs, cycles: int, check_memory
         rem = X.remote[b][j]
         if rem:
             m = transfers.get(c * M + j) if transfers is not None else None
-            lags = lag[b][j] if m is None else [max(0.0, m * t - recv_ms) for t in link[b][j]]
+            lags = lag[b][j] if m is None else [costs.lag_of_link(m * t) for t in link[b][j]]
             for (dc, d), lg in zip(rem, lags):
                 x = (c + dc) * M + d
                 if d < 0 or not done[x]:

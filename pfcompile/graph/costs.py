@@ -295,7 +295,11 @@ class Costs:
         runtime.recv_ms long). gloo and NCCL pair a send with its receive before moving the
         data, so a receive ends at max(its start + recv_ms, the send's end + link_ms): the
         completion overlaps the transfer, and the lag is what of the link is left."""
-        return max(0.0, self.link_ms(op, src) - self.profile.runtime.recv_ms)
+        return self.lag_of_link(self.link_ms(op, src))
+
+    def lag_of_link(self, link_ms: float) -> float:
+        """message_ms of a message whose transfer takes `link_ms`."""
+        return max(0.0, link_ms - self.profile.runtime.recv_ms)
 
     def _group_link(self, stage: int):
         return self.cluster.link(self.stage_ranks[stage])

@@ -24,7 +24,8 @@ first alone in a loop (its median and spread), then in a run: the runtime probe 
 appended, and the entries become those runs' mean occupancies (an op in a run finds its
 caches as the ops before it left them, shares memory bandwidth with the other rank, and is
 stalled now and then; a step adds means), all put at the runs' common speed.
-`provenance.in_run`: each entry's in-run time over its time alone. Without the probe (`--no-runtime-probe`) the entries are the medians.
+`provenance.in_run`: each entry's in-run time over its time alone. Without the probe
+(`--no-runtime-probe`) the entries are the medians.
 """
 
 from __future__ import annotations

@@ -171,9 +171,8 @@ def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple
     for name, (own_fit, _) in runs.items():
         own = sum(f.fwd_ms + f.bwd_ms for f in own_fit.parts)
         levels[name] = own / passes if own > 0 and passes > 0 else 1.0
-    weights = {name: steps(optimizer_traces[name]) for name in runs}
-    total = steps(base_trace) + sum(weights.values())
-    common = (steps(base_trace) + sum(w * levels[n] for n, w in weights.items())) / total if total else 1.0
+    weights = {"": steps(base_trace), **{name: steps(optimizer_traces[name]) for name in runs}}
+    common = sum(w * levels.get(n, 1.0) for n, w in weights.items()) / sum(weights.values())
     for p, f in zip(profile.parts, fitted.parts):
         b = f.bwd_ms * common / p.bwd_ms if p.bwd_ms > 0 else 1.0
         p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms * common)
