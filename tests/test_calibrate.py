@@ -25,9 +25,10 @@ from pfcompile.calibrate.fit import calibrate, message_spread
 from pfcompile.calibrate.measured import load_measured
 from pfcompile.check.replay import expected_step_time, replay
 from pfcompile.cli import main as pfcompile_main
+from pfcompile.formats.errors import InputError
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import load_plan
-from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads, load_profile
+from pfcompile.formats.profile import BusySpread, LinkModel, Profile, RuntimeOverheads, load_profile, profile_from_json
 from pfcompile.graph.costs import Costs
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place.build import build_plan
@@ -872,3 +873,52 @@ def test_a_message_seen_to_arrive_before_its_send_ended_counts_as_no_lag():
     recvs = [(100_000, -0.5, 0.45)] * 4 + [(100_000, -0.5, 0.7)] * 36  # four end 0.05 ms early
     mult = message_spread(recvs, link)
     assert min(mult) == 0.0 and statistics.fmean(mult) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_busy_spread_weighs_in_by_the_plans_utilization(tmp_path):
+    """runtime.busy (formats.profile): a plan as busy as the base probe run varies exactly as
+    without it; one as busy as the busy run exactly as a profile whose spreads and work
+    between steps are the busy run's; one halfway between lies between the two. A busy
+    spread with a heavier tail and more work between steps costs the busier plan more.
+    It goes through the file, and a bad utilization is refused in one line naming it."""
+    prof = load_profile(str(PROFILE))
+    assert prof.runtime.op_spread and prof.runtime.step_ms > 0
+    prof.runtime.level_spread = [0.8] * 10 + [1.2] * 10
+    cfg = PipelineConfig("1f1b", stages=2, micro_batches=4)
+    plain = build_plan(prof, cfg, PlanOptions("none"))[0]
+    kfac = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="kfac"),
+                      PlanOptions("greedy"))[0]
+    u0, u1 = (replay(p, prof, check_memory=False).utilization for p in (plain, kfac))
+    assert u0 < u1
+    rt = prof.runtime
+    heavy = {k: [0.5] * 19 + [10.5] for k in ("between_steps", "message", "send")}
+    busy = BusySpread(utilization=[u0, u1], step_ms=2 * rt.step_ms, op_spread={**rt.op_spread, **heavy},
+                      level_spread=list(rt.level_spread))
+    with_busy = copy.deepcopy(prof)
+    with_busy.runtime.busy = busy
+    # as busy as the base run: no weight, the same draws
+    assert with_busy.runtime.busy_weight(u0) == 0.0
+    assert expected_step_time(plain, with_busy) == expected_step_time(plain, prof)
+    # as busy as the busy run: all of it, as a profile that is the busy run's
+    assert with_busy.runtime.busy_weight(u1) == 1.0
+    as_busy = copy.deepcopy(prof)
+    as_busy.runtime = RuntimeOverheads(op_ms=rt.op_ms, step_ms=busy.step_ms, send_ms=rt.send_ms, recv_ms=rt.recv_ms,
+                                       op_spread=busy.op_spread, level_spread=busy.level_spread)
+    full = expected_step_time(kfac, with_busy)
+    assert full == pytest.approx(expected_step_time(kfac, as_busy), rel=1e-9)
+    base = expected_step_time(kfac, prof)
+    assert full > base * 1.02, (full, base)
+    # halfway: the weight is the closed form, and the step lies between the two ends
+    half = copy.deepcopy(with_busy)
+    half.runtime.busy.utilization = [u0, 2 * u1 - u0]
+    assert half.runtime.busy_weight(u1) == pytest.approx(0.5)
+    assert base < expected_step_time(kfac, half) < full
+    # through the file
+    path = tmp_path / "busy.json"
+    with_busy.save(str(path))
+    assert load_profile(str(path)).runtime.busy == busy
+    obj = json.loads(path.read_text())
+    obj["runtime"]["busy"]["utilization"] = [u1, u0]
+    with pytest.raises(InputError) as e:
+        profile_from_json(obj, str(path), check_hash=False)
+    assert "runtime.busy.utilization" in str(e.value) and "the first the smaller" in str(e.value), str(e.value)

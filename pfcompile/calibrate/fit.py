@@ -244,7 +244,9 @@ class RuntimeFit:
 def fit_runtime(traces: list[MeasuredTrace], profile: Profile, statistic: str = "mean") -> RuntimeFit:
     """The per-op samples' statistic and the runtime's overheads and link from traces (module
     doc); `pfcompile calibrate` and the profiler's runtime probe both fit with it. Overheads
-    the traces do not show keep the profile's."""
+    the traces do not show keep the profile's. The spreads are the traces' own, so a busy
+    spread (runtime.busy, the probe's run with its bubbles filled) is not kept: the plan
+    the traces ran varies as they did."""
     stat = STATISTICS[statistic]
     gaps = dispatch_gaps(traces)
     op_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0

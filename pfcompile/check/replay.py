@@ -129,44 +129,68 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     steps (neither takes the level). A late op delays whoever waits on it and an early one
     rarely lets them start sooner, so the result is above the step of mean op times (the
     plan's step_time_ms) by what the pipeline's dependencies make of the spread; a slow
-    rank-step more so than as many slow ops spread over the ranks. None without a spread.
+    rank-step more so than as many slow ops spread over the ranks. With `runtime.busy`, each
+    draw is the busy run's with the plan's busy weight (its utilization between the two
+    probe runs'), and the runtime's work between steps moves by it. None without a spread.
     The draws are seeded: the same plan and profile give the same number."""
-    if not profile.runtime.has_spread():
+    rt = profile.runtime
+    if not rt.has_spread():
         return None
-    spread, levels = profile.runtime.op_spread, profile.runtime.level_spread
     L = PlanLayout(plan)
     X = CycleIndex(plan, L)
     costs = plan_costs(plan, profile, L)
     cycles = max(3, min(-(-steps // L.k), max_instances // max(1, X.M)))
     rng = np.random.default_rng(seed)
-    op_ms = profile.runtime.op_ms
-    # a level per (cycle, step of the cycle, rank), or 1s without a level spread
-    level = (rng.choice(np.asarray(levels), size=(cycles, L.k, L.W)) if levels
-             else np.ones((cycles, L.k, L.W)))
+    op_ms = rt.op_ms
+    # how much of this plan varies as the probe's run with its bubbles filled did (runtime.busy)
+    w = rt.busy_weight(replay(plan, profile, check_memory=False).utilization) if rt.busy is not None else 0.0
+    busy = rt.busy if w > 0 else None
+    spread, levels = rt.op_spread, rt.level_spread
+    if w >= 1:  # all the busy run's: drawn as the base spreads are, with no mixing draws
+        spread, levels, busy = busy.op_spread, busy.level_spread, None
 
-    def draw(mult: list[float] | None):
-        return rng.choice(np.asarray(mult), size=cycles) if mult is not None else np.ones(cycles)
+    def draw(base: list[float] | None, other: list[float] | None = None, size=cycles):
+        """Multipliers from `base` (1s without it), each taken from `other` instead with the
+        busy weight where the plan is partly busy."""
+        out = rng.choice(np.asarray(base), size=size) if base is not None else np.ones(size)
+        if busy is not None:
+            pick = rng.random(size) < w
+            out[pick] = rng.choice(np.asarray(other), size=int(pick.sum())) if other is not None else 1.0
+        return out
+
+    def busy_of(key: str) -> list[float] | None:
+        return busy.op_spread.get(key) if busy is not None else None
+
+    busy_levels = busy.level_spread if busy is not None else None
+    # a level per (cycle, step of the cycle, rank), or 1s without a level spread
+    level = draw(levels or None, busy_levels or None, size=(cycles, L.k, L.W)) if levels or busy_levels \
+        else np.ones((cycles, L.k, L.W))
+    # the runtime's mean work between steps (not the activation) moves to the busy run's by
+    # the same weight
+    gap_more = min(w, 1.0) * (rt.busy.step_ms - rt.step_ms) / costs.stages_per_rank if w > 0 else 0.0
 
     durations: dict[int, float] = {}
     transfers: dict[int, float] = {}
     between, message = spread.get("between_steps"), spread.get("message")
     for j, op in enumerate(X.ops):
-        if message is not None and (X.remote[0][j] or X.remote[1][j]):
-            for c, m in enumerate(draw(message).tolist()):
+        if (message is not None or busy_of("message") is not None) and (X.remote[0][j] or X.remote[1][j]):
+            for c, m in enumerate(draw(message, busy_of("message")).tolist()):
                 transfers[c * X.M + j] = m
         kind = SPREAD_KIND.get(op.kind, op.kind)
-        mult, leveled = spread.get(kind), bool(levels) and kind in LEVEL_KINDS
-        gap_mult = between if op.kind == "step" else None
-        if mult is None and not leveled and gap_mult is None:
+        mult, busy_mult = spread.get(kind), busy_of(kind)
+        leveled = bool(levels or busy_levels) and kind in LEVEL_KINDS
+        gap_mult, busy_gap = (between, busy_of("between_steps")) if op.kind == "step" else (None, None)
+        more = gap_more if op.kind == "step" else 0.0
+        if mult is None and busy_mult is None and not leveled and gap_mult is None and busy_gap is None and not more:
             continue
         gap = costs.between_steps_ms(op, X.step[j])  # the runtime's, not the op's: no level
         work = costs.work_ms(op, X.step[j]) - gap
-        draws = draw(mult)
+        draws = draw(mult, busy_mult)
         if leveled:
             draws = draws * level[:, X.step[j], X.rank[j]]
-        gaps = draw(gap_mult)
+        gaps = draw(gap_mult, busy_gap)
         for c, (m, g) in enumerate(zip(draws.tolist(), gaps.tolist())):
-            durations[c * X.M + j] = work * m + gap * g + op_ms
+            durations[c * X.M + j] = work * m + (gap + more) * g + op_ms
     return replay(plan, profile, cycles=cycles, check_memory=False, durations=durations,
                   transfers=transfers or None).step_time_ms
 

@@ -36,7 +36,10 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
                "p2p": {"latency_ms", "bytes_per_ms"},
                "allreduce": {"latency_ms", "bytes_per_ms"}},
       "runtime": {"op_ms", "step_ms", "send_ms", "recv_ms",    # optional, see below
-                  "op_spread": {"fwd": [m1, ..., m20], ...}},  # optional
+                  "op_spread": {"fwd": [m1, ..., m20], ...},   # optional
+                  "level_spread": [m1, ..., m20],              # optional
+                  "busy": {"utilization": [u0, u1], "step_ms",  # optional
+                           "op_spread", "level_spread"}},
       "spread": {"parts.block0.fwd_ms": [p10, p90], ...},
       "hash": "sha256:..."                   # of everything above, canonical JSON
     }
@@ -91,6 +94,17 @@ the core a rank runs on, stretches every op of that rank for a while; drawn op b
 stretches would average out over a step's ops and the pipeline would absorb them, drawn per
 rank and step they do not. With it, op_spread holds each op's variation beyond its rank's
 level in its step, and expected_step_time draws both. Absent: the ops vary independently.
+
+`runtime.busy` (optional) is the same variation in a run whose bubbles hold work:
+`utilization` [u0, u1], the utilization of the plans of the run the spreads above were fitted
+on and of this one; `step_ms`, the runtime's mean work between steps there; and its
+`op_spread` and `level_spread`. On a host
+whose cores the ranks fill, the runtime's communication threads wait for a core, so a plan
+with fuller bubbles stalls more (benchmarks/results/2026-12-06-busy-probe.md). A plan of
+utilization u draws each instance from these with weight (u - u0) / (u1 - u0), clipped to
+[0, 1], and from the spreads above otherwise, and its runtime work between steps moves to
+`step_ms` by the same weight. The profiler's runtime probe fits it from a 1F1B run with
+K-FAC placed in its bubbles. Absent: every plan varies as the first run did.
 
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.pipeline.split_backward runs them: B, the input gradient
@@ -323,6 +337,7 @@ class RuntimeOverheads:
     recv_ms: float = 0.0
     op_spread: dict[str, list[float]] = field(default_factory=dict)  # op kind -> multipliers (module doc)
     level_spread: list[float] = field(default_factory=list)  # a rank's level in a step: multipliers (module doc)
+    busy: BusySpread | None = None  # the same with the bubbles filled (module doc)
 
     def has_spread(self) -> bool:
         """Whether op times vary here (op_spread or level_spread): what check.replay's
@@ -332,10 +347,37 @@ class RuntimeOverheads:
     def any(self) -> bool:
         return any(v > 0 for v in (self.op_ms, self.step_ms, self.send_ms, self.recv_ms)) or self.has_spread()
 
+    def busy_weight(self, utilization: float) -> float:
+        """How much of a plan's variation is the busy run's (module doc): 0 at the base
+        run's utilization or below, 1 at the busy run's or above, linear between."""
+        b = self.busy
+        if b is None or b.utilization[1] <= b.utilization[0]:
+            return 0.0
+        return min(1.0, max(0.0, (utilization - b.utilization[0]) / (b.utilization[1] - b.utilization[0])))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("op_spread", "level_spread", "busy"):
+            if not d[key]:  # absent as written before it existed (the hash stays)
+                d.pop(key)
+        if self.busy is not None:
+            d["busy"] = self.busy.to_json()
+        return d
+
+
+@dataclass
+class BusySpread:
+    """runtime.busy (module doc): the runtime's variation in a run whose bubbles hold work."""
+
+    utilization: list[float]  # [the base run's plan, this run's plan]
+    step_ms: float  # the runtime's work between steps there, at the base run's speed
+    op_spread: dict[str, list[float]] = field(default_factory=dict)
+    level_spread: list[float] = field(default_factory=list)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("op_spread", "level_spread"):
-            if not d[key]:  # absent as written before it existed (the hash stays)
+            if not d[key]:
                 d.pop(key)
         return d
 
@@ -510,6 +552,29 @@ def _multipliers(f: Fields, key: str, mult) -> list[float]:
     if abs(sum(mult) / len(mult) - 1.0) > 1e-3:
         raise f.fail(key, f"must average 1 (they scale the entry's time), got {sum(mult) / len(mult):.6g}")
     return [float(m) for m in mult]
+
+
+def _op_spread(sf: Fields) -> dict[str, list[float]]:
+    """An op_spread object (module doc), or the one-line error naming the bad kind."""
+    out = {}
+    for kind, mult in sf.obj.items():
+        if kind not in SPREAD_KINDS:
+            raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
+        out[kind] = _multipliers(sf, kind, mult)
+    return out
+
+
+def _busy_spread(bf: Fields) -> BusySpread:
+    """runtime.busy (module doc), or the one-line error naming the bad field."""
+    u = bf.req("utilization", list, check=lambda v: len(v) == 2 and all(_pos(x) and x <= 1 for x in v) and v[0] < v[1],
+               why="must be [the base run's, the busy run's] utilization, each in [0, 1], the first the smaller")
+    busy = BusySpread(utilization=[float(x) for x in u],
+                      step_ms=bf.req("step_ms", float, check=_pos, why="must be a finite number >= 0"))
+    if bf.opt("op_spread", dict) is not None:
+        busy.op_spread = _op_spread(bf.sub("op_spread"))
+    if bf.opt("level_spread", list) is not None:
+        busy.level_spread = _multipliers(bf, "level_spread", bf.obj["level_spread"])
+    return busy
 
 
 def _check_provenance(pf: Fields) -> None:
@@ -689,13 +754,11 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         runtime = RuntimeOverheads(**{k: rf.req(k, float, check=_pos, why="must be a finite number >= 0")
                                       for k in ("op_ms", "step_ms", "send_ms", "recv_ms")})
         if rf.opt("op_spread", dict) is not None:
-            sf = rf.sub("op_spread")
-            for kind, mult in sf.obj.items():
-                if kind not in SPREAD_KINDS:
-                    raise sf.fail(kind, f"is not an op kind with a spread (known: {', '.join(SPREAD_KINDS)})")
-                runtime.op_spread[kind] = _multipliers(sf, kind, mult)
+            runtime.op_spread = _op_spread(rf.sub("op_spread"))
         if rf.opt("level_spread", list) is not None:
             runtime.level_spread = _multipliers(rf, "level_spread", rf.obj["level_spread"])
+        if rf.opt("busy", dict) is not None:
+            runtime.busy = _busy_spread(rf.sub("busy"))
 
     prof = Profile(source=source, provenance=provenance, model=model, parts=parts,
                    covered_layers=layers, comm=comm, spread=spread, runtime=runtime, schema_version=version)
@@ -876,6 +939,14 @@ def format_profile(profile: Profile) -> str:
         if len(r.level_spread) == 20:
             comm += (f"\na rank's level from step to step (runtime.level_spread, 12.5% / 87.5%): "
                      f"{r.level_spread[2]:.2f}/{r.level_spread[-3]:.2f}; op_spread is each op's beyond it")
+        if r.busy is not None:
+            b = r.busy
+            comm += (f"\nwith the bubbles filled (runtime.busy: utilization {b.utilization[1]:.3f} against "
+                     f"{b.utilization[0]:.3f}): {b.step_ms:.3f} ms per step between steps; 97.5% quantiles "
+                     + ", ".join(f"{k} {b.op_spread[k][-1]:.2f} ({r.op_spread[k][-1]:.2f})"
+                                 for k in ("message", "between_steps", "send")
+                                 if len(b.op_spread.get(k, [])) == 20 and len(r.op_spread.get(k, [])) == 20)
+                     + " (the base run's)")
     else:
         comm += "\nruntime overheads: not in this profile (costed as 0)"
     spread = (f"spread: p10/p90 recorded for {len(profile.spread)} entries" if profile.spread
