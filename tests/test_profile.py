@@ -116,6 +116,25 @@ def test_p2p_latency_is_the_runtime_probes_and_the_ping_pong_is_kept(measured):
 
 
 @pytest.mark.e2e
+def test_the_busy_probe_runs_k_fac_in_the_bubbles_and_records_its_spread(measured):
+    """runtime.busy: the probe's pipeline run again with K-FAC placed in its bubbles gives
+    the spreads of a busier run, with both plans' utilizations (the busy one's higher), the
+    runtime's work between its steps, and a note saying how it was made."""
+    from pfcompile.check.replay import replay
+    from pfcompile.profiler.runtime_probe import busy_plan, probe_plan
+
+    busy = measured.runtime.busy
+    assert busy is not None, measured.provenance.get("busy_note")
+    u0, u1 = busy.utilization
+    assert 0 < u0 < u1 <= 1 and busy.step_ms > 0
+    # the utilizations are the two probe plans' replays with the profile, as a plan's are
+    assert u0 == pytest.approx(replay(probe_plan(measured), measured).utilization, abs=1e-5)
+    assert u1 == pytest.approx(replay(busy_plan(measured), measured).utilization, abs=1e-5)
+    assert {"fwd", "bwd", "between_steps"} <= set(busy.op_spread) and "inv" in busy.op_spread
+    assert "kfac in its bubbles" in measured.provenance["busy_note"]
+
+
+@pytest.mark.e2e
 def test_runtime_overheads_are_measured_by_running_the_runtime(measured):
     """The short 1F1B run of the real runtime (torchrun, 2 ranks) gave every overhead: a
     dispatch gap per op, work between steps, a send's posting, a receive's completion."""

@@ -23,7 +23,8 @@ first alone in a loop (its median and spread), then in a run: the runtime probe 
 2-stage 1F1B plan without optimizer work and one with each profiled optimizer's work
 appended, and the entries become those runs' mean occupancies (an op in a run finds its
 caches as the ops before it left them, shares memory bandwidth with the other rank, and is
-stalled now and then; a step adds means), all put at the runs' common speed.
+stalled now and then; a step adds means), all put at the runs' common speed. One more
+run with K-FAC in the bubbles gives the op times' spread of a busier plan (runtime.busy).
 `provenance.in_run`: each entry's in-run time over its time alone. Without the probe
 (`--no-runtime-probe`) the entries are the medians.
 """
@@ -48,7 +49,7 @@ from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from pfcompile.profiler.runtime_probe import in_run_levels, measure_runtime, probe_trace
+from pfcompile.profiler.runtime_probe import in_run_levels, measure_busy, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
 from runtime.config.precision import denormals_flushed, flushing_denormals
 
@@ -154,6 +155,8 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                             del traces[opt]
                             comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
                     comm_prov["in_run"], comm_prov["in_run_level"] = in_run_levels(draft, trace, traces)
+                    bar.update(task, description="the runtime itself: K-FAC in the bubbles (2 ranks)")
+                    measured_rt.busy, comm_prov["busy_note"] = measure_busy(draft, dev, trace, measured_rt, probe_link)
                     ran = ", ".join(f"{o} {t.meta.get('steps')}" for o, t in traces.items())
                     comm_prov["runtime_note"] += (
                         f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "

@@ -18,7 +18,7 @@ import torch
 
 from pfcompile.formats.dataflow import captures
 from pfcompile.formats.optimizers import optimizer as optimizer_spec
-from pfcompile.formats.profile import LinkModel, Profile, RuntimeOverheads
+from pfcompile.formats.profile import BusySpread, LinkModel, Profile, RuntimeOverheads
 from runtime import launch
 
 # The overheads' and parts' run: at least PROBE_STEPS (each stage's fwd and bwd ~90
@@ -41,6 +41,10 @@ OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 s
 # half the samples, so its run is longer.
 CAPTURE_PROBE_CYCLE = 2
 CAPTURE_PROBE_STEPS = 20
+# The busy probe (runtime.busy): the base run's pipeline with this optimizer's work in its
+# bubbles, as long as the base run. Where the ranks fill the host's cores, the runtime's
+# communication threads wait for one, and a plan whose bubbles hold work stalls more.
+BUSY_OPTIMIZER = "kfac"
 
 
 def probe_steps(plan, optimizer: str = "adamw") -> int:
@@ -74,17 +78,17 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int | None = None,
-                sets: tuple[str, ...] = ()):
-    """A traced run of the runtime: the probe's plan (probe_plan) of the profiled model,
-    `steps` steps (None: probe_steps; 2 warm-up) on 2 ranks, one thread each, synthetic
-    tokens. -> (MeasuredTrace, None) or (None, the run's one-line error)."""
+                sets: tuple[str, ...] = (), plan=None):
+    """A traced run of the runtime: `plan` (None: the probe's plan, probe_plan) of the
+    profiled model, `steps` steps (None: probe_steps; 2 warm-up) on 2 ranks, one thread each,
+    synthetic tokens. -> (MeasuredTrace, None) or (None, the run's one-line error)."""
     import subprocess
 
     from pfcompile.calibrate.measured import load_measured
 
     with launch.launch_env() as env:
         tmp = env["TMPDIR"]  # the launch's own folder holds the probe's plan and trace too
-        plan = probe_plan(profile, optimizer)
+        plan = plan or probe_plan(profile, optimizer)
         steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
@@ -129,6 +133,53 @@ def measure_runtime(profile: Profile, device: torch.device,
                                        f"K-FAC, 4 micro-batches, {trace.meta.get('steps', steps)} steps (2 warm-up), 2 ranks, 1 thread each, the "
                                        f"runtime's default --recv-ahead; "
                                        f"fitted like pfcompile calibrate (mean occupancy)"}, trace
+
+
+def busy_plan(profile: Profile):
+    """The busy probe's plan: the probe's pipeline (2 stages of PROBE_SCHEDULE, 4
+    micro-batches) with K-FAC's work placed in its bubbles by PipeFisher's first fit."""
+    from pfcompile.graph.schedules import PipelineConfig
+    from pfcompile.place.build import build_plan
+    from pfcompile.place.options import PlanOptions
+
+    return build_plan(profile, PipelineConfig(PROBE_SCHEDULE, stages=2, micro_batches=4, optimizer=BUSY_OPTIMIZER),
+                      PlanOptions("greedy"))[0]
+
+
+def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: RuntimeOverheads,
+                 link: LinkModel | None = None, steps: int | None = None) -> tuple[BusySpread | None, str]:
+    """runtime.busy (formats.profile): a run of busy_plan as long as the base probe's,
+    fitted as the base run is (fit_runtime). Its work between steps is taken as measured: it
+    is mostly the runtime's Python and its waits, not compute that moves with the passes'
+    level (recorded in the note). The plan is built, and both plans' utilizations replayed,
+    with `profile`, its `runtime` and the p2p `link` it will have, as a plan of it is.
+    -> (the busy spread, or None where the run failed or its plan is no busier; a note for
+    the provenance)."""
+    import copy
+    import dataclasses
+
+    from pfcompile.calibrate.fit import calibrate, fit_runtime
+    from pfcompile.check.replay import replay
+
+    costed = copy.copy(profile)  # as the profile will be: what a plan of it is built and costed with
+    costed.runtime = runtime
+    if link is not None:
+        costed.comm = dataclasses.replace(profile.comm, p2p=link)
+    plan = busy_plan(costed)
+    trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=steps or probe_steps(plan), plan=plan)
+    if trace is None:
+        return None, f"busy probe failed ({error}): every plan varies as the base run did"
+    fit = fit_runtime([trace], costed, "mean")
+    passes = [sum(f.fwd_ms + f.bwd_ms for f in calibrate(costed, [t])[0].parts) for t in (base_trace, trace)]
+    level = passes[1] / passes[0] if all(x > 0 for x in passes) else 1.0
+    u = [replay(x, costed, check_memory=False).utilization for x in (probe_plan(costed), plan)]
+    if u[1] <= u[0]:
+        return None, f"busy probe's plan no busier than the base run's ({u[1]:.3f} against {u[0]:.3f}): not used"
+    busy = BusySpread(utilization=[round(x, 6) for x in u], step_ms=fit.overheads.step_ms,
+                      op_spread=fit.overheads.op_spread, level_spread=fit.overheads.level_spread)
+    return busy, (f"runtime.busy from a {PROBE_SCHEDULE} run with {BUSY_OPTIMIZER} in its bubbles (greedy, "
+                  f"{trace.meta.get('steps')} steps, utilization {u[1]:.3f} against the base run's {u[0]:.3f}); "
+                  f"its passes at {level:.3f} of the base run's")
 
 
 def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple[dict[str, float], dict[str, float]]:
