@@ -22,9 +22,11 @@ is calibrated. Per cell (model, schedule, optimizer):
   two launches does not enter it), against the planned one too: a second definition of the
   measured overhead, reported beside the first; and beside the planned overhead (the plans'
   step times), the one of their expected step times (a second definition of the planned
-  overhead: a plan with less slack pays more for the same spread);
-- where the time went: one more traced run per cell, through `pfcompile inspect TRACE
-  --against PLAN --profile PROFILE --json` (each op kind's share of the step error, the time
+  overhead: a plan with less slack pays more for the same spread), and the same without the
+  profile's runtime.busy (every plan varying as the probe's base run did);
+- where the time went: one more traced run per cell (at least two whole refresh cycles after
+  its warm-up, for the replay), through `pfcompile inspect TRACE --against PLAN --profile
+  PROFILE --json` (each op kind's share of the step error, the time
   between ops with the runtime's own work in it (the trace's runtime row) against what the
   plan counts for it, the plan replayed with the run's own op times (first with the
   runtime's work between ops as the plan counts it, then as the run did it), its level split
@@ -104,6 +106,10 @@ def flags_of(opt: str) -> tuple[str, ...]:
 
 def where_it_went(plan: Path, prof: Path, steps: int, warmup: int, opt: str, out: Path) -> dict:
     trace = out / f"{plan.stem}.trace.json"
+    # inspect's replay needs two whole refresh cycles after the warm-up: a plan refreshing
+    # rarely gets the steps for them
+    k = json.loads(plan.read_text())["config"]["refresh_steps"]
+    steps = max(steps, (-(-warmup // k) + 2) * k)
     bench.run_ours(plan, steps, warmup, "--trace", str(trace), *flags_of(opt))
     r = subprocess.run([PY, "-m", "pfcompile", "inspect", str(trace), "--against", str(plan), "--profile", str(prof),
                         "--json"], cwd=ROOT, capture_output=True, text=True)
@@ -168,6 +174,7 @@ def main() -> None:
     pred = {key: json.loads(p.read_text())["stats"]["step_time_ms"] for key, p in plans.items()}
     ks = {key: json.loads(p.read_text())["config"]["refresh_steps"] for key, p in plans.items()}
     expected = {key: json.loads(p.read_text())["stats"].get("expected_step_time_ms") for key, p in plans.items()}
+    calm = {key: expected_without_busy(p, profiles[key[0]]) for key, p in plans.items()}
 
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
           f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
@@ -179,9 +186,10 @@ def main() -> None:
               f"before profiling: {speed[2][0] / speed[0][0]:.3f}; a profile predicts the speed it was made at).")
     print()
     print("| model | schedule | optimizer | k | predicted ms | measured ms (median) | min–max | measured/predicted "
-          "| within ±10%? | measured/expected | compute ops measured/profiled | schedule alone (min–max) "
-          "| overhead measured (paired median) | min–max | planned | measured − planned | within ±2 pts? |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| within ±10%? | measured/expected | the same without runtime.busy | compute ops measured/profiled "
+          "| schedule alone (min–max) | overhead measured (paired median) | min–max | planned | measured − planned "
+          "| within ±2 pts? |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for (m, s, o), t in times.items():
         med = statistics.median(t)
@@ -189,7 +197,7 @@ def main() -> None:
         row = {"model": m, "schedule": s, "optimizer": o, "k": ks[(m, s, o)], "predicted_ms": pred[(m, s, o)],
                "measured_ms": t, "ratio": ratio, "op_ratio": op_ratios[(m, s, o)]}
         e = expected[(m, s, o)]
-        row["expected_ms"] = e
+        row["expected_ms"], row["expected_without_busy_ms"] = e, calm[(m, s, o)]
         # each run's measured/predicted over its own compute ops' level: the step's error
         # with the machine's speed at the run (which the profile cannot know) taken out
         alone = [x / pred[(m, s, o)] / q for x, q in zip(t, op_ratios[(m, s, o)])] \
@@ -197,6 +205,7 @@ def main() -> None:
         row["schedule_alone"] = alone
         cells = [m, s, o, str(ks[(m, s, o)]), f"{pred[(m, s, o)]:.1f}", f"{med:.1f}", spread(t, ".1f"), f"{ratio:.3f}",
                  "yes" if abs(ratio - 1) <= 0.10 else "**no**", "-" if not e else f"{med / e:.3f}",
+                 "-" if not calm[(m, s, o)] else f"{med / calm[(m, s, o)]:.3f}",
                  f"{statistics.median(op_ratios[(m, s, o)]):.3f}" if op_ratios[(m, s, o)] else "-",
                  f"{statistics.median(alone):.3f} ({spread(alone, '.3f')})" if alone else "-"]
         if o == "adamw":
@@ -217,9 +226,10 @@ def main() -> None:
               "paired ratio above is of two launches):\n")
         print("| model | schedule | optimizer | planned | two launches (paired median) | in one launch (median) | min–max "
               "| measured − planned | within ±2 pts? | planned with the op times' spread | measured − it "
+              "| the same without runtime.busy | measured − it "
               "| passes measured/planned: AdamW's, its (median) "
               "| update and optimizer ops: measured / planned ms per step (median) |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
         for row in rows:
             key = (row["model"], row["schedule"], row["optimizer"])
             if key not in one_launch:
@@ -237,6 +247,10 @@ def main() -> None:
             planned_e = e / e_base - 1 if e and e_base else None
             row["overhead_planned_expected"] = planned_e
             with_spread = "- | -" if planned_e is None else f"{planned_e:+.1%} | {100 * (mid - planned_e):+.1f}"
+            c, c_base = calm[key], calm[key[:2] + ("adamw",)]
+            planned_c = c / c_base - 1 if c and c_base else None
+            row["overhead_planned_expected_without_busy"] = planned_c
+            with_spread += " | - | -" if planned_c is None else f" | {planned_c:+.1%} | {100 * (mid - planned_c):+.1f}"
             print(f"| {' | '.join(key)} | {planned:+.1%} | {statistics.median(row['overhead_measured']):+.1%} | "
                   f"{mid:+.1%} | {spread(over, '+.1%')} | {100 * (mid - planned):+.1f} | "
                   f"{'yes' if abs(mid - planned) <= 0.02 else '**no**'} | {with_spread} | "
@@ -270,7 +284,7 @@ def main() -> None:
                   f"{beside_cells(d.get('beside_work'))} |")
         if any(not d.get("replayed") for d in traced.values() if "error" not in d):
             print("\nn/a: the traced run has fewer than two whole refresh cycles after its warm-up, "
-                  "too few for `inspect`'s replay (a longer `--steps` gives them).")
+                  "too few for `inspect`'s replay.")
     (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
                                                     "load": [load0, load1, load2], "kernel_ms": speed},
                                                    indent=1) + "\n")
@@ -279,6 +293,19 @@ def main() -> None:
 def replayed(rp: dict, key: str) -> str:
     """One figure of a traced run's replay (ms per step), or n/a where it has none."""
     return f"{rp[key]:.1f}" if rp.get(key) is not None else "n/a"
+
+
+def expected_without_busy(plan: Path, prof: Path) -> float | None:
+    """The plan's expected step time from its profile less runtime.busy (every plan varying
+    as the probe's base run did): a second definition beside the plan's own, which has it
+    (and may be a shorter replay: the planner's time limit caps it)."""
+    from pfcompile.check.replay import expected_step_time
+    from pfcompile.formats.plan import load_plan
+    from pfcompile.formats.profile import load_profile
+
+    profile = load_profile(str(prof))
+    profile.runtime.busy = None
+    return expected_step_time(load_plan(str(plan)), profile)
 
 
 def in_one_launch(plans: dict, rounds: int, console) -> dict:
