@@ -98,13 +98,12 @@ level in its step, and expected_step_time draws both. Absent: the ops vary indep
 `runtime.busy` (optional) is the same variation in a run whose bubbles hold work:
 `utilization` [u0, u1], the utilization of the plans of the run the spreads above were fitted
 on and of this one; `step_ms`, the runtime's mean work between steps there; and its
-`op_spread` and `level_spread`. On a host
-whose cores the ranks fill, the runtime's communication threads wait for a core, so a plan
-with fuller bubbles stalls more (benchmarks/results/2026-12-06-busy-probe.md). A plan of
-utilization u draws each instance from these with weight (u - u0) / (u1 - u0), clipped to
-[0, 1], and from the spreads above otherwise, and its runtime work between steps moves to
-`step_ms` by the same weight. The profiler's runtime probe fits it from a 1F1B run with
-K-FAC placed in its bubbles. Absent: every plan varies as the first run did.
+`op_spread` and `level_spread`. Where the ranks fill the host's cores, a plan with fuller
+bubbles stalls more (benchmarks/results/2026-12-06-busy-probe.md). A plan of utilization u
+draws each instance from these with weight (u - u0) / (u1 - u0), clipped to [0, 1], and
+from the spreads above otherwise, and its runtime work between steps moves to `step_ms` by
+the same weight. The profiler's runtime probe fits it from a 1F1B run with K-FAC placed in
+its bubbles. Absent: every plan varies as the first run did.
 
 `bwd_input_ms` / `bwd_weight_ms` (version 3) are the two halves of a split backward
 (zero-bubble families), timed as runtime.pipeline.split_backward runs them: B, the input gradient
@@ -370,7 +369,7 @@ class BusySpread:
     """runtime.busy (module doc): the runtime's variation in a run whose bubbles hold work."""
 
     utilization: list[float]  # [the base run's plan, this run's plan]
-    step_ms: float  # the runtime's work between steps there, at the base run's speed
+    step_ms: float  # the runtime's mean work between steps there
     op_spread: dict[str, list[float]] = field(default_factory=dict)
     level_spread: list[float] = field(default_factory=list)
 

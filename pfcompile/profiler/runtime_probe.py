@@ -42,8 +42,8 @@ OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 s
 CAPTURE_PROBE_CYCLE = 2
 CAPTURE_PROBE_STEPS = 20
 # The busy probe (runtime.busy): the base run's pipeline with this optimizer's work in its
-# bubbles, as long as the base run. Where the ranks fill the host's cores, the runtime's
-# communication threads wait for one, and a plan whose bubbles hold work stalls more.
+# bubbles, as long as the base run. Where the ranks fill the host's cores, a plan whose
+# bubbles hold work stalls more than the base run's.
 BUSY_OPTIMIZER = "kfac"
 
 
