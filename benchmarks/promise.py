@@ -174,7 +174,11 @@ def main() -> None:
     pred = {key: json.loads(p.read_text())["stats"]["step_time_ms"] for key, p in plans.items()}
     ks = {key: json.loads(p.read_text())["config"]["refresh_steps"] for key, p in plans.items()}
     expected = {key: json.loads(p.read_text())["stats"].get("expected_step_time_ms") for key, p in plans.items()}
-    calm = {key: expected_without_busy(p, profiles[key[0]]) for key, p in plans.items()}
+    from pfcompile.check.replay import expected_step_time
+    from pfcompile.formats.plan import load_plan
+
+    busyless = {m: without_busy(path) for m, path in profiles.items()}
+    calm = {key: expected_step_time(load_plan(str(p)), busyless[key[0]]) for key, p in plans.items()}
 
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
           f"thread, gloo; no calibration. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
@@ -295,17 +299,15 @@ def replayed(rp: dict, key: str) -> str:
     return f"{rp[key]:.1f}" if rp.get(key) is not None else "n/a"
 
 
-def expected_without_busy(plan: Path, prof: Path) -> float | None:
-    """The plan's expected step time from its profile less runtime.busy (every plan varying
-    as the probe's base run did): a second definition beside the plan's own, which has it
-    (and may be a shorter replay: the planner's time limit caps it)."""
-    from pfcompile.check.replay import expected_step_time
-    from pfcompile.formats.plan import load_plan
+def without_busy(prof: Path):
+    """The profile less runtime.busy (every plan varying as the probe's base run did): its
+    plans' expected step times are a second definition beside the plans' own, which have it
+    (and may be shorter replays: the planner's time limit caps them)."""
     from pfcompile.formats.profile import load_profile
 
     profile = load_profile(str(prof))
     profile.runtime.busy = None
-    return expected_step_time(load_plan(str(plan)), profile)
+    return profile
 
 
 def in_one_launch(plans: dict, rounds: int, console) -> dict:

@@ -167,7 +167,7 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
         else np.ones((cycles, L.k, L.W))
     # the runtime's mean work between steps (not the activation) moves to the busy run's by
     # the same weight
-    gap_more = min(w, 1.0) * (rt.busy.step_ms - rt.step_ms) / costs.stages_per_rank if w > 0 else 0.0
+    gap_more = w * (rt.busy.step_ms - rt.step_ms) / costs.stages_per_rank if w > 0 else 0.0
 
     durations: dict[int, float] = {}
     transfers: dict[int, float] = {}

@@ -355,13 +355,14 @@ class RuntimeOverheads:
         return min(1.0, max(0.0, (utilization - b.utilization[0]) / (b.utilization[1] - b.utilization[0])))
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key in ("op_spread", "level_spread", "busy"):
-            if not d[key]:  # absent as written before it existed (the hash stays)
-                d.pop(key)
-        if self.busy is not None:
-            d["busy"] = self.busy.to_json()
-        return d
+        d = {**asdict(self), "busy": self.busy.to_json() if self.busy is not None else None}
+        return _without_empty(d, ("op_spread", "level_spread", "busy"))
+
+
+def _without_empty(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`d` less its optional `keys` that are empty: absent as written before they existed
+    (a profile's hash stays)."""
+    return {k: v for k, v in d.items() if k not in keys or v}
 
 
 @dataclass
@@ -374,11 +375,7 @@ class BusySpread:
     level_spread: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key in ("op_spread", "level_spread"):
-            if not d[key]:
-                d.pop(key)
-        return d
+        return _without_empty(asdict(self), ("op_spread", "level_spread"))
 
 
 @dataclass

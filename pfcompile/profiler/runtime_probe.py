@@ -149,7 +149,7 @@ def busy_plan(profile: Profile):
 def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: RuntimeOverheads,
                  link: LinkModel | None = None, steps: int | None = None) -> tuple[BusySpread | None, str]:
     """runtime.busy (formats.profile): a run of busy_plan as long as the base probe's,
-    fitted as the base run is (fit_runtime). Its work between steps is taken as measured: it
+    fitted as the base run is (fit_runtime, through calibrate). Its work between steps is taken as measured: it
     is mostly the runtime's Python and its waits, not compute that moves with the passes'
     level (recorded in the note). The plan is built, and both plans' utilizations replayed,
     with `profile`, its `runtime` and the p2p `link` it will have, as a plan of it is.
@@ -158,7 +158,7 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
     import copy
     import dataclasses
 
-    from pfcompile.calibrate.fit import calibrate, fit_runtime
+    from pfcompile.calibrate.fit import calibrate
     from pfcompile.check.replay import replay
 
     costed = copy.copy(profile)  # as the profile will be: what a plan of it is built and costed with
@@ -169,14 +169,16 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
     trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=steps or probe_steps(plan), plan=plan)
     if trace is None:
         return None, f"busy probe failed ({error}): every plan varies as the base run did"
-    fit = fit_runtime([trace], costed, "mean")
-    passes = [sum(f.fwd_ms + f.bwd_ms for f in calibrate(costed, [t])[0].parts) for t in (base_trace, trace)]
+    # one fit per run (fit_runtime's, inside calibrate): the busy run's overheads and both passes
+    base_fit, busy_fit = (calibrate(costed, [t])[0] for t in (base_trace, trace))
+    passes = [sum(f.fwd_ms + f.bwd_ms for f in fit.parts) for fit in (base_fit, busy_fit)]
     level = passes[1] / passes[0] if all(x > 0 for x in passes) else 1.0
     u = [replay(x, costed, check_memory=False).utilization for x in (probe_plan(costed), plan)]
     if u[1] <= u[0]:
         return None, f"busy probe's plan no busier than the base run's ({u[1]:.3f} against {u[0]:.3f}): not used"
-    busy = BusySpread(utilization=[round(x, 6) for x in u], step_ms=fit.overheads.step_ms,
-                      op_spread=fit.overheads.op_spread, level_spread=fit.overheads.level_spread)
+    rt = busy_fit.runtime
+    busy = BusySpread(utilization=[round(x, 6) for x in u], step_ms=rt.step_ms, op_spread=rt.op_spread,
+                      level_spread=rt.level_spread)
     return busy, (f"runtime.busy from a {PROBE_SCHEDULE} run with {BUSY_OPTIMIZER} in its bubbles (greedy, "
                   f"{trace.meta.get('steps')} steps, utilization {u[1]:.3f} against the base run's {u[0]:.3f}); "
                   f"its passes at {level:.3f} of the base run's")
