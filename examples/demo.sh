@@ -12,7 +12,7 @@
 #      first plan run once more (how far two runs of one plan lie apart on this machine)
 #
 # Each piece says so and carries on (or stops) if a command it needs is missing.
-# Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 120),
+# Env: PY (python with pfcompile installed), OUT (output folder), STEPS (training steps, 300),
 # PROFILE=fresh|committed (default fresh: measure; committed: reuse profiles/bert-tiny-cpu.json),
 # PROFILE_FLAGS (more flags for pfcompile profile).
 set -euo pipefail
@@ -22,7 +22,9 @@ export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 PY=${PY:-python}
 OUT=${OUT:-out}
-STEPS=${STEPS:-120}
+# 300 steps, ~9 s a run: a shared host's slow spells last seconds, and a shorter run's mean
+# step is one draw of them
+STEPS=${STEPS:-300}
 PROFILE=${PROFILE:-fresh}
 PROFILE_FLAGS=${PROFILE_FLAGS:-}
 mkdir -p "$OUT"

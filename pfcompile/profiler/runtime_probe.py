@@ -22,13 +22,14 @@ from pfcompile.formats.profile import BusySpread, LinkModel, Profile, RuntimeOve
 from runtime import launch
 
 # The overheads' and parts' run: at least PROBE_STEPS (each stage's fwd and bwd ~90
-# samples), raised to PROBE_SECONDS of predicted run: this VM has slow spells of a second
-# or so, and a run of well under one took them as the level (a 24-step bert-tiny probe is
-# 0.6 s). Each optimizer's run likewise, to OPTIMIZER_PROBE_SECONDS.
+# samples), raised to PROBE_SECONDS of predicted run: a shared host's slow spells last a
+# second or more and come in runs of them, so the profile's level (the runs' mean) is only
+# as steady as the seconds it spans. Each optimizer's run likewise, to
+# OPTIMIZER_PROBE_SECONDS; PROBE_MAX_STEPS bounds a model with millisecond steps.
 PROBE_STEPS = 24
-PROBE_SECONDS = 4.0
-OPTIMIZER_PROBE_SECONDS = 2.0
-PROBE_MAX_STEPS = 200
+PROBE_SECONDS = 8.0
+OPTIMIZER_PROBE_SECONDS = 4.0
+PROBE_MAX_STEPS = 400
 # The probe's schedule: 1F1B, the family most plans run. Its steady state keeps both ranks
 # computing while messages cross, as a plan with work in its bubbles does; GPipe's
 # all-forwards-then-all-backwards leaves one rank idle at each turn, and its runs posted
