@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,10 @@ def test_the_busy_probe_runs_k_fac_in_the_bubbles_and_records_its_spread(measure
     assert u1 == pytest.approx(replay(busy_plan(measured), measured).utilization, abs=1e-5)
     assert {"fwd", "bwd", "between_steps"} <= set(busy.op_spread) and "inv" in busy.op_spread
     assert "kfac in its bubbles" in measured.provenance["busy_note"]
+    # its first refresh cycle untraced: before step k a precond has no inverse in force
+    k, warmup = map(int, re.search(r"k = (\d+), \d+ steps, the first (\d+) untraced",
+                                   measured.provenance["busy_note"]).groups())
+    assert warmup == max(2, k)
 
 
 @pytest.mark.e2e

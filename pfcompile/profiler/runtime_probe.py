@@ -79,10 +79,11 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int | None = None,
-                sets: tuple[str, ...] = (), plan=None):
+                sets: tuple[str, ...] = (), plan=None, warmup: int = 2):
     """A traced run of the runtime: `plan` (None: the probe's plan, probe_plan) of the
-    profiled model, `steps` steps (None: probe_steps; 2 warm-up) on 2 ranks, one thread each,
-    synthetic tokens. -> (MeasuredTrace, None) or (None, the run's one-line error)."""
+    profiled model, `steps` steps (None: probe_steps), `warmup` of them untraced, on 2 ranks,
+    one thread each, synthetic tokens. -> (MeasuredTrace, None) or (None, the run's one-line
+    error)."""
     import subprocess
 
     from pfcompile.calibrate.measured import load_measured
@@ -93,7 +94,7 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
         steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
-        cmd = launch.torchrun(2, "-m", "runtime", plan_path, "--steps", str(steps), "--warmup", "2",
+        cmd = launch.torchrun(2, "-m", "runtime", plan_path, "--steps", str(steps), "--warmup", str(warmup),
                               "--data", "synthetic", "--trace", trace_path, "--device", device.type)
         for s in sets:
             cmd += ["--set", s]
@@ -167,7 +168,11 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
     if link is not None:
         costed.comm = dataclasses.replace(profile.comm, p2p=link)
     plan = busy_plan(costed)
-    trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=steps or probe_steps(plan), plan=plan)
+    # its first refresh cycle untraced: until step k no inverse is in force, and a precond
+    # without one is a copy (a short run of a long-step model had a third of its samples so)
+    warmup = max(2, plan.config.refresh_steps)
+    trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=(steps or probe_steps(plan)) + warmup - 2,
+                               plan=plan, warmup=warmup)
     if trace is None:
         return None, f"busy probe failed ({error}): every plan varies as the base run did"
     # one fit per run (fit_runtime's, inside calibrate): the busy run's overheads and both passes
@@ -181,8 +186,9 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
     busy = BusySpread(utilization=[round(x, 6) for x in u], step_ms=rt.step_ms, op_spread=rt.op_spread,
                       level_spread=rt.level_spread)
     return busy, (f"runtime.busy from a {PROBE_SCHEDULE} run with {BUSY_OPTIMIZER} in its bubbles (greedy, "
-                  f"{trace.meta.get('steps')} steps, utilization {u[1]:.3f} against the base run's {u[0]:.3f}); "
-                  f"its passes at {level:.3f} of the base run's")
+                  f"k = {plan.config.refresh_steps}, {trace.meta.get('steps')} steps, the first {warmup} untraced, "
+                  f"utilization {u[1]:.3f} against the base run's {u[0]:.3f}); its passes at {level:.3f} of the base "
+                  f"run's")
 
 
 def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple[dict[str, float], dict[str, float]]:
