@@ -10,9 +10,13 @@ Three figures, measured one after the other with nothing else running:
   run's ms/step (the runtime's Summary.step_ms), what a measured/predicted ratio from one
   run carries besides the model's error;
 - the same runs paired, each against the one before: the "overhead" of a plan over itself,
-  0 in truth, so its spread is what a paired overhead from one round carries.
+  0 in truth, so its spread is what a paired overhead from one round carries;
+- one long traced run of the plan (--long-steps): its passes' mean level over windows of
+  0.5 to 8 s, against the run's own mean. How fast the spread falls with the window says how
+  long a probe or a measured run must last for its mean to stand for the machine.
 
-    .venv/bin/python benchmarks/drift.py [--seconds 60] [--runs 8] [--steps 30] [--profile PROFILE]
+    .venv/bin/python benchmarks/drift.py [--seconds 60] [--runs 8] [--steps 30] [--long-steps 1200]
+                                         [--profile PROFILE]
 """
 
 from __future__ import annotations
@@ -70,10 +74,39 @@ def kernel_pairs(seconds: float, size: int = KERNEL_SIZE) -> tuple[list[float], 
     return mm, st
 
 
+WINDOWS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def window_levels(trace_path: str) -> dict[float, list[float]]:
+    """A traced run's passes (fwd, bwd, B, W) each over its own op's mean in the run, averaged
+    over consecutive windows of each of WINDOWS_S seconds by start time (the last, partial
+    window dropped). -> window seconds -> the windows' levels (1 = the run's mean)."""
+    from pfcompile.calibrate.measured import load_measured
+
+    trace = load_measured(trace_path)
+    passes = [o for o in trace.ops if o.op.kind in ("fwd", "bwd", "bwd_input", "bwd_weight")]
+    by_op: dict = {}
+    for o in passes:
+        by_op.setdefault((o.rank, str(o.op)), []).append(o.ms)
+    mean = {k: statistics.mean(v) for k, v in by_op.items()}
+    t0 = min(o.start_ms for o in passes)
+    out = {}
+    for w in WINDOWS_S:
+        bins: dict[int, list[float]] = {}
+        for o in passes:
+            bins.setdefault(int((o.start_ms - t0) // (w * 1e3)), []).append(o.ms / mean[(o.rank, str(o.op))])
+        out[w] = [statistics.mean(bins[b]) for b in sorted(bins)][:-1]
+    return out
+
+
+def quantile(s: list[float], f: float) -> float:
+    """The f-quantile of the sorted `s`, nearest rank."""
+    return s[min(len(s) - 1, int(f * len(s)))]
+
+
 def row(what: str, unit: str, v: list[float], fmt: str = ".2f", ratio: bool = True) -> str:
     s = sorted(v)
-    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
-    cells = [statistics.median(s), q(0.1), q(0.9), s[0], s[-1]]
+    cells = [statistics.median(s), quantile(s, 0.1), quantile(s, 0.9), s[0], s[-1]]
     spread = f"{s[-1] / s[0]:.3f}" if ratio and s[0] > 0 else "-"
     return f"| {what} | {unit} | {len(s)} | " + " | ".join(format(c, fmt) for c in cells) + f" | {spread} |"
 
@@ -85,6 +118,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=8, help="runs of the plan, back to back")
     ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--long-steps", type=int, default=1200, help="steps of the one long traced run (0: skip)")
     ap.add_argument("--profile", default=str(ROOT / "profiles" / "bert-tiny-cpu.json"))
     a = ap.parse_args()
     if a.runs < 2:
@@ -102,6 +136,12 @@ def main() -> None:
         for i in range(a.runs):
             runs.append(bench.run_ours(plan, a.steps, a.warmup).step_ms)
             print(f"run {i + 1}/{a.runs}: {runs[-1]:.2f} ms/step", file=sys.stderr)
+        windows = {}
+        if a.long_steps > 0:
+            trace = str(Path(tmp) / "long.trace.json")
+            print(f"one run of {a.long_steps} steps, traced", file=sys.stderr)
+            bench.run_ours(plan, a.long_steps, a.warmup, "--trace", trace)
+            windows = window_levels(trace)
     load1 = os.getloadavg()
     paired = [100 * (b / a_ - 1) for a_, b in zip(runs, runs[1:])]
     print(f"\nLoad average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load0)}; "
@@ -114,6 +154,16 @@ def main() -> None:
     print(row(f"one plan, back-to-back runs of {a.steps} steps ({Path(a.profile).stem}, 1F1B, AdamW, 2 ranks)",
               "ms/step", runs))
     print(row("the same runs paired, each over the one before (0 in truth)", "% over", paired, "+.1f", ratio=False))
+    if windows:
+        print(f"\nOne run of {a.long_steps} steps: its passes' level (each op over its mean in the run) averaged "
+              f"over consecutive windows\n")
+        print("| window | windows | standard deviation | p10 | p90 | min | max |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for w, v in windows.items():
+            if len(v) >= 2:
+                s = sorted(v)
+                print(f"| {w:g} s | {len(v)} | {statistics.pstdev(v):.3f} | {quantile(s, 0.1):.3f} | "
+                      f"{quantile(s, 0.9):.3f} | {s[0]:.3f} | {s[-1]:.3f} |")
 
 
 if __name__ == "__main__":
