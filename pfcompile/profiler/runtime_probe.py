@@ -169,7 +169,7 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
         costed.comm = dataclasses.replace(profile.comm, p2p=link)
     plan = busy_plan(costed)
     # its first refresh cycle untraced: until step k no inverse is in force, and a precond
-    # without one is a copy (a short run of a long-step model had a third of its samples so)
+    # without one only copies the gradient (a short run's spread would be two-humped)
     warmup = max(2, plan.config.refresh_steps)
     trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=(steps or probe_steps(plan)) + warmup - 2,
                                plan=plan, warmup=warmup)
