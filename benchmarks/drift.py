@@ -1,6 +1,6 @@
 """How much this machine drifts: the noise floor under every timed aim (not a test: it times).
 
-Three figures, measured one after the other with nothing else running:
+Four figures, measured one after the other with nothing else running:
 
 - a fixed single-thread kernel (--size square float32 matmuls, 100 of them) timed every
   0.2 s for --seconds: the machine's own jitter, no runtime in it; beside it a memory-bound
