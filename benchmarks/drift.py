@@ -82,9 +82,10 @@ def window_levels(trace_path: str) -> dict[float, list[float]]:
     over consecutive windows of each of WINDOWS_S seconds by start time (the last, partial
     window dropped). -> window seconds -> the windows' levels (1 = the run's mean)."""
     from pfcompile.calibrate.measured import load_measured
+    from pfcompile.formats.ops import PASS_KINDS
 
     trace = load_measured(trace_path)
-    passes = [o for o in trace.ops if o.op.kind in ("fwd", "bwd", "bwd_input", "bwd_weight")]
+    passes = [o for o in trace.ops if o.op.kind in PASS_KINDS]
     by_op: dict = {}
     for o in passes:
         by_op.setdefault((o.rank, str(o.op)), []).append(o.ms)

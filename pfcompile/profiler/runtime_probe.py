@@ -27,6 +27,7 @@ from runtime import launch
 # as steady as the seconds it spans. Each optimizer's run likewise, to
 # OPTIMIZER_PROBE_SECONDS; PROBE_MAX_STEPS bounds a model with millisecond steps.
 PROBE_STEPS = 24
+PROBE_WARMUP = 2  # untraced steps at the start of every probe run
 PROBE_SECONDS = 8.0
 OPTIMIZER_PROBE_SECONDS = 4.0
 PROBE_MAX_STEPS = 400
@@ -79,7 +80,7 @@ def probe_plan(profile: Profile, optimizer: str = "adamw"):
 
 
 def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw", steps: int | None = None,
-                sets: tuple[str, ...] = (), plan=None, warmup: int = 2):
+                sets: tuple[str, ...] = (), plan=None, warmup: int = PROBE_WARMUP):
     """A traced run of the runtime: `plan` (None: the probe's plan, probe_plan) of the
     profiled model, `steps` steps (None: probe_steps), `warmup` of them untraced, on 2 ranks,
     one thread each, synthetic tokens. -> (MeasuredTrace, None) or (None, the run's one-line
@@ -170,8 +171,9 @@ def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: Ru
     plan = busy_plan(costed)
     # its first refresh cycle untraced: until step k no inverse is in force, and a precond
     # without one only copies the gradient (a short run's spread would be two-humped)
-    warmup = max(2, plan.config.refresh_steps)
-    trace, error = probe_trace(costed, device, BUSY_OPTIMIZER, steps=(steps or probe_steps(plan)) + warmup - 2,
+    warmup = max(PROBE_WARMUP, plan.config.refresh_steps)
+    trace, error = probe_trace(costed, device, BUSY_OPTIMIZER,
+                               steps=(steps or probe_steps(plan)) + warmup - PROBE_WARMUP,
                                plan=plan, warmup=warmup)
     if trace is None:
         return None, f"busy probe failed ({error}): every plan varies as the base run did"
