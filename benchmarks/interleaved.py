@@ -2,9 +2,9 @@
 
 Two launches a minute apart run at different speeds on a VM whose speed moves within
 minutes, so the overhead of two separate launches (promise.py's paired ratio) carries that
-drift. Here one torchrun builds both plans of a model on every rank (the same stages, data
-and settings as `-m runtime` builds, runtime.pipeline.loop.build_rank) and runs their steps
-in alternating blocks, A B A B ..., a second or two each. Each block skips its first step
+drift. Here one torchrun builds both plans of a model on every rank (`-m runtime.interleave`:
+the same stages, data and settings as `-m runtime` builds) and runs their steps in
+alternating blocks, A B A B ..., a second or two each. Each block skips its first step
 (the switch leaves the other plan's tensors in the caches) and times the next n steps,
 n a multiple of both plans' refresh cycles, as the steady step period: (start of the
 step after the last timed one - start of the first timed one) / n on each rank, averaged
@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -36,10 +35,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-# benchmarks/runtime.py (the runtime benchmark) would shadow the runtime package; the worker,
-# run as a script, finds the runtime package in the repository.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
 # the runtime benchmark's launch and plan helpers (torchrun, plan)
 _spec = importlib.util.spec_from_file_location("bench_runtime", Path(__file__).with_name("runtime.py"))
 bench = importlib.util.module_from_spec(_spec)
@@ -51,7 +46,7 @@ BLOCKS, MIN_STEPS = 6, 8  # the defaults: ~1-2 s blocks on the tiny models here
 class Pair(NamedTuple):
     """One launch: each plan's step period (ms) per timed block, in run order, each plan's
     loss at every step, and its compute ops' time per step by class, [measured, planned]
-    summed over the ranks (op_time)."""
+    summed over the ranks (runtime.interleave.op_time)."""
     base_ms: list[float]
     plan_ms: list[float]
     base_losses: list[float]
@@ -74,11 +69,12 @@ def block_steps(plans: list[Path], min_steps: int) -> int:
 
 def launch_pair(base: Path, plan: Path, blocks: int, n: int, base_first: bool, settings: list[str],
                 trace_prefix: Path | None = None) -> Pair:
-    plans = [base, plan] if base_first else [plan, base]
-    args = [__file__, "--worker", *map(str, plans), "--blocks", str(blocks), "--timed", str(n)]
+    plans, labels = ([base, plan], "base,plan") if base_first else ([plan, base], "plan,base")
+    args = ["-m", "runtime.interleave", *map(str, plans), "--blocks", str(blocks), "--timed", str(n),
+            "--labels", labels, "--set-for", "1" if base_first else "0"]
     if trace_prefix:
         args += ["--trace-prefix", str(trace_prefix)]
-    args += [x for s in settings for x in ("--set", s)] + ["--set-for", "1" if base_first else "0"]
+    args += [x for s in settings for x in ("--set", s)]
     out = bench.torchrun(args, json.loads(plan.read_text())["config"]["world_size"])
     periods, losses, ops, events = out["periods_ms"], out["losses"], out["op_ms"], out["os_per_step"]
     if not base_first:
@@ -97,7 +93,7 @@ def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: 
            settings: tuple[str, ...] = (), say=None, trace_dir: Path | None = None) -> list[Pair]:
     """`count` launches of the pair, BASE's blocks first in even rounds, PLAN's in odd ones;
     with `trace_dir`, each timed block of each plan as a measured trace there
-    (trace_path)."""
+    (runtime.interleave.block_trace_path, labelled base and plan)."""
     n = block_steps([base, plan], min_steps)
     out = []
     for r in range(count):
@@ -106,11 +102,6 @@ def rounds(base: Path, plan: Path, count: int, blocks: int = BLOCKS, min_steps: 
         if say:
             say(f"round {r + 1}: {plan.stem} over {base.stem}, in one launch: {out[-1].overhead:+.1%}")
     return out
-
-
-def trace_path(prefix: str, which: str, plan: str, block: int) -> str:
-    """A timed block's measured trace: PREFIX-blockB-base|plan-PLANSTEM.trace.json."""
-    return f"{prefix}-block{block}-{which}-{Path(plan).stem}.trace.json"
 
 
 # the plan replayed with a block's own op times (pfcompile.calibrate.compare.replayed_with_measured),
@@ -170,112 +161,6 @@ def planned_overhead(base: Path, plan: Path) -> float:
     return step(plan) / step(base) - 1
 
 
-# --- the worker: one rank of the launch ------------------------------------------------------
-def worker(a) -> None:
-    """Build both plans on this rank, run their steps in alternating blocks, and print (rank
-    0) one JSON line: each plan's period per timed block (the ranks' mean), its loss at every
-    step, and its compute ops by class (op_time, summed over the ranks)."""
-    import gc
-
-    from runtime.config.cli import build_parser, prepare
-    from runtime.observe.measure import step_period
-    from runtime.pipeline import comm
-    from runtime.pipeline.loop import build_rank, join, train_step
-
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    length = a.timed + 2  # the step after the switch, n timed steps, and the one whose start ends them
-    steps = a.blocks * length
-    jobs = []
-    for i, path in enumerate(a.plans):
-        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", a.log_dir]
-        jobs.append(prepare(build_parser().parse_args(argv + (a.set if i == a.set_for else [])), rank, world_size))
-    world, _ = join(jobs[0])
-    clean = False
-    try:
-        parts = [build_rank(job, world) for job in jobs]
-        comm.barrier("the barrier before the first block", world.timeout)
-        for r in parts:
-            r.timeline.start()
-        losses: list[list[float]] = [[] for _ in parts]  # this rank's share of each step's loss, per plan
-        gc.disable()  # collections between blocks, on every rank at once (as the runtime's loop)
-        # this rank's minor page faults and involuntary context switches in each plan's blocks
-        # after the first: what the plan costs its process beyond its ops' arithmetic
-        os_events = [[0, 0] for _ in parts]
-        for block in range(a.blocks):
-            for r, mine, events in zip(parts, losses, os_events):
-                gc.collect(1)
-                before = resource.getrusage(resource.RUSAGE_SELF)
-                for step in range(block * length, (block + 1) * length):
-                    mine.append(train_step(r, step)[1])
-                r.interp.settle()  # its divergence check, before the other plan's steps
-                if block:
-                    after = resource.getrusage(resource.RUSAGE_SELF)
-                    events[0] += after.ru_minflt - before.ru_minflt
-                    events[1] += after.ru_nivcsw - before.ru_nivcsw
-        os_events = comm.gather_json(world, os_events)
-        periods, shares, ops = [], [], []
-        timed = [list(range(b * length + 1, (b + 1) * length)) for b in range(1, a.blocks)]
-        for r, mine in zip(parts, losses):
-            periods.append(comm.gather_json(world, [step_period([r.timeline], steps) for steps in timed]))
-            shares.append(comm.gather_json(world, mine))
-            ops.append(comm.gather_json(world, op_time(r, {s for steps in timed for s in steps[:-1]})))
-        if a.trace_prefix:
-            for i, (r, job) in enumerate(zip(parts, jobs)):
-                for b in range(1, a.blocks):
-                    which = "plan" if i == a.set_for else "base"
-                    write_block(r, job, world, trace_path(a.trace_prefix, which, job.plan_path, b),
-                                range(b * length, (b + 1) * length))
-        clean = True
-        if rank == 0:
-            # each plan's losses, step by step, as its own launch would log them: the check that
-            # the two plans in one process leave each other's training alone
-            print(json.dumps({"periods_ms": [[statistics.fmean(ranks[b] for ranks in gathered)
-                                              for b in range(a.blocks - 1)] for gathered in periods],
-                              "losses": [[sum(col) for col in zip(*gathered)] for gathered in shares],
-                              "op_ms": [{c: [sum(g[c][i] for g in gathered) for i in (0, 1)] for c in gathered[0]}
-                                        for gathered in ops],
-                              "os_per_step": [[sum(ranks[i][j] for ranks in os_events) / ((a.blocks - 1) * length)
-                                               for j in (0, 1)] for i in range(len(parts))]}), flush=True)
-    finally:
-        gc.enable()
-        comm.shutdown(clean, world.timeout)
-    if clean:  # as `-m runtime`: every rank met at the final barrier, leave without gloo's teardown
-        sys.stdout.flush()
-        os._exit(0)
-
-
-def write_block(r, job, world, path: str, block: range) -> None:
-    """One block of the plan as a measured trace (rank 0 writes it): its first step, after the
-    switch, is the trace's warm-up, so `inspect --against` decomposes the n steps timed."""
-    from runtime.observe import measure
-    from runtime.pipeline import comm
-
-    tl = r.timeline
-    mine = measure.Timeline(tl.rank, tl.t0, [o for o in tl.ops if o[0] in block], [s for s in tl.steps if s[0] in block],
-                            [m for m in tl.memory if m[0] in block], [s for s in tl.spans if s[0] in block],
-                            tl.device_type, tl.host)
-    gathered = comm.gather_json(world, mine.to_json())
-    if world.rank == 0:
-        measure.write_measured_trace(path, measure.align([measure.Timeline.from_json(d) for d in gathered]),
-                                     measure.run_metadata(job, block.stop, block.start + 1, interleaved=True))
-
-
-def op_time(r, steps: set[int]) -> dict[str, list[float]]:
-    """This rank's compute ops over `steps`, measured and planned (ms, per step), as two
-    classes: the pipeline's passes (forward, backward, B, W) and the rest (the update and
-    the optimizer's work). Which class runs slower than its profile says where an overhead
-    beyond the plan comes from."""
-    from pfcompile.formats.ops import PASS_KINDS
-    from runtime.observe.measure import matched_compute_ops, predicted_op_table
-
-    out = {"passes": [0.0, 0.0], "update and optimizer": [0.0, 0.0]}
-    for kind, ms, want_ms in matched_compute_ops(r.timeline, steps, predicted_op_table(r.interp.plan)):
-        total = out["passes" if kind in PASS_KINDS else "update and optimizer"]
-        total[0] += ms / len(steps)
-        total[1] += want_ms / len(steps)
-    return out
-
-
 def smoke(folder: Path) -> tuple[Path, Path]:
     return tuple(bench.plan("profiles/bert-tiny-cpu.json", folder, f"bert-tiny-1f1b-{opt}", "--schedule", "1f1b",
                             "--micro-batches", "4", "--optimizer", opt, "--method", method)
@@ -297,18 +182,8 @@ def main() -> None:
                          "(`pfcompile inspect TRACE --against PLAN` splits its step time)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="with --traces: the plans' profile, to split the overhead cause by cause (split_overhead)")
-    ap.add_argument("--trace-prefix", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--timed", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--set-for", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--log-dir", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.worker:
-        a.plans = [str(p) for p in a.plans]
-        a.log_dir = a.log_dir or os.environ["TMPDIR"]
-        a.set = [x for s in a.set for x in ("--set", s)]
-        return worker(a)
     if a.blocks < 2:
         ap.error("--blocks: at least 2 (the first of each plan is a warm-up)")
     if a.profile and not a.traces:
