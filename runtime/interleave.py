@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                                                    "(default: their indices)")
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")
     ap.add_argument("--log-dir", default=None, help="the runs' metrics folder (default: TMPDIR)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="as -m runtime's, for every plan")
     a = ap.parse_args(argv)
     if a.blocks < 2 or a.timed < 1:
         ap.error("--blocks at least 2 (the first of each plan is a warm-up), --timed at least 1")
@@ -55,11 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     if len(labels) != len(a.plans):
         ap.error(f"--labels: {len(labels)} names for {len(a.plans)} plans")
     run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
-        a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."))
+        a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."), a.device)
 
 
 def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: int, labels: list[str],
-        trace_prefix: str | None, log_dir: str) -> None:
+        trace_prefix: str | None, log_dir: str, device: str = "cpu") -> None:
     from runtime.config.cli import build_parser, prepare
     from runtime.observe.measure import step_period
     from runtime.pipeline import comm
@@ -70,7 +71,7 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
     steps = blocks * length
     jobs = []
     for i, path in enumerate(plans):
-        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir]
+        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir, "--device", device]
         jobs.append(prepare(build_parser().parse_args(argv + (settings if i == set_for else [])), rank, world_size))
     world, _ = join(jobs[0])
     clean = False

@@ -146,6 +146,12 @@ def test_runtime_overheads_are_measured_by_running_the_runtime(measured):
     rt = measured.runtime
     assert "measured by running the runtime" in measured.provenance["runtime_note"]
     assert rt.op_ms > 0 and rt.step_ms > 0 and rt.send_ms > 0 and rt.recv_ms > 0, rt
+    # K-FAC's plan alternated with the base plan in one launch (runtime.interleave): the only
+    # launch, so its base blocks are all the base plan's, at their level exactly
+    assert "alternate it with one optimizer's plan" in measured.provenance["runtime_note"]
+    levels = measured.provenance["in_run_level"]
+    assert set(levels["launch"]) == set(levels["beside"]) == {"kfac"}
+    assert levels["launch"]["kfac"] == pytest.approx(1.0, rel=1e-9) and levels["beside"]["kfac"] > 0
 
 
 def block_params() -> int:
