@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")
     ap.add_argument("--log-dir", default=None, help="the runs' metrics folder (default: TMPDIR)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="as -m runtime's, for every plan")
+    ap.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION", help="as -m runtime's, for every plan")
     a = ap.parse_args(argv)
     if a.blocks < 2 or a.timed < 1:
         ap.error("--blocks at least 2 (the first of each plan is a warm-up), --timed at least 1")
@@ -56,11 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(labels) != len(a.plans):
         ap.error(f"--labels: {len(labels)} names for {len(a.plans)} plans")
     run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
-        a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."), a.device)
+        a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."),
+        ["--device", a.device, *(["--model-code", a.model_code] if a.model_code else [])])
 
 
 def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: int, labels: list[str],
-        trace_prefix: str | None, log_dir: str, device: str = "cpu") -> None:
+        trace_prefix: str | None, log_dir: str, run_flags: tuple[str, ...] = ()) -> None:
     from runtime.config.cli import build_parser, prepare
     from runtime.observe.measure import step_period
     from runtime.pipeline import comm
@@ -71,7 +73,7 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
     steps = blocks * length
     jobs = []
     for i, path in enumerate(plans):
-        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir, "--device", device]
+        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir, *run_flags]
         jobs.append(prepare(build_parser().parse_args(argv + (settings if i == set_for else [])), rank, world_size))
     world, _ = join(jobs[0])
     clean = False

@@ -98,19 +98,26 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
         cmd = launch.torchrun(2, "-m", "runtime", plan_path, "--steps", str(steps), "--warmup", str(warmup),
-                              "--data", "synthetic", "--trace", trace_path, "--device", device.type)
-        for s in sets:
-            cmd += ["--set", s]
-        name = profile.model.get("name", "")
-        if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
-            cmd += ["--model-code", name]
+                              "--data", "synthetic", "--trace", trace_path, *run_args(profile, device, sets))
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if r.returncode or not os.path.exists(trace_path):
-            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-            # the runtime's own one-line error, not torchrun's banner after it
-            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
-            return None, tail[0][:200]
+            return None, launch_error(r)
         return load_measured(trace_path), None
+
+
+def run_args(profile: Profile, device: torch.device, sets: tuple[str, ...] = ()) -> list[str]:
+    """A probe run's flags beyond its plan and steps: the device, `sets` (--set), and a user's
+    model code (hf:PATH is a config; user code is imported only when told to)."""
+    name = profile.model.get("name", "")
+    code = ["--model-code", name] if ":" in name and not name.startswith("hf:") else []
+    return ["--device", device.type, *[x for s in sets for x in ("--set", s)], *code]
+
+
+def launch_error(r) -> str:
+    """A failed probe launch's one line: the runtime's own error, not torchrun's banner after it."""
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
+    return tail[0][:200]
 
 
 def launch_shape(plans: list, least: int, seconds: float) -> tuple[int, int]:
@@ -149,14 +156,12 @@ def probe_launch(profile: Profile, device: torch.device, optimizer: str, launche
             plan.save(path)
         cmd = launch.torchrun(2, "-m", "runtime.interleave", *paths, "--blocks", str(blocks), "--timed", str(timed),
                               "--labels", "base,own", "--set-for", "1", "--trace-prefix", os.path.join(tmp, "block"),
-                              "--log-dir", tmp, "--device", device.type, *[x for s in sets for x in ("--set", s)])
+                              "--log-dir", tmp, *run_args(profile, device, sets))
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         found = {label: sorted(glob.glob(os.path.join(tmp, f"block-block*-{label}-*.trace.json")))
                  for label in ("base", "own")}
         if r.returncode or not all(found.values()):
-            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
-            return [], [], tail[0][:200]
+            return [], [], launch_error(r)
         return [load_measured(t) for t in found["base"]], [load_measured(t) for t in found["own"]], None
 
 
