@@ -49,7 +49,7 @@ from pfcompile.profiler.optimizer_layers import measure_optimizer_layer
 from pfcompile.profiler.parts import PartBench, measure_part
 from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
-from pfcompile.profiler.runtime_probe import in_run_levels, measure_busy, probe_in_runs
+from pfcompile.profiler.runtime_probe import in_run_levels, measure_busy, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
 from runtime.config.precision import denormals_flushed, flushing_denormals
 
@@ -143,13 +143,29 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
                 bar.update(task, description="the runtime itself (2 ranks, a short 1F1B run)")
                 draft = Profile(source="measured", provenance={}, model=model_json(model, cfg, micro_batch, seq_len, dtype),
                                 parts=parts, covered_layers=layers, comm=link)
-                measured_rt, probe_link, base_traces, runs = probe_in_runs(
-                    draft, dev, optimizers, muon_ns_dtype, comm_prov,
-                    lambda description: bar.update(task, description=description))
-                if base_traces:
-                    comm_prov["in_run"], comm_prov["in_run_level"] = in_run_levels(draft, base_traces, runs)
+                measured_rt, probe_link, note, trace = measure_runtime(draft, dev)
+                comm_prov.update(note)
+                if trace is not None:
+                    traces = {}
+                    for opt in dict.fromkeys(("kfac", *optimizers)):
+                        bar.update(task, description=f"the runtime itself: {opt}'s work appended (2 ranks)")
+                        sets = (f"muon.ns_dtype={muon_ns_dtype}",) if opt == "muon" else ()
+                        traces[opt], error = probe_trace(draft, dev, opt, sets=sets)
+                        if traces[opt] is None:
+                            del traces[opt]
+                            comm_prov[f"in_run_note.{opt}"] = f"probe run failed ({error}): its entries are timed alone"
+                    comm_prov["in_run"], comm_prov["in_run_level"] = in_run_levels(draft, trace, traces)
                     bar.update(task, description="the runtime itself: K-FAC in the bubbles (2 ranks)")
-                    measured_rt.busy, comm_prov["busy_note"] = measure_busy(draft, dev, base_traces, measured_rt, probe_link)
+                    measured_rt.busy, comm_prov["busy_note"] = measure_busy(draft, dev, trace, measured_rt, probe_link)
+                    ran = ", ".join(f"{o} {t.meta.get('steps')}" for o, t in traces.items())
+                    comm_prov["runtime_note"] += (
+                        f"; the parts' entries are this run's (mean occupancy, in proportion within a stage), "
+                        f"each optimizer's from a run with its work appended to its refresh steps "
+                        f"({ran} steps; K-FAC refreshes "
+                        f"every other step, its capture_ms is its refresh steps' ops over its others'): "
+                        f"in_run holds each entry's in-run time over its time alone; every entry is put at the "
+                        f"runs' common speed (in_run_level.common: the runs' passes' levels, their mean weighted by "
+                        f"steps), in_run_level holding each optimizer's run's passes over the first run's")
                 if measured_rt.any():
                     runtime = measured_rt
                 if probe_link is not None:

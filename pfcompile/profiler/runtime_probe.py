@@ -1,10 +1,9 @@
 """The runtime probe: short runs of the runtime itself, fitted as `pfcompile calibrate` fits
-a trace. A 2-stage 1F1B plan without optimizer work gives the runtime's overheads around the
-ops, the p2p link as a run sees it and the parts' in-run times; a plan per profiled
+a trace. A 2-stage 1F1B run without optimizer work gives the runtime's overheads around the
+ops, the p2p link as a run sees it and the parts' in-run times; one more run per profiled
 optimizer, its work appended to the steps that refresh, gives its per-layer ops' in-run
 times (and, for K-FAC, which refreshes every other step there, what its capture adds to the
-pipeline's ops). Each optimizer's plan runs in one launch with the base plan, in
-alternating blocks (probe_launch), so that both see the same spells of the machine. An op timed alone in a loop (`--cold-cache` or not) is not an op in a run:
+pipeline's ops). An op timed alone in a loop (`--cold-cache` or not) is not an op in a run:
 its caches hold what the ops before it left, the neighbouring rank shares the core's memory
 bandwidth, and now and then it is stalled. The profile's entries are the run's
 (`in_run_levels`); what each was timed at alone stays in the provenance as the factor
@@ -44,24 +43,23 @@ OPTIMIZER_PROBE_STEPS = 12  # one per optimizer: every covered layer's ops ~10 s
 # half the samples, so its run is longer.
 CAPTURE_PROBE_CYCLE = 2
 CAPTURE_PROBE_STEPS = 20
-# Each optimizer's probe plan runs in one launch with the base plan, their steps in
-# alternating blocks of about PROBE_BLOCK_SECONDS (runtime.interleave): shorter than the
-# machine's spells, so both plans see the same ones. Each plan of a launch runs
-# OPTIMIZER_PROBE_SECONDS, or more where there are few launches, so that the base plan's
-# blocks of all launches together run PROBE_SECONDS at least.
-PROBE_BLOCK_SECONDS = 1.0
 # The busy probe (runtime.busy): the base run's pipeline with this optimizer's work in its
 # bubbles, as long as the base run. Where the ranks fill the host's cores, a plan whose
 # bubbles hold work stalls more than the base run's.
 BUSY_OPTIMIZER = "kfac"
 
 
-def probe_steps(plan) -> int:
-    """The steps of a probe run of `plan` in a launch of its own (the busy probe, the
-    fallback base run): enough to fill PROBE_SECONDS at the plan's predicted step time,
-    within [PROBE_STEPS, PROBE_MAX_STEPS]."""
+def probe_steps(plan, optimizer: str = "adamw") -> int:
+    """The steps of a probe's run of `plan`: enough to fill its seconds (PROBE_SECONDS, or
+    OPTIMIZER_PROBE_SECONDS with an optimizer's work) at the plan's predicted step time,
+    within [the least for its samples, PROBE_MAX_STEPS]."""
+    if optimizer == "adamw":
+        least, seconds = PROBE_STEPS, PROBE_SECONDS
+    else:
+        least = CAPTURE_PROBE_STEPS if captures(optimizer_spec(optimizer)) else OPTIMIZER_PROBE_STEPS
+        seconds = OPTIMIZER_PROBE_SECONDS
     step_ms = plan.stats.get("step_time_ms") or 0.0
-    return max(PROBE_STEPS, min(PROBE_MAX_STEPS, math.ceil(PROBE_SECONDS * 1e3 / step_ms))) if step_ms > 0 else PROBE_STEPS
+    return max(least, min(PROBE_MAX_STEPS, math.ceil(seconds * 1e3 / step_ms))) if step_ms > 0 else least
 
 
 def probe_plan(profile: Profile, optimizer: str = "adamw"):
@@ -94,152 +92,50 @@ def probe_trace(profile: Profile, device: torch.device, optimizer: str = "adamw"
     with launch.launch_env() as env:
         tmp = env["TMPDIR"]  # the launch's own folder holds the probe's plan and trace too
         plan = plan or probe_plan(profile, optimizer)
-        steps = steps or probe_steps(plan)
+        steps = steps or probe_steps(plan, optimizer)
         plan_path, trace_path = os.path.join(tmp, "probe.plan.json"), os.path.join(tmp, "probe.trace.json")
         plan.save(plan_path)
         cmd = launch.torchrun(2, "-m", "runtime", plan_path, "--steps", str(steps), "--warmup", str(warmup),
-                              "--data", "synthetic", "--trace", trace_path, *run_args(profile, device, sets))
+                              "--data", "synthetic", "--trace", trace_path, "--device", device.type)
+        for s in sets:
+            cmd += ["--set", s]
+        name = profile.model.get("name", "")
+        if ":" in name and not name.startswith("hf:"):  # user code (hf:PATH is a config): imported only when told to
+            cmd += ["--model-code", name]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if r.returncode or not os.path.exists(trace_path):
-            return None, launch_error(r)
+            lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+            # the runtime's own one-line error, not torchrun's banner after it
+            tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
+            return None, tail[0][:200]
         return load_measured(trace_path), None
-
-
-def run_args(profile: Profile, device: torch.device, sets: tuple[str, ...] = ()) -> list[str]:
-    """A probe run's flags beyond its plan and steps: the device, `sets` (--set), and a user's
-    model code (hf:PATH is a config; user code is imported only when told to)."""
-    name = profile.model.get("name", "")
-    code = ["--model-code", name] if ":" in name and not name.startswith("hf:") else []
-    return ["--device", device.type, *[x for s in sets for x in ("--set", s)], *code]
-
-
-def launch_error(r) -> str:
-    """A failed probe launch's one line: the runtime's own error, not torchrun's banner after it."""
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-    tail = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["no output"]
-    return tail[0][:200]
-
-
-def launch_shape(plans: list, least: int, seconds: float) -> tuple[int, int]:
-    """(blocks, timed steps per block) of a launch of `plans` (runtime.interleave): blocks of
-    whole refresh cycles of every plan, about PROBE_BLOCK_SECONDS of the slowest plan's
-    predicted step, enough of them for `seconds` of it and at least `least` timed steps,
-    at most PROBE_MAX_STEPS; one more block, the warm-up."""
-    k = math.lcm(*(p.config.refresh_steps for p in plans))
-    step_ms = max(p.stats.get("step_time_ms") or 0.0 for p in plans)
-    per_block = max(1, round(PROBE_BLOCK_SECONDS * 1e3 / step_ms / k)) if step_ms > 0 else 1
-    timed = k * per_block
-    want = max(least, min(PROBE_MAX_STEPS, math.ceil(seconds * 1e3 / step_ms))) if step_ms > 0 else least
-    return 1 + math.ceil(want / timed), timed
-
-
-def probe_launch(profile: Profile, device: torch.device, optimizer: str, launches: int = 1,
-                 sets: tuple[str, ...] = ()):
-    """One launch of the base probe plan and `optimizer`'s (probe_plan), their steps in
-    alternating blocks (runtime.interleave; launch_shape), on 2 ranks, one thread each,
-    synthetic tokens; `sets` are the optimizer's run settings. `launches`: how many such
-    launches the profile makes (the base plan's blocks of all of them make its run).
-    -> (the base plan's block traces, the optimizer's, None) or ([], [], the launch's one-line error)."""
-    import glob
-    import subprocess
-
-    from pfcompile.calibrate.measured import load_measured
-
-    plans = [probe_plan(profile), probe_plan(profile, optimizer)]
-    least = max(math.ceil(PROBE_STEPS / launches),
-                CAPTURE_PROBE_STEPS if captures(optimizer_spec(optimizer)) else OPTIMIZER_PROBE_STEPS)
-    blocks, timed = launch_shape(plans, least, max(OPTIMIZER_PROBE_SECONDS, PROBE_SECONDS / launches))
-    with launch.launch_env() as env:
-        tmp = env["TMPDIR"]  # the launch's own folder holds the plans and traces too
-        paths = [os.path.join(tmp, f"probe-{name}.plan.json") for name in ("adamw", optimizer)]
-        for plan, path in zip(plans, paths):
-            plan.save(path)
-        cmd = launch.torchrun(2, "-m", "runtime.interleave", *paths, "--blocks", str(blocks), "--timed", str(timed),
-                              "--labels", "base,own", "--set-for", "1", "--trace-prefix", os.path.join(tmp, "block"),
-                              "--log-dir", tmp, *run_args(profile, device, sets))
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        found = {label: sorted(glob.glob(os.path.join(tmp, f"block-block*-{label}-*.trace.json")))
-                 for label in ("base", "own")}
-        if r.returncode or not all(found.values()):
-            return [], [], launch_error(r)
-        return [load_measured(t) for t in found["base"]], [load_measured(t) for t in found["own"]], None
-
-
-def probe_in_runs(profile: Profile, device: torch.device, optimizers, muon_ns_dtype: str, notes: dict,
-                  progress=lambda description: None) -> tuple[RuntimeOverheads, LinkModel | None, list, dict]:
-    """The runtime probe's runs: one launch per optimizer (K-FAC first; probe_launch), each
-    alternating the base probe plan with the optimizer's. The base plan's blocks of all the
-    launches give the runtime's overheads and link (fit_base) and the parts' in-run times;
-    each optimizer's blocks, with its launch's base blocks, its own (in_run_levels). Where
-    no launch works, the base plan runs alone (measure_runtime). Writes the provenance's
-    notes into `notes`. -> (overheads, link or None, the base plan's traces ([] where every
-    run failed), {optimizer: (its launch's base traces, its traces)})."""
-    names = list(dict.fromkeys(("kfac", *optimizers)))
-    base_traces: list = []
-    runs: dict = {}
-    for name in names:
-        progress(f"the runtime itself: the base plan and {name}'s, in alternating blocks (2 ranks)")
-        sets = (f"muon.ns_dtype={muon_ns_dtype}",) if name == "muon" else ()
-        base, own, error = probe_launch(profile, device, name, len(names), sets)
-        if error:
-            notes[f"in_run_note.{name}"] = f"probe run failed ({error}): its entries are timed alone"
-            continue
-        base_traces += base
-        runs[name] = (base, own)
-    if not base_traces:
-        progress("the runtime itself (2 ranks, a short 1F1B run)")
-        overheads, link, note, trace = measure_runtime(profile, device)
-        notes.update(note)
-        return overheads, link, [trace] if trace is not None else [], {}
-    overheads, link = fit_base(profile, base_traces)
-    steps = lambda traces: sum(len({o.step for o in t.ops}) for t in traces)  # noqa: E731
-    ran = ", ".join(f"{name} {steps(own)} steps in {len(own)} blocks" for name, (_, own) in runs.items())
-    notes["runtime_note"] = (
-        f"runtime overheads measured by running the runtime: 2-stage {PROBE_SCHEDULE} without optimizer work "
-        f"(the base plan), 4 micro-batches, 2 ranks, 1 thread each, the runtime's default --recv-ahead, in "
-        f"{len(runs)} launch(es) that each alternate it with one optimizer's plan in blocks of whole refresh "
-        f"cycles (runtime.interleave; the first block of each plan and each block's first step untraced): "
-        f"the base plan {steps(base_traces)} steps in {len(base_traces)} blocks, {ran}; each optimizer's work "
-        f"appended to its refresh steps (K-FAC refreshes every other step, its capture_ms is its refresh steps' "
-        f"ops over its others'); fitted like pfcompile calibrate (mean occupancy); the parts' entries are the "
-        f"base plan's (in proportion within a stage), each optimizer's its own blocks' put at the base plan's "
-        f"level by its launch's base blocks (in_run_level.launch); in_run_level.beside holds each optimizer's "
-        f"passes over its launch's base passes; in_run holds each entry's in-run time over its time alone")
-    return overheads, link, base_traces, runs
-
-
-def fit_base(profile: Profile, traces: list) -> tuple[RuntimeOverheads, LinkModel | None]:
-    """The runtime's overheads and the p2p link as the base probe plan's traces show them,
-    fitted as `pfcompile calibrate` fits (mean occupancy): see measure_runtime."""
-    from pfcompile.calibrate.fit import fit_runtime
-
-    fit = fit_runtime(traces, profile, "mean")  # sums of op times add means
-    return fit.overheads, (fit.link if fit.link is not profile.comm.p2p else None)
 
 
 def measure_runtime(profile: Profile, device: torch.device,
                     steps: int | None = None) -> tuple[RuntimeOverheads, LinkModel | None, dict, object]:
     """The runtime's own costs around the ops, measured by running it: a 2-stage 1F1B plan of
     the profiled model without K-FAC, `steps` steps (None: probe_steps) on 2 ranks
-    (torchrun, one thread each, synthetic tokens), in a launch of its own (the profiler's
-    fallback where no launch of probe_launch worked), fitted by fit_base: the dispatch gap
-    per op, the work between steps, a send's posting, a receive's completion, and the op
-    times' spread (runtime.op_spread, and each rank's level from step to step,
-    runtime.level_spread: 24 steps or more give each stage's fwd and bwd ~90 samples or
-    more, and 48 rank-steps), and the p2p link as the run sees it: the latency of its
-    receives posted before their send ended, at the benchmark's bandwidth (None when none
-    was). Kept only where the run worked; otherwise the message benchmark's link and
-    send/receive times stand (said in the provenance). Also returns the trace (None when the
-    run failed)."""
+    (torchrun, one thread each, synthetic tokens), its measured trace fitted as `pfcompile
+    calibrate` fits one (pfcompile.calibrate.fit): the dispatch gap per op, the work between
+    steps, a send's posting, a receive's completion, and the op times' spread
+    (runtime.op_spread, and each rank's level from step to step, runtime.level_spread: 24
+    steps or more give each stage's fwd and bwd ~90 samples or more, and 48 rank-steps),
+    and the p2p link as the run sees it: the latency of its receives posted before their
+    send ended, at the benchmark's bandwidth (None when none was). Kept only where the run
+    worked; otherwise the message benchmark's link and send/receive times stand (said in
+    the provenance). Also returns the trace (None when the run failed), for in_run_levels."""
+    from pfcompile.calibrate.fit import fit_runtime
+
     trace, error = probe_trace(profile, device, steps=steps)
     if trace is None:
         return RuntimeOverheads(), None, {"runtime_note": f"runtime probe failed ({error}); overheads "
                                                           f"from the message benchmark only"}, None
-    overheads, link = fit_base(profile, [trace])
-    return overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage {PROBE_SCHEDULE} without "
-                                             f"K-FAC, 4 micro-batches, {trace.meta.get('steps', steps)} steps (2 warm-up), 2 ranks, 1 thread each, the "
-                                             f"runtime's default --recv-ahead; "
-                                             f"fitted like pfcompile calibrate (mean occupancy)"}, trace
+    fit = fit_runtime([trace], profile, "mean")  # sums of op times add means
+    link = fit.link if fit.link is not profile.comm.p2p else None
+    return fit.overheads, link, {"runtime_note": f"runtime overheads measured by running the runtime: 2-stage {PROBE_SCHEDULE} without "
+                                       f"K-FAC, 4 micro-batches, {trace.meta.get('steps', steps)} steps (2 warm-up), 2 ranks, 1 thread each, the "
+                                       f"runtime's default --recv-ahead; "
+                                       f"fitted like pfcompile calibrate (mean occupancy)"}, trace
 
 
 def busy_plan(profile: Profile):
@@ -253,7 +149,7 @@ def busy_plan(profile: Profile):
                       PlanOptions("greedy"))[0]
 
 
-def measure_busy(profile: Profile, device: torch.device, base_traces: list, runtime: RuntimeOverheads,
+def measure_busy(profile: Profile, device: torch.device, base_trace, runtime: RuntimeOverheads,
                  link: LinkModel | None = None, steps: int | None = None) -> tuple[BusySpread | None, str]:
     """runtime.busy (formats.profile): a run of busy_plan as long as the base probe's,
     fitted as the base run is (fit_runtime, through calibrate). Its work between steps is taken as measured: it
@@ -282,7 +178,7 @@ def measure_busy(profile: Profile, device: torch.device, base_traces: list, runt
     if trace is None:
         return None, f"busy probe failed ({error}): every plan varies as the base run did"
     # one fit per run (fit_runtime's, inside calibrate): the busy run's overheads and both passes
-    base_fit, busy_fit = (calibrate(costed, t)[0] for t in (base_traces, [trace]))
+    base_fit, busy_fit = (calibrate(costed, [t])[0] for t in (base_trace, trace))
     passes = [sum(f.fwd_ms + f.bwd_ms for f in fit.parts) for fit in (base_fit, busy_fit)]
     level = passes[1] / passes[0] if all(x > 0 for x in passes) else 1.0
     u = [replay(x, costed, check_memory=False).utilization for x in (probe_plan(costed), plan)]
@@ -297,25 +193,24 @@ def measure_busy(profile: Profile, device: torch.device, base_traces: list, runt
                   f"run's")
 
 
-def in_run_levels(profile: Profile, base_traces: list, runs: dict) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+def in_run_levels(profile: Profile, base_trace, optimizer_traces: dict) -> tuple[dict[str, float], dict[str, float]]:
     """Set `profile`'s entries (in place) to their in-run times: the parts' fwd, bwd and
-    AdamW step from `base_traces` (the probe's plan without optimizer work, every block of
-    every launch), each optimizer's per-layer entries and its step from its own probe plan's
-    blocks (`runs`: name -> (the base plan's traces of its launch, its own traces)), each
-    fitted as `pfcompile calibrate` fits it (mean occupancy; parts in proportion within
-    their stage); what a capturing optimizer's refresh step adds to the parts' ops
-    (capture_ms) from its refresh steps against its others. A split backward's B and W,
-    which no probe runs, move with their part's backward, and share its capture in
-    proportion.
+    AdamW step from `base_trace` (the probe's run without optimizer work), each optimizer's
+    per-layer entries and its step from its own probe run (`optimizer_traces`: name ->
+    trace), each fitted as `pfcompile calibrate` fits it (mean occupancy; parts in
+    proportion within their stage); what a capturing optimizer's refresh step adds to the
+    parts' ops (capture_ms) from its run's refresh steps against its others. A split
+    backward's B and W, which no probe runs, move with their part's backward, and share its
+    capture in proportion.
 
-    This machine's speed moves by more than an optimizer's overhead within seconds. Each
-    optimizer's blocks alternate with the base plan's in one launch (probe_launch), so its
-    launch's base blocks saw the same spells: its entries are put at the level of all the
-    base blocks by that launch's base passes over all of them (`launch`). Its own passes over
-    its launch's base passes (`beside`) are the work's effect on the passes, free of that
-    drift: recorded, not applied (capture_ms is the part of it the plan counts).
-    -> (entry path -> in-run time / time alone, {"launch": optimizer -> its launch's level,
-    "beside": optimizer -> its passes over its launch's base passes})."""
+    This machine's speed moves by more than an optimizer's overhead within seconds, and
+    every run has the passes: each run's level is its passes' time over the base run's
+    (`levels`; the optimizer's work over the passes of its own run holds within a few percent
+    from run to run while both move together). Every entry is put at the runs' common level,
+    their levels' mean weighted by their steps: one run's window of the machine is one draw
+    of its speed, and the runs together sample more of it than the base run alone.
+    -> (entry path -> in-run time / time alone, optimizer -> its run's level against the
+    base run; "common" -> the common level)."""
     import copy
 
     from pfcompile.calibrate.fit import calibrate
@@ -328,30 +223,29 @@ def in_run_levels(profile: Profile, base_traces: list, runs: dict) -> tuple[dict
             factors[path] = new / old
         return new
 
-    def passes(traces) -> float:
-        return sum(f.fwd_ms + f.bwd_ms for f in calibrate(ref, traces)[0].parts)
+    def steps(trace) -> int:
+        return len({o.step for o in trace.ops})
 
-    fitted, _ = calibrate(ref, base_traces)
-    overall = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
-    levels: dict[str, dict[str, float]] = {"launch": {}, "beside": {}}
-    fits = {}
-    for name, (its_base, its_own) in runs.items():
-        fits[name] = calibrate(ref, its_own)
-        base_passes = passes(its_base)
-        own = sum(f.fwd_ms + f.bwd_ms for f in fits[name][0].parts)
-        levels["launch"][name] = base_passes / overall if base_passes > 0 and overall > 0 else 1.0
-        levels["beside"][name] = own / base_passes if own > 0 and base_passes > 0 else 1.0
+    fitted, _ = calibrate(ref, [base_trace])
+    passes = sum(f.fwd_ms + f.bwd_ms for f in fitted.parts)
+    runs = {name: calibrate(ref, [trace]) for name, trace in optimizer_traces.items()}
+    levels: dict[str, float] = {}
+    for name, (own_fit, _) in runs.items():
+        own = sum(f.fwd_ms + f.bwd_ms for f in own_fit.parts)
+        levels[name] = own / passes if own > 0 and passes > 0 else 1.0
+    weights = {"": steps(base_trace), **{name: steps(optimizer_traces[name]) for name in runs}}
+    common = sum(w * levels.get(n, 1.0) for n, w in weights.items()) / sum(weights.values())
     for p, f in zip(profile.parts, fitted.parts):
-        b = f.bwd_ms / p.bwd_ms if p.bwd_ms > 0 else 1.0
-        p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms)
-        p.bwd_ms = put(f"parts.{p.name}.bwd_ms", p.bwd_ms, f.bwd_ms)
+        b = f.bwd_ms * common / p.bwd_ms if p.bwd_ms > 0 else 1.0
+        p.fwd_ms = put(f"parts.{p.name}.fwd_ms", p.fwd_ms, f.fwd_ms * common)
+        p.bwd_ms = put(f"parts.{p.name}.bwd_ms", p.bwd_ms, f.bwd_ms * common)
         if p.bwd_input_ms is not None and p.bwd_weight_ms is not None:
             p.bwd_input_ms = put(f"parts.{p.name}.bwd_input_ms", p.bwd_input_ms, p.bwd_input_ms * b)
             p.bwd_weight_ms = put(f"parts.{p.name}.bwd_weight_ms", p.bwd_weight_ms, p.bwd_weight_ms * b)
         if "adamw" in f.step_ms and "adamw" in p.step_ms:
-            p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"])
-    for name, (fitted, counts) in fits.items():
-        level = levels["launch"][name]  # its launch's speed over all the base blocks
+            p.step_ms["adamw"] = put(f"parts.{p.name}.step_ms.adamw", p.step_ms["adamw"], f.step_ms["adamw"] * common)
+    for name, (fitted, counts) in runs.items():
+        level = levels[name] / common  # its run's entries over the common level's
         for layer, f in zip(profile.covered_layers, fitted.covered_layers):
             mine, theirs = layer.optimizer_ms.get(name, {}), f.optimizer_ms.get(name, {})
             for key in mine:
@@ -374,4 +268,4 @@ def in_run_levels(profile: Profile, base_traces: list, runs: dict) -> tuple[dict
                         mine[kind] = put(f"parts.{p.name}.capture_ms.{kind}", mine.get(kind, 0.0),
                                          mine["bwd"] * share / (b + w))
                 p.capture_ms = mine
-    return factors, levels
+    return factors, {**levels, "common": common}
