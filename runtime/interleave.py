@@ -1,6 +1,8 @@
 """`torchrun -m runtime.interleave PLAN PLAN... --blocks B --timed N`: several plans of one
 model in one launch, their steps in alternating blocks (A B A B ...), for comparisons free
-of the drift between launches (the profiler's probe, benchmarks/interleaved.py).
+of the drift between launches (benchmarks/interleaved.py). Blocks compare plans with each
+other, not with a run of their own: fitted from blocks, a plan reads faster than in a
+launch of its own (docs/design.md 12.3).
 
 A shared VM's speed moves by more than an optimizer's overhead within seconds, so two plans
 timed in two launches compare two windows of the machine. Here every rank builds every plan
@@ -56,9 +58,18 @@ def main(argv: list[str] | None = None) -> None:
     labels = a.labels.split(",") if a.labels else [str(i) for i in range(len(a.plans))]
     if len(labels) != len(a.plans):
         ap.error(f"--labels: {len(labels)} names for {len(a.plans)} plans")
-    run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
-        a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."),
-        ["--device", a.device, *(["--model-code", a.model_code] if a.model_code else [])])
+    from pfcompile.formats.errors import InputError
+    from runtime.__main__ import EXIT_COMM, EXIT_INPUT, _fail
+    from runtime.pipeline.comm import CommTimeout
+
+    try:
+        run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
+            a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."),
+            ["--device", a.device, *(["--model-code", a.model_code] if a.model_code else [])])
+    except InputError as e:  # a plan, a setting or the model: one line, as -m runtime says it
+        sys.exit(_fail(int(os.environ.get("RANK", 0)), e, EXIT_INPUT))
+    except CommTimeout as e:
+        sys.exit(_fail(int(os.environ.get("RANK", 0)), e, EXIT_COMM))
 
 
 def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: int, labels: list[str],

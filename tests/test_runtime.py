@@ -146,6 +146,20 @@ def test_bad_plans_fail_with_one_line(tmp_path):
     assert r.returncode == 2 and "the plan is for 2 ranks but this job has 1" in r.stderr
 
 
+def test_interleave_fails_on_a_bad_plan_with_one_line(tmp_path):
+    """`-m runtime.interleave` checks its plans as `-m runtime` does: a plan with an unknown
+    op is one line naming the file and the field, exit status 2, no traceback."""
+    obj = json.loads(make_plan(tmp_path, "gpipe", 2).read_text())
+    obj["ranks"][0]["steps"][0][0]["op"] = "fwdd"
+    bad_op = tmp_path / "bad-op.json"
+    bad_op.write_text(json.dumps(obj))
+    r = subprocess.run([sys.executable, "-m", "runtime.interleave", str(bad_op), str(bad_op), "--blocks", "2",
+                        "--timed", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert f"{bad_op}: ranks[0].steps[0][0]: unknown op 'fwdd'" in r.stderr
+
+
 def test_killed_rank_resumes_from_checkpoint(tmp_path):
     """Rank 1 dies at step 3 on the first attempt; torchrun restarts the job, which resumes
     from the checkpoint of step 3 and ends with the parameters of an uninterrupted run."""
