@@ -18,7 +18,7 @@ mean; runtime.observe.measure.step_period), its loss at every step, its compute 
 step by class (passes, the rest; measured and planned, summed over the ranks), and its
 minor page faults and involuntary context switches per step. With --trace-prefix, each
 timed block of each plan is also a measured trace (block_trace_path): its first step is
-the trace's warm-up, so `pfcompile inspect --against` and the fits read the N timed steps.
+the trace's warm-up, so `pfcompile inspect --against` reads the N timed steps.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def main(argv: list[str] | None = None) -> None:
                                                    "(default: their indices)")
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")
     ap.add_argument("--log-dir", default=None, help="the runs' metrics folder (default: TMPDIR)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="as -m runtime's, for every plan")
-    ap.add_argument("--model-code", default=None, metavar="MODULE:FUNCTION", help="as -m runtime's, for every plan")
     a = ap.parse_args(argv)
     if a.blocks < 2 or a.timed < 1:
         ap.error("--blocks at least 2 (the first of each plan is a warm-up), --timed at least 1")
@@ -64,8 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
-            a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."),
-            ["--device", a.device, *(["--model-code", a.model_code] if a.model_code else [])])
+            a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."))
     except InputError as e:  # a plan, a setting or the model: one line, as -m runtime says it
         sys.exit(_fail(int(os.environ.get("RANK", 0)), e, EXIT_INPUT))
     except CommTimeout as e:
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: int, labels: list[str],
-        trace_prefix: str | None, log_dir: str, run_flags: tuple[str, ...] = ()) -> None:
+        trace_prefix: str | None, log_dir: str) -> None:
     from runtime.config.cli import build_parser, prepare
     from runtime.observe.measure import step_period
     from runtime.pipeline import comm
@@ -84,7 +81,7 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
     steps = blocks * length
     jobs = []
     for i, path in enumerate(plans):
-        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir, *run_flags]
+        argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir]
         jobs.append(prepare(build_parser().parse_args(argv + (settings if i == set_for else [])), rank, world_size))
     world, _ = join(jobs[0])
     clean = False
