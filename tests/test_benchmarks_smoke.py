@@ -105,7 +105,11 @@ def check_promise(out: str) -> None:
     cells = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     # adamw and muon in the promise table, muon in the one-launch overhead's, both in the traced runs'
     assert [row[3] for row in cells] == ["adamw", "muon", "muon", "adamw", "muon"], out
-    assert cells[1][-2].startswith(("yes", "**no**")) and "inspect failed" not in out, out
+    assert cells[1][-4].startswith(("yes", "**no**")) and "inspect failed" not in out, out
+    # the two launches' overhead against the plan's own expected_step_overhead too
+    assert re.match(r"^[+-]\d+\.\d%$", cells[1][-3]) and re.match(r"^[+-]\d+\.\d$", cells[1][-2]), out
+    assert re.search(r"overhead, two launches: against the plans' step times \d+ of 1; against their "
+                     r"expected_step_overhead \d+ of 1", out), out
     assert "measured/expected" in out and "median/predicted" in out, out  # both definitions of measured
     assert re.match(r"^\d+\.\d{3} \(\d+\.\d{3}–\d+\.\d{3}\)$", cells[0][13]), out  # the schedule alone, per round
     # against the expected step, and against it without runtime.busy (this profile has none: the

@@ -339,3 +339,27 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
     least = EXPECTED_STEP_MIN_CYCLES * plan.stats["tasks"]
     assert plan.stats["expected_step_time_ms"] == pytest.approx(expected_step_time(plan, prof, max_instances=least),
                                                                  abs=1e-6)
+
+
+def test_the_expected_overhead_is_over_the_first_order_plan_replayed_as_long():
+    """stats.expected_step_overhead: the plan's expected step (the ops' spread drawn) over
+    the family's AdamW plan's, built apart here and replayed over as many steps; a plan
+    whose work fills the bubbles pays more for the same spread than its baseline does."""
+    from pfcompile.check.replay import expected_step_time, spread_replay_cycles
+    from pfcompile.place.build import build_plan
+
+    kw = FAMILIES["1f1b"]
+    prof = _profile(kw, curv=0.3, inv=0.7)
+    plan = build_plan(prof, PipelineConfig(**kw), PlanOptions("greedy"))[0]
+    assert "expected_step_overhead" not in plan.stats  # no spread in the profile, no expected step
+    prof.runtime.level_spread = [0.8] * 10 + [1.2] * 10
+    plan = build_plan(prof, PipelineConfig(**kw), PlanOptions("greedy"))[0]
+    first = build_plan(prof, PipelineConfig(**kw, optimizer="adamw"), PlanOptions("greedy"))[0]
+    assert "expected_step_overhead" not in first.stats  # its own baseline
+    steps = plan.refresh_steps * spread_replay_cycles(plan.refresh_steps, plan.stats["tasks"])
+    base = expected_step_time(first, prof, steps=steps, max_instances=steps * first.stats["tasks"])
+    assert base > first.stats["step_time_ms"]
+    assert plan.stats["expected_baseline_step_time_ms"] == pytest.approx(base, abs=1e-6)
+    assert plan.stats["expected_step_overhead"] == pytest.approx(plan.stats["expected_step_time_ms"] / base - 1,
+                                                                 abs=2e-6)
+    assert plan.stats["expected_step_overhead"] > plan.stats["step_overhead"] + 0.005

@@ -116,6 +116,12 @@ def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
 SPREAD_KIND = {"send_act": "send", "send_grad": "send"}
 
 
+def spread_replay_cycles(k: int, ops_per_cycle: int, steps: int = 400, max_instances: int = 200_000) -> int:
+    """The refresh cycles expected_step_time replays: about `steps` steps, at least 3 cycles,
+    at most `max_instances` op instances (beyond the 3 cycles)."""
+    return max(3, min(-(-steps // k), max_instances // max(1, ops_per_cycle)))
+
+
 def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: int = 0,
                        max_instances: int = 200_000) -> float | None:
     """The step time a run sees when each op's time varies as the profile's
@@ -139,7 +145,7 @@ def expected_step_time(plan: Plan, profile: Profile, *, steps: int = 400, seed: 
     L = PlanLayout(plan)
     X = CycleIndex(plan, L)
     costs = plan_costs(plan, profile, L)
-    cycles = max(3, min(-(-steps // L.k), max_instances // max(1, X.M)))
+    cycles = spread_replay_cycles(L.k, X.M, steps, max_instances)
     rng = np.random.default_rng(seed)
     op_ms = rt.op_ms
     # how much of this plan varies as the probe's run with its bubbles filled did (runtime.busy)

@@ -34,7 +34,9 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
       "stats": {"utilization", "utilization_pipefisher": [per step], "utilization_pipefisher_mean",
                 "utilization_strict", "step_time_ms" (steady state), "step_time_from_idle_ms",
                 "baseline_step_time_ms", "tight_baseline_step_time_ms", "step_overhead",
-                "step_overhead_tight", "refresh_steps",
+                "step_overhead_tight", "refresh_steps", "expected_step_time_ms",
+                "expected_baseline_step_time_ms", "expected_step_overhead" (with the
+                profile's op-time spread),
                 "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
                 "tasks", "peak_memory_bytes": [per rank], ...},
       "profile": {"name", "hash", "source", "device_type",

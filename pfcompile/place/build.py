@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult, expected_step_time
+from pfcompile.check.replay import ReplayError, ReplayResult, expected_step_time, spread_replay_cycles
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
@@ -35,8 +35,9 @@ def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | Non
     `planning`: the run's budget, progress reports and task graphs (a fresh one without a
     limit when None). With `cfg.cluster`, the ranks are first put on the nodes
     (`options.placement`; the plan's stats["placement"] says what and why). The plan also
-    has the step time with the profile's op-time spread (stats.expected_step_time_ms)
-    where the profile has one. `options.partition` "auto" chooses the stages' cut with the
+    has the step time with the profile's op-time spread (stats.expected_step_time_ms), and
+    the overhead over its baseline with it (stats.expected_step_overhead), where the profile
+    has one. `options.partition` "auto" chooses the stages' cut with the
     plan (pfcompile.place.partition); otherwise `cfg.partition` (None: the compute cut)."""
     options = options or PlanOptions()
     planning = planning or Planning()
@@ -51,6 +52,7 @@ def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | Non
     else:
         plan, result, baseline = _plan_cut(profile, cfg, options, where, planning)
     _add_expected_step_time(plan, profile, planning)
+    planning.baselines.clear()  # the candidates' baselines: only the kept plan's was wanted
     return plan, result, baseline
 
 
@@ -93,11 +95,16 @@ def _best_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, 
 
 
 def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) -> None:
-    """The step a run sees with the ops' measured spread (check.replay.expected_step_time).
-    Under a wall-clock limit: its shortest replay (EXPECTED_STEP_MIN_CYCLES cycles), which the
-    search's reserve kept for it (solver.keep_time_for_the_plan), and more op instances only
-    as a share of the time the search left beyond the reserve, at this run's replay speed."""
-    least = EXPECTED_STEP_MIN_CYCLES * plan.stats.get("tasks", 0)
+    """The step a run sees with the ops' measured spread (check.replay.expected_step_time),
+    and for a plan with an optimizer's work, its first-order baseline's over as many steps
+    with the same draws' seed: the overhead a run sees (stats.expected_step_overhead). A
+    plan with less slack pays more for the same spread, so this is above step_overhead where
+    the work fills the bubbles. Under a wall-clock limit: the plan's shortest replay
+    (EXPECTED_STEP_MIN_CYCLES cycles), which the search's reserve kept for it and its
+    baseline (solver.keep_time_for_the_plan), and more op instances only as a share of the
+    time the search left beyond the reserve, at this run's replay speed."""
+    tasks = plan.stats.get("tasks", 0)
+    least = EXPECTED_STEP_MIN_CYCLES * tasks
     cap = EXPECTED_STEP_MAX_OPS
     budget = planning.budget
     if budget.deadline is not None and budget.replay_s_per_op:
@@ -106,8 +113,17 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     if cap < least:  # a plan too large for even its shortest replay under the cap
         return
     expected = expected_step_time(plan, profile, max_instances=cap)
-    if expected is not None:
-        plan.stats["expected_step_time_ms"] = round(expected, 6)
+    if expected is None:
+        return
+    plan.stats["expected_step_time_ms"] = round(expected, 6)
+    base = planning.baselines.get(id(plan))
+    if base is None or base is plan:
+        return
+    # the baseline's cycle is one step of fewer ops: the plan's steps cost it less than the plan
+    steps = plan.refresh_steps * spread_replay_cycles(plan.refresh_steps, tasks, max_instances=cap)
+    expected_base = expected_step_time(base, profile, steps=steps, max_instances=steps * base.stats.get("tasks", 0))
+    plan.stats["expected_baseline_step_time_ms"] = round(expected_base, 6)
+    plan.stats["expected_step_overhead"] = round(expected / expected_base - 1, 6)
 
 
 def _build_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
@@ -158,6 +174,7 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
         plan, result = solve_plan_replayed(profile, cfg, options, planning, first_order_step_ms=first_order_ms)
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
+    planning.baselines[id(plan)] = base_plan  # its expected step, if this plan is the one kept
     if tight is not None:
         add_tight_baseline_stats(plan, tight)
     lb = plan.stats.get("refresh_steps_lower_bound")

@@ -75,13 +75,16 @@ class PlanOptions:
 @dataclass
 class Planning:
     """One planning run: its clock (`budget`: `--time-limit` for the whole command), where it
-    reports progress (`progress(done, total)`, `describe(text)`) and the task graphs it has
-    built (one set per profile)."""
+    reports progress (`progress(done, total)`, `describe(text)`), the task graphs it has
+    built (one set per profile) and the baselines of the plans it made."""
 
     budget: Budget = field(default_factory=Budget)
     progress: Callable[[int, int], None] | None = None
     describe: Callable[[str], None] | None = None
     graphs: TaskGraphs | None = None
+    # each plan made (by id) -> its first-order baseline Plan: the kept one's expected step
+    # with the ops' spread is replayed beside the plan's (place.build._add_expected_step_time)
+    baselines: dict = field(default_factory=dict)
 
     def graphs_of(self, profile: Profile) -> TaskGraphs:
         """The run's graphs of `profile` (made on first use)."""

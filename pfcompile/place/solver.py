@@ -429,11 +429,12 @@ def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions, *
     (about one and a half replays) take after the search, plus a margin, at the seconds per
     op this run's first replay took (the machine's load counts); with `spread` (the profile
     has an op-time spread) also the expected step time's shortest replay, so a search that
-    uses its whole share still leaves the plan that figure."""
+    uses its whole share still leaves the plan that figure, and its baseline's over as many
+    steps (fewer ops: at most as long)."""
     ops = sum(len(ops) for steps in warm.steps.values() for ops in steps) / warm.k
     per_op = budget.replay_s_per_op or REPLAY_S_PER_OP_GUESS
     cycle = max(warm.k, opts.refresh_steps or 1, 2)
-    replays = RESERVE_REPLAYS + (EXPECTED_STEP_MIN_CYCLES * EXPECTED_STEP_COST_PER_OP if spread else 0.0)
+    replays = RESERVE_REPLAYS + (2 * EXPECTED_STEP_MIN_CYCLES * EXPECTED_STEP_COST_PER_OP if spread else 0.0)
     budget.reserve = max(budget.reserve, RESERVE_FIXED_S + replays * per_op * ops * cycle)
 
 
