@@ -363,3 +363,6 @@ def test_the_expected_overhead_is_over_the_first_order_plan_replayed_as_long():
     assert plan.stats["expected_step_overhead"] == pytest.approx(plan.stats["expected_step_time_ms"] / base - 1,
                                                                  abs=2e-6)
     assert plan.stats["expected_step_overhead"] > plan.stats["step_overhead"] + 0.005
+    # a cut chosen with the plan: the kept candidate's baseline, not a fresh one's
+    auto = build_plan(prof, PipelineConfig(**kw), PlanOptions("greedy", partition="auto"))[0]
+    assert "expected_step_overhead" in auto.stats

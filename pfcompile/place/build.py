@@ -98,8 +98,8 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     """The step a run sees with the ops' measured spread (check.replay.expected_step_time),
     and for a plan with an optimizer's work, its first-order baseline's over as many steps
     with the same draws' seed: the overhead a run sees (stats.expected_step_overhead). A
-    plan with less slack pays more for the same spread, so this is above step_overhead where
-    the work fills the bubbles. Under a wall-clock limit: the plan's shortest replay
+    plan with less slack pays more for the same spread, so this is mostly above
+    step_overhead where the work fills the bubbles. Under a wall-clock limit: the plan's shortest replay
     (EXPECTED_STEP_MIN_CYCLES cycles), which the search's reserve kept for it and its
     baseline (solver.keep_time_for_the_plan), and more op instances only as a share of the
     time the search left beyond the reserve, at this run's replay speed."""

@@ -81,7 +81,7 @@ def choose_partition(profile: Profile, cfg: PipelineConfig, options: PlanOptions
         planning.say(f"partition: planning cut {i + 1} of {len(finalists)} ({cand.rule})")
         share = COMPUTE_SHARE_OF_TIME if i == 0 and len(finalists) > 1 else 1 / (len(finalists) - i)
         child = Planning(budget=_share(budget, share), progress=planning.progress,
-                         describe=planning.describe, graphs=planning.graphs)
+                         describe=planning.describe, graphs=planning.graphs, baselines=planning.baselines)
         try:
             planned.append((cand, plan_cut(replace(cfg, partition=cut_at(profile, cand.bounds)), child)))
         except InputError as e:  # over the memory limit, a cycle too long: this cut has no plan
