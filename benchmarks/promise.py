@@ -192,10 +192,11 @@ def main() -> None:
                 traced[key] = where_it_went(p, profiles[key[0]], steps, warmup, key[2], a.out)
     times = {key: [x.step_ms for x in v] for key, v in launches.items()}
     op_ratios = {key: [x.op_ratio for x in v if x.op_ratio] for key, v in launches.items()}
-    pred = {key: json.loads(p.read_text())["stats"]["step_time_ms"] for key, p in plans.items()}
-    ks = {key: json.loads(p.read_text())["config"]["refresh_steps"] for key, p in plans.items()}
-    expected = {key: json.loads(p.read_text())["stats"].get("expected_step_time_ms") for key, p in plans.items()}
-    expected_over = {key: json.loads(p.read_text())["stats"].get("expected_step_overhead") for key, p in plans.items()}
+    made = {key: json.loads(p.read_text()) for key, p in plans.items()}
+    pred = {key: d["stats"]["step_time_ms"] for key, d in made.items()}
+    ks = {key: d["config"]["refresh_steps"] for key, d in made.items()}
+    expected = {key: d["stats"].get("expected_step_time_ms") for key, d in made.items()}
+    expected_over = {key: d["stats"].get("expected_step_overhead") for key, d in made.items()}
     from pfcompile.check.replay import expected_step_time
     from pfcompile.formats.plan import load_plan
 
@@ -243,11 +244,8 @@ def main() -> None:
             over = statistics.median(paired)
             # a second definition of the planned overhead: the plan's own expected_step_overhead
             # (its expected step over its baseline's, each rank's level and each op drawn from
-            # the profile's spread), or the two plans' expected steps for a plan made before it
-            e_base = expected[(m, s, "adamw")]
+            # the profile's spread; None where the plan has no expected step)
             planned_e = expected_over[(m, s, o)]
-            if planned_e is None:
-                planned_e = e / e_base - 1 if e and e_base else None
             row.update(overhead_measured=paired, overhead_planned=planned, overhead_planned_expected=planned_e)
             cells += [f"{over:+.1%}", spread(paired, "+.1%"), f"{planned:+.1%}", f"{100 * (over - planned):+.1f}",
                       "yes" if abs(over - planned) <= 0.02 else "**no**",

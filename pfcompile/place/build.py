@@ -117,7 +117,7 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
         return
     plan.stats["expected_step_time_ms"] = round(expected, 6)
     base = planning.baselines.get(id(plan))
-    if base is None or base is plan:
+    if base is None:  # AdamW: the plan is its own baseline
         return
     # the baseline's cycle is one step of fewer ops: the plan's steps cost it less than the plan
     steps = plan.refresh_steps * spread_replay_cycles(plan.refresh_steps, tasks, max_instances=cap)
@@ -174,7 +174,8 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
         plan, result = solve_plan_replayed(profile, cfg, options, planning, first_order_step_ms=first_order_ms)
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
-    planning.baselines[id(plan)] = base_plan  # its expected step, if this plan is the one kept
+    if cfg.optimizer_work:  # its expected step, if this plan is the one kept
+        planning.baselines[id(plan)] = base_plan
     if tight is not None:
         add_tight_baseline_stats(plan, tight)
     lb = plan.stats.get("refresh_steps_lower_bound")
