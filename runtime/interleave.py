@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timed", type=int, required=True, help="timed steps per block")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a setting of the plan --set-for names")
-    ap.add_argument("--set-for", type=int, default=0, help="which plan (its index) --set applies to")
+    ap.add_argument("--set-for", type=int, default=0, help="which plan (its index) --set applies to; the "
+                                                           "process-wide settings (runtime.threads, pin_cpus, "
+                                                           "flush_denormal, keep_freed_memory) apply to the launch")
     ap.add_argument("--labels", default=None, help="comma-separated names of the plans in the traces' file names "
                                                    "(default: their indices)")
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.blocks < 2 or a.timed < 1:
         ap.error("--blocks at least 2 (the first of each plan is a warm-up), --timed at least 1")
+    if not 0 <= a.set_for < len(a.plans):
+        ap.error(f"--set-for: {a.set_for} is not the index of one of the {len(a.plans)} plans")
     labels = a.labels.split(",") if a.labels else [str(i) for i in range(len(a.plans))]
     if len(labels) != len(a.plans):
         ap.error(f"--labels: {len(labels)} names for {len(a.plans)} plans")
@@ -83,7 +87,9 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
     for i, path in enumerate(plans):
         argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir]
         jobs.append(prepare(build_parser().parse_args(argv + (settings if i == set_for else [])), rank, world_size))
-    world, _ = join(jobs[0])
+    # one process runs every plan: its own settings (threads, cores, subnormals, malloc) are
+    # those of the plan --set is for, so a process-wide --set reaches the launch
+    world, _ = join(jobs[set_for])
     clean = False
     try:
         parts = [build_rank(job, world) for job in jobs]
@@ -144,7 +150,7 @@ def write_block(r, job, world, path: str, block: range) -> None:
     tl = r.timeline
     mine = measure.Timeline(tl.rank, tl.t0, [o for o in tl.ops if o[0] in block], [s for s in tl.steps if s[0] in block],
                             [m for m in tl.memory if m[0] in block], [s for s in tl.spans if s[0] in block],
-                            tl.device_type, tl.host)
+                            [f for f in tl.faults if f[0] in block], tl.device_type, tl.host)
     gathered = comm.gather_json(world, mine.to_json())
     if world.rank == 0:
         measure.write_measured_trace(path, measure.align([measure.Timeline.from_json(d) for d in gathered]),

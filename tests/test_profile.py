@@ -659,16 +659,20 @@ def test_a_profile_flushes_subnormals_as_a_run_does_and_restores_the_callers_set
     """A run's ranks flush subnormal floats to zero by default (runtime.flush_denormal): met
     in x86 arithmetic they take a microcode path many times slower. The profiler times the
     ops the same way (provenance.denormals_flushed) and leaves its caller's setting as it
-    was. Under the flag a float32 product below 1.2e-38 is 0; without it, it is not."""
+    was. Under the flag a float32 product below 1.2e-38 is 0; without it, it is not. Its
+    malloc keeps freed memory as the ranks' does (provenance.freed_memory_kept, where the
+    C library is glibc; that lasts the process's life: runtime.config.allocator)."""
     import torch
 
     from pfcompile.profiler import profile_model
+    from runtime.config.allocator import _glibc
     from runtime.config.precision import denormals_flushed, flushing_denormals
 
     tiny = torch.tensor([1e-30], dtype=torch.float32)
     assert not denormals_flushed() and float(tiny * 1e-15) > 0  # the process's default
     prof = profile_model("bert-tiny", 1, 8, repeats=1, warmup=0, comm=False, entry_budget_s=0.05, progress=False)
     assert prof.provenance["denormals_flushed"] is True
+    assert prof.provenance["freed_memory_kept"] is (_glibc() is not None)
     assert not denormals_flushed() and float(tiny * 1e-15) > 0  # restored
     with flushing_denormals("cpu"):
         assert float(tiny * 1e-15) == 0.0

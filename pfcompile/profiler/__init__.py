@@ -51,12 +51,16 @@ from pfcompile.profiler.provenance import device_name, load_average, model_json
 from pfcompile.profiler.reference import LINK as MODEL_LINK
 from pfcompile.profiler.runtime_probe import in_run_levels, measure_busy, measure_runtime, probe_trace
 from pfcompile.profiler.settings import DTYPES, SEED, check_device, guard_unsupported_op, resolve_spec
+from runtime.config.allocator import freed_memory_kept, keep_freed_memory
 from runtime.config.precision import denormals_flushed, flushing_denormals
 
 
 def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu", **kw) -> Profile:
     """`measure_model`, with subnormal floats flushed on a CPU as a run's ranks flush them by
-    default (runtime.flush_denormal; the caller's setting is restored)."""
+    default (runtime.flush_denormal; the caller's setting is restored), and the memory torch
+    frees kept for its next tensor as theirs is (runtime.keep_freed_memory; for the rest of
+    this process, runtime.config.allocator)."""
+    keep_freed_memory(str(device).split(":")[0])
     with flushing_denormals(str(device).split(":")[0]):
         return measure_model(model, micro_batch, seq_len, device, **kw)
 
@@ -196,6 +200,7 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
         "load_avg": [load_before, load_average()], "cpus": os.cpu_count(),
         "optimizers": list(dict.fromkeys(("kfac", *optimizers))),
         "denormals_flushed": denormals_flushed(),
+        "freed_memory_kept": freed_memory_kept(),
         **({"muon_ns_dtype": muon_ns_dtype} if "muon" in optimizers else {}),
         "note": ("measured by pfcompile profile with the runtime's own ops: fwd/bwd per part with K-FAC's "
                  "hooks idle, and the split backward's B/W (runtime.pipeline.split_backward) likewise; capture_ms "

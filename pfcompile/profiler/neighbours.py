@@ -9,6 +9,7 @@ import torch
 
 from pfcompile.profiler.parts import PartBench
 from pfcompile.profiler.settings import DTYPES, resolve_spec
+from runtime.config.allocator import keep_freed_memory
 from runtime.config.precision import flush_denormals
 
 
@@ -16,6 +17,7 @@ def _neighbour(model: str, micro_batch: int, seq_len: int, dtype: str, threads: 
     """One other 'rank': the whole model's forward and backward, again and again, until stopped."""
     torch.set_num_threads(threads)
     flush_denormals("cpu")  # as the ranks of a run do (runtime.flush_denormal)
+    keep_freed_memory("cpu")  # likewise (runtime.keep_freed_memory)
     spec = resolve_spec(model, seq_len)
     benches = [PartBench(spec, name, micro_batch, seq_len, torch.device("cpu"), DTYPES[dtype])
                for name in spec.part_names]

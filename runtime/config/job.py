@@ -235,6 +235,9 @@ class Runtime:
     pin_cpus: bool = setting(False, "bind local rank i of n to the i-th contiguous share of the job's cores")
     flush_denormal: bool = setting(True, "on a cpu, flush subnormal floats to zero (x86 FTZ/DAZ): met in "
                                          "arithmetic they run many times slower, and runs drift into them")
+    keep_freed_memory: bool = setting(True, "on a cpu, malloc keeps what torch frees for the next tensor "
+                                            "(glibc's mmap and trim thresholds raised): else large tensors are "
+                                            "mapped afresh and page-fault in, most in plans with optimizer work")
     warmup: int | None = setting(None, "steps excluded from the measured step time; default: one refresh cycle "
                                        "if the steps allow, else 1", at_least(0))
     trace: str | None = setting(None, "write the measured timeline (Perfetto trace) to this file", NOT_EMPTY)

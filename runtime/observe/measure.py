@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import socket
 import statistics
 import time
@@ -40,10 +41,13 @@ class Timeline:
     memory: list[tuple[int, int]] = field(default_factory=list)
     # the runtime's own work between ops (pfcompile.formats.ops.RUNTIME_SPANS): (step, name, start_ms, end_ms)
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)
+    # the process's minor page faults so far at each step's end: (step, count)
+    faults: list[tuple[int, int]] = field(default_factory=list)
     device_type: str = "cpu"
     host: str = field(default_factory=socket.gethostname)
     cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.pipeline.affinity)
     denormals_flushed: bool | None = None  # its arithmetic flushes subnormals (runtime.config.precision); None: unknown
+    freed_memory_kept: bool | None = None  # its malloc keeps what torch frees (runtime.config.allocator); None: unknown
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
@@ -113,28 +117,29 @@ class Timeline:
             self._read_events()
             start, end = float(self._origin.elapsed_time(start)), float(self._origin.elapsed_time(end))
         self.steps.append((step, start, end))
+        self.faults.append((step, resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
         if peak_bytes is not None:
             self.memory.append((step, int(peak_bytes)))
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
-                "spans": self.spans, "t0": self.t0, "host": self.host, "cpus": self.cpus,
-                "denormals_flushed": self.denormals_flushed}
+                "spans": self.spans, "faults": self.faults, "t0": self.t0, "host": self.host, "cpus": self.cpus,
+                "denormals_flushed": self.denormals_flushed, "freed_memory_kept": self.freed_memory_kept}
 
     @staticmethod
     def from_json(d: dict) -> Timeline:
         return Timeline(d["rank"], float(d.get("t0", 0.0)), [tuple(o) for o in d["ops"]],
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
-                        [tuple(s) for s in d.get("spans", [])],
+                        [tuple(s) for s in d.get("spans", [])], [tuple(f) for f in d.get("faults", [])],
                         host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])],
-                        denormals_flushed=d.get("denormals_flushed"))
+                        denormals_flushed=d.get("denormals_flushed"), freed_memory_kept=d.get("freed_memory_kept"))
 
     def shifted(self, ms: float) -> Timeline:
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
                         [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory),
-                        [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], self.device_type, self.host,
-                        list(self.cpus), self.denormals_flushed)
+                        [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], list(self.faults), self.device_type, self.host,
+                        list(self.cpus), self.denormals_flushed, self.freed_memory_kept)
 
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
@@ -185,6 +190,11 @@ class Summary:
     # Whether each rank's arithmetic flushed subnormal floats to zero (runtime.flush_denormal),
     # read back from the rank's CPU state; None where unknown.
     denormals_flushed: list[bool | None] = field(default_factory=list)
+    # Whether each rank's malloc kept the memory torch frees (runtime.keep_freed_memory).
+    freed_memory_kept: list[bool | None] = field(default_factory=list)
+    # Each rank's minor page faults per step over the steps after warm-up (None: under two):
+    # memory the process maps afresh, which a plan does not count.
+    page_faults_per_step: list[float | None] = field(default_factory=list)
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -264,7 +274,19 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
                    op_ratio, measured_peaks, list(predicted_peaks) if predicted_peaks else None, memory_limit,
                    expected_ms, [tl.cpus for tl in sorted(timelines, key=lambda t: t.rank)],
                    step_period(timelines, kept), refresh_steps,
-                   [tl.denormals_flushed for tl in sorted(timelines, key=lambda t: t.rank)])
+                   [tl.denormals_flushed for tl in sorted(timelines, key=lambda t: t.rank)],
+                   [tl.freed_memory_kept for tl in sorted(timelines, key=lambda t: t.rank)],
+                   [faults_per_step(tl, kept) for tl in sorted(timelines, key=lambda t: t.rank)])
+
+
+def faults_per_step(tl: Timeline, kept: list[int]) -> float | None:
+    """A rank's minor page faults per step from the end of its first kept step to the end of
+    its last (Summary.page_faults_per_step)."""
+    at = {s: n for s, n in tl.faults if s in kept}
+    if len(at) < 2:
+        return None
+    first, last = min(at), max(at)
+    return (at[last] - at[first]) / (last - first)
 
 
 def step_period(timelines: list[Timeline], kept: list[int]) -> float | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pfcompile.formats.jsonio import write_atomic
+from runtime.config.allocator import keep_freed_memory
 from runtime.config.precision import flush_denormals
 from runtime.io import checkpoint, export
 from runtime.io.data import make_stream, split_micro_batches
@@ -87,22 +88,24 @@ def train_step(r: RankParts, step: int) -> tuple:
     return (step, loss, norm_sq, (time.perf_counter() - started) * 1000.0, lr, refresh)
 
 
-def join(job) -> tuple[comm.World, bool]:
+def join(job) -> tuple[comm.World, tuple[bool, bool]]:
     """Set this rank's process up as the job says (its cores if pinned, its torch threads,
-    subnormals flushed) and join the process group. -> (world, denormals flushed)."""
+    subnormals flushed, freed memory kept) and join the process group.
+    -> (world, (denormals flushed, freed memory kept))."""
     rt = job.config.runtime
     if rt.pin_cpus:  # before the process group and torch's thread pool start their threads
         affinity.pin(affinity.share(rt.threads))
     torch.set_num_threads(rt.threads)
     flushed = flush_denormals(job.device_type, rt.flush_denormal)
-    return comm.init_world(rt.timeout, job.device_type), flushed
+    kept = keep_freed_memory(job.device_type, rt.keep_freed_memory)  # before the model's tensors exist
+    return comm.init_world(rt.timeout, job.device_type), (flushed, kept)
 
 
 def run(job) -> measure.Summary | None:
     """Join the job, build this rank's stages, run the steps; returns the Summary on rank 0."""
     plan, cfg = job.plan, job.config
     steps, ckpt = cfg.train.steps, cfg.checkpoint
-    world, flushed = join(job)
+    world, (flushed, kept) = join(job)
     clean = False
     try:
         r = build_rank(job, world)
@@ -160,6 +163,7 @@ def run(job) -> measure.Summary | None:
             _save_model(job, world, stages, len(val_batches or []))
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         timeline.denormals_flushed = flushed
+        timeline.freed_memory_kept = kept
         timeline.flush_spans()
         gathered = comm.gather_json(world, timeline.to_json())
         if ckpt.every:  # every rank has saved (the gather met them all): prune for real
