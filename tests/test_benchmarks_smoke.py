@@ -132,6 +132,12 @@ def check_denormals(out: str) -> None:
     assert [r[1] for r in rows] == ["adamw", "kfac"] and all(float(r[6]) > 0 for r in rows), out  # the paired ratio
 
 
+def check_freed_memory(out: str) -> None:
+    rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
+    assert [r[2] for r in rows] == ["kept", "given back"] and all(r[4].endswith("%") for r in rows), out
+    assert all(re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", r[6]) and re.match(r"^\d+, \d+$", r[7]) for r in rows), out
+
+
 def check_drift(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1].split(":")[0].split(",")[0] for r in rows[:5]] == [
@@ -187,19 +193,20 @@ SMOKE = {
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
     "runtime_ab.py": (["--smoke"], check_runtime_ab),
     "interleaved.py": (["--smoke"], check_interleaved),
+    "freed_memory.py": (["--smoke"], check_freed_memory),
     "split_backward.py": (["--model", "bert-tiny", "--parts", "block0", "--micro-batch", "2", "--seq-len", "16",
                            "--repeats", "2", "--warmup", "1"], check_split_backward),
 }
 
 
 # Smoked by `make test-all` only (pytest mark `full`): the measurements that run the trainer
-# or the runtime for many runs (convergence, race, promise, drift, denormals, runtime_ab,
+# or the runtime for many runs (convergence, race, promise, drift, denormals, freed_memory, runtime_ab,
 # exactness_snapshot). Their parts are CI's: the trainer and the runtime in test_trainer and
 # test_runtime*, `inspect --against --json` in test_calibrate, the launch helpers in
 # runtime.py's smoke. A smoke is what keeps each script from rotting; `make test-all` runs them.
 # CI keeps runtime.py's and split_backward.py's smokes (the runtime launched from Python, runtime.launch)
 FULL = {"convergence.py", "convergence_pipeline.py", "race.py", "race.py --part", "promise.py", "drift.py",
-        "denormals.py", "runtime_ab.py", "interleaved.py", "exactness_snapshot.py", "planner.py", "partition.py", "compare_commits.py"}
+        "denormals.py", "freed_memory.py", "runtime_ab.py", "interleaved.py", "exactness_snapshot.py", "planner.py", "partition.py", "compare_commits.py"}
 
 
 def test_every_benchmark_is_smoked_or_excused():
