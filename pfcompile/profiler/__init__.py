@@ -60,8 +60,9 @@ def profile_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
     default (runtime.flush_denormal; the caller's setting is restored), and the memory torch
     frees kept for its next tensor as theirs is (runtime.keep_freed_memory; for the rest of
     this process, runtime.config.allocator)."""
-    keep_freed_memory(str(device).split(":")[0])
-    with flushing_denormals(str(device).split(":")[0]):
+    device_type = str(device).split(":")[0]
+    keep_freed_memory(device_type)
+    with flushing_denormals(device_type):
         return measure_model(model, micro_batch, seq_len, device, **kw)
 
 

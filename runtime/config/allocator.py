@@ -20,7 +20,6 @@ dynamic thresholds.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 # mallopt's parameter numbers (glibc's malloc.h)
@@ -32,10 +31,10 @@ KEEP_BYTES = 2**31 - 1
 
 @functools.cache
 def _glibc():
-    """The C library when it is glibc (it has mallopt and gnu_get_libc_version), else None."""
-    name = ctypes.util.find_library("c")
+    """The C library when it is glibc (it has mallopt and gnu_get_libc_version), else None.
+    The process's own symbols hold it: no ctypes.util.find_library, which starts ldconfig."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version, libc.mallopt  # noqa: B018 (AttributeError when not glibc)
     except (OSError, AttributeError, TypeError):
         return None
