@@ -38,6 +38,18 @@ def block_trace_path(prefix: str, label: str, plan: str, block: int) -> str:
     return f"{prefix}-block{block}-{label}-{Path(plan).stem}.trace.json"
 
 
+def plan_indices(text: str, plans: int) -> list[int] | str:
+    """--set-for's "I[,I...]" -> the plans' indices, or what is wrong with it."""
+    try:
+        indices = [int(i) for i in text.split(",")]
+    except ValueError:
+        return f"{text!r} is not a comma-separated list of plan indices"
+    wrong = [i for i in indices if not 0 <= i < plans]
+    if wrong:
+        return f"{wrong[0]} is not the index of one of the {plans} plans"
+    return indices
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="torchrun -m runtime.interleave", description=__doc__.splitlines()[0])
     ap.add_argument("plans", nargs="+", help="plans of one model, stage layout and world, in block order")
@@ -45,9 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timed", type=int, required=True, help="timed steps per block")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a setting of the plan --set-for names")
-    ap.add_argument("--set-for", type=int, default=0, help="which plan (its index) --set applies to; the "
-                                                           "process-wide settings (runtime.threads, pin_cpus, "
-                                                           "flush_denormal, keep_freed_memory) apply to the launch")
+    ap.add_argument("--set-for", default="0", metavar="I[,I...]",
+                    help="which plans (their indices) --set applies to; the process-wide settings "
+                         "(runtime.threads, pin_cpus, flush_denormal, keep_freed_memory) of the first apply "
+                         "to the launch")
     ap.add_argument("--labels", default=None, help="comma-separated names of the plans in the traces' file names "
                                                    "(default: their indices)")
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")
@@ -55,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.blocks < 2 or a.timed < 1:
         ap.error("--blocks at least 2 (the first of each plan is a warm-up), --timed at least 1")
-    if not 0 <= a.set_for < len(a.plans):
-        ap.error(f"--set-for: {a.set_for} is not the index of one of the {len(a.plans)} plans")
+    set_for = plan_indices(a.set_for, len(a.plans))
+    if isinstance(set_for, str):
+        ap.error(f"--set-for: {set_for}")
     labels = a.labels.split(",") if a.labels else [str(i) for i in range(len(a.plans))]
     if len(labels) != len(a.plans):
         ap.error(f"--labels: {len(labels)} names for {len(a.plans)} plans")
@@ -65,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.pipeline.comm import CommTimeout
 
     try:
-        run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], a.set_for, labels,
+        run(a.plans, a.blocks, a.timed, [x for s in a.set for x in ("--set", s)], set_for, labels,
             a.trace_prefix, a.log_dir or os.environ.get("TMPDIR", "."))
     except InputError as e:  # a plan, a setting or the model: one line, as -m runtime says it
         sys.exit(_fail(int(os.environ.get("RANK", 0)), e, EXIT_INPUT))
@@ -73,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_fail(int(os.environ.get("RANK", 0)), e, EXIT_COMM))
 
 
-def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: int, labels: list[str],
+def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for: list[int], labels: list[str],
         trace_prefix: str | None, log_dir: str) -> None:
     from runtime.config.cli import build_parser, prepare
     from runtime.observe.measure import step_period
@@ -86,10 +100,10 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
     jobs = []
     for i, path in enumerate(plans):
         argv = [path, "--steps", str(steps), "--data", "synthetic", "--log-dir", log_dir]
-        jobs.append(prepare(build_parser().parse_args(argv + (settings if i == set_for else [])), rank, world_size))
+        jobs.append(prepare(build_parser().parse_args(argv + (settings if i in set_for else [])), rank, world_size))
     # one process runs every plan: its own settings (threads, cores, subnormals, malloc) are
-    # those of the plan --set is for, so a process-wide --set reaches the launch
-    world, _ = join(jobs[set_for])
+    # those of the first plan --set is for, so a process-wide --set reaches the launch
+    world, _ = join(jobs[set_for[0]])
     clean = False
     try:
         parts = [build_rank(job, world) for job in jobs]

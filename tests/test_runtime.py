@@ -160,6 +160,19 @@ def test_interleave_fails_on_a_bad_plan_with_one_line(tmp_path):
     assert f"{bad_op}: ranks[0].steps[0][0]: unknown op 'fwdd'" in r.stderr
 
 
+def test_interleave_set_for_names_its_plans_or_fails_with_one_line():
+    """--set-for takes a list of the plans' indices (a setting such as muon.ns_dtype for two
+    plans of the same optimizer); an index beyond them, or a word, is named before any work."""
+    from runtime.interleave import plan_indices
+
+    assert plan_indices("0", 2) == [0] and plan_indices("1,2", 3) == [1, 2]
+    assert plan_indices("0,2", 2) == "2 is not the index of one of the 2 plans"
+    assert "is not a comma-separated list" in plan_indices("one", 2)
+    r = subprocess.run([sys.executable, "-m", "runtime.interleave", "a.json", "b.json", "--blocks", "2",
+                        "--timed", "2", "--set-for", "0,2"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "--set-for: 2 is not the index of one of the 2 plans" in r.stderr.splitlines()[-1]
+
+
 def test_killed_rank_resumes_from_checkpoint(tmp_path):
     """Rank 1 dies at step 3 on the first attempt; torchrun restarts the job, which resumes
     from the checkpoint of step 3 and ends with the parameters of an uninterrupted run."""
