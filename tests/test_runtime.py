@@ -418,8 +418,9 @@ def test_ranks_flush_subnormals_and_keep_freed_memory_unless_told_not_to(tmp_pat
     Likewise each rank's malloc keeps what torch frees (runtime.keep_freed_memory;
     tests/test_allocator.py checks the effect against glibc), and the summary counts each
     rank's minor page faults per step after the warm-up. The default: the shared traced run
-    (no setting given), its summary in its run folder."""
-    plan, _, _, r = traced_run
+    (no setting given), its summary in its run folder. The trace carries the same counts
+    step by step as a counter track per rank, beside the ops, with each step's peak memory."""
+    plan, steps, trace_path, r = traced_run
     assert r.returncode == 0, r.stdout[-3000:]
     (folder,) = (plan.parent / "runs").glob(f"{plan.stem}-*")
     summary = json.loads((folder / "summary.json").read_text())
@@ -427,6 +428,22 @@ def test_ranks_flush_subnormals_and_keep_freed_memory_unless_told_not_to(tmp_pat
     assert summary["freed_memory_kept"] == [True, True]
     faults = summary["page_faults_per_step"]
     assert len(faults) == 2 and all(f is not None and f >= 0 for f in faults), faults
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    starts = {}  # each rank's first op of each step
+    for e in events:
+        if e["ph"] == "X" and "op" in e["args"]:
+            key = (e["pid"], e["args"]["step"])
+            starts[key] = min(starts.get(key, e["ts"]), e["ts"])
+    for q in (0, 1):
+        counters = [e for e in events if e["ph"] == "C" and e["pid"] == q]
+        assert [e["name"] for e in counters] == ["step"] * steps, q
+        # a step's value from its start on, before its first op
+        assert all(e["ts"] <= starts[(q, i)] for i, e in enumerate(counters)), q
+        per_step = [e["args"]["page faults"] for e in counters[1:]]  # the first has no count before it
+        assert "page faults" not in counters[0]["args"] and all(n >= 0 for n in per_step), q
+        assert sum(per_step) / len(per_step) == pytest.approx(faults[q]), q  # warm-up 0: every step after the first
+        peaks = [e["args"]["peak memory MiB"] for e in counters]
+        assert max(peaks) == pytest.approx(summary["peak_memory_bytes_measured"][q] / 2**20, abs=1e-3), q
     log = tmp_path / "run-false"
     r = torchrun(plan, 2, "--steps", "3", "--warmup", "0", "--log-dir", str(log), "--set", "runtime.flush_denormal=false",
                  "--set", "runtime.keep_freed_memory=false")

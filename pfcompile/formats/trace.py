@@ -6,7 +6,8 @@ so the two open side by side in https://ui.perfetto.dev. An event is a plain tup
 thread. Imports nothing heavy: the runtime imports this module on every rank.
 
 Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
-("ph": "X" complete events with ts/dur in microseconds, "M" metadata for names).
+("ph": "X" complete events with ts/dur in microseconds, "M" metadata for names, "C"
+counters: a measured trace's per-step page faults and peak memory, one track per series).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def _tid(stream: str) -> int:
 
 
 def chrome_trace(events: Iterable[TraceEvent | tuple], *, process_label: str = "rank",
-                 metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The trace as a JSON-ready dict: one complete event per op, names for ranks and streams."""
+                 metadata: dict[str, Any] | None = None, counters: Iterable[tuple] = ()) -> dict[str, Any]:
+    """The trace as a JSON-ready dict: one complete event per op, names for ranks and streams,
+    and `counters` as (rank, name, at_ms, {series: value}): each series is a track of the
+    rank's process (Perfetto names it "NAME SERIES") holding its value until the next."""
     out: list[dict[str, Any]] = []
     seen: set[tuple[int, str]] = set()
     for ev in events:
@@ -62,6 +65,8 @@ def chrome_trace(events: Iterable[TraceEvent | tuple], *, process_label: str = "
             "name": name, "cat": stream, "ph": "X", "pid": rank, "tid": tid,
             "ts": start_ms * 1000.0, "dur": (end_ms - start_ms) * 1000.0, "args": dict(args),
         })
+    for rank, name, at_ms, values in counters:
+        out.append({"name": name, "ph": "C", "pid": rank, "tid": 0, "ts": at_ms * 1000.0, "args": dict(values)})
     trace: dict[str, Any] = {"traceEvents": out, "displayTimeUnit": "ms"}
     if metadata:
         trace["otherData"] = metadata

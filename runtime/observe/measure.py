@@ -141,6 +141,22 @@ class Timeline:
                         [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], list(self.faults), self.device_type, self.host,
                         list(self.cpus), self.denormals_flushed, self.freed_memory_kept)
 
+    def to_counters(self):
+        """Per step, from its start: the minor page faults it took (from the previous step's end
+        to its own; none without the previous step's count) and its peak memory in MiB, as
+        counter tracks beside the ops (pfcompile.formats.trace)."""
+        faults, peaks = dict(self.faults), dict(self.memory)
+        out = []
+        for step, start, _ in self.steps:
+            values = {}
+            if step in faults and step - 1 in faults:
+                values["page faults"] = faults[step] - faults[step - 1]
+            if step in peaks:
+                values["peak memory MiB"] = round(peaks[step] / 2**20, 3)
+            if values:
+                out.append((self.rank, "step", start, values))
+        return out
+
     def to_events(self):
         return [(self.rank, stream_of(kind), text, s, e, {"step": step, "op": kind})
                 for step, text, kind, s, e in self.ops] + \
@@ -375,4 +391,5 @@ def run_metadata(job, steps: int, warmup_steps: int, **extra) -> dict:
 
 def write_measured_trace(path: str, timelines: list[Timeline], metadata: dict) -> None:
     events = [ev for tl in timelines for ev in tl.to_events()]
-    write_trace(path, events, metadata={"source": "measured", **metadata})
+    write_trace(path, events, metadata={"source": "measured", **metadata},
+                counters=[c for tl in timelines for c in tl.to_counters()])
