@@ -91,7 +91,7 @@ def commit() -> str:
 
 
 def make_plan(work: Path, optimizer: str, time_limit: float) -> tuple[Path, dict]:
-    """The CP-SAT plan of `optimizer` (AdamW's has nothing to place: the family's order)."""
+    """The CP-SAT plan of `optimizer` (AdamW's, on 1F1B with one replica: the family's order)."""
     plan = work / "plans" / f"{optimizer}.json"
     plan.parent.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([sys.executable, "-m", "pfcompile", "plan", str(PROFILE), "--schedule", "1f1b", "--stages", "2",

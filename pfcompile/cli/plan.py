@@ -54,7 +54,8 @@ def register(sub) -> None:
     p.add_argument("--memory-limit", default=None, metavar="SIZE", help="per device, e.g. 16GiB, 512MiB or bytes")
     p.add_argument("--method", default="cpsat", choices=METHODS,
                    help="none: the family's order (K-FAC after each step's work); greedy: PipeFisher's "
-                        "first-fit bubble filling; cpsat: the CP-SAT planner (default)")
+                        "first-fit bubble filling; cpsat: the CP-SAT planner (default; for adamw, the family's "
+                        "order with its weight passes, syncs and sends placed, where that is faster)")
     p.add_argument("--optimizer", default="kfac", metavar="NAME",
                    help="whose extra work to place into the bubbles: " + ", ".join(OPTIMIZER_NAMES) +
                         " (kfac the default; adamw the first-order baseline: no extra work), or a plugin's "
