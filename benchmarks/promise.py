@@ -5,9 +5,9 @@ machine just before (`pfcompile profile --ranks 2 --cold-cache`, every optimizer
 the demo's short budget), then every optimizer is planned on 1F1B and on a zero-bubble
 family (ZB-H1), 2 stages, 4 micro-batches: AdamW as the family's order (`--method none`;
 `--adamw-method cpsat`: CP-SAT's first-order plan, its W passes placed as the optimizers'
-are, a second definition of the baseline), the others by CP-SAT. Every plan runs once per round with `torchrun --nproc-per-node 2 -m
-runtime`, the order reversed every other round, for `--rounds` interleaved rounds. Nothing
-is calibrated. Per cell (model, schedule, optimizer):
+are, a second definition of the baseline), the others by CP-SAT. Every plan runs once per
+round with `torchrun --nproc-per-node 2 -m runtime`, the order reversed every other round,
+for `--rounds` interleaved rounds. Nothing is calibrated. Per cell (model, schedule, optimizer):
 
 - measured / predicted step time (median over rounds, min-max beside it), and measured /
   expected (the plan replayed with the profile's op-time spread, `expected_step_time_ms`:
@@ -209,8 +209,9 @@ def main() -> None:
 
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
           f"thread, gloo; no calibration; AdamW's plan "
-          f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}. Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before "
-          f"the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
+          f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}. "
+          f"Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before the rounds {fmt_load(load1)}, "
+          f"after them {fmt_load(load2)}.")
     if speed[0] is not None:
         print(f"The machine's speed (benchmarks/drift.py's kernels, median ms over {a.kernel_seconds:g} s, matmuls / "
               f"memory-bound updates): before profiling {speed[0][0]:.1f} / {speed[0][1]:.1f}, before the rounds "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from helpers import torch_runtime, uniform_profile
+from helpers import ROOT, torch_runtime, uniform_profile
 
 from pfcompile.check.replay import ReplayError, replay
 from pfcompile.formats.ops import Op, parse_op
@@ -380,8 +380,6 @@ def test_adamw_by_cpsat_places_the_weight_passes_and_beats_the_family_order():
     family's order and places the weight passes (ZB-H1 leaves them free): on the committed
     bert-tiny profile it replays faster than the family's order, which its stats say as a
     negative overhead. Where nothing is free (1F1B, one replica) it is the family's order."""
-    from helpers import ROOT
-
     from pfcompile.formats.profile import load_profile
 
     prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu.json"))

@@ -158,10 +158,8 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
     # lower bound aims at
     tight = tight_baseline(profile, cfg, options, planning) if cfg.optimizer_work else None
     first_order_ms = min(tight.stats["step_time_ms"], baseline.step_time_ms) if tight else baseline.step_time_ms
-    if not cfg.optimizer_work:  # the family's order, or CP-SAT's placement of it where that is faster
+    if not cfg.optimizer_work and method != "cpsat":  # the family's order: nothing else to place
         plan, result = base_plan, baseline
-        if method == "cpsat":
-            plan, result = _first_order_plan(profile, cfg, options, planning, base_plan, baseline)
     elif method == "none":
         plan, result = assemble.appended_plan(profile, replace(cfg, refresh_steps=1),
                                               {"solve_seconds": round(time.perf_counter() - t0, 3)},
@@ -174,6 +172,12 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
         except ImportError as e:
             raise InputError("--method cpsat", None, f"the CP-SAT planner is not available ({e})") from None
         plan, result = solve_plan_replayed(profile, cfg, options, planning, first_order_step_ms=first_order_ms)
+        # a first-order plan: the family's F and B order with its free ops (a zero-bubble
+        # family's W passes, syncs, sends) placed, kept where it is faster than the family's
+        # order; an optimizer's plan gets this freedom too, so a comparison against AdamW in
+        # the family's order would credit the optimizer with it
+        if not cfg.optimizer_work and not result.step_time_ms < baseline.step_time_ms * (1 - 1e-6):
+            plan, result = base_plan, baseline
     plan.stats.setdefault("refresh_steps_lower_bound", 1)
     assemble.add_baseline_stats(plan, baseline)
     if plan is not base_plan:  # its expected step, if this plan is the one kept
@@ -187,23 +191,6 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
             f"k={refresh_steps} is below the lower bound {lb}: no k={refresh_steps} plan runs at the best first-order "
             f"step time ({first_order_ms:.1f} ms); this one is {slower:.2%} slower than it")
     return plan, result, baseline
-
-
-def _first_order_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, planning: Planning,
-                      base_plan: Plan, baseline: ReplayResult) -> tuple[Plan, ReplayResult]:
-    """A first-order plan by CP-SAT: the family's forward and backward order, with what it
-    leaves free placed by the solver (a zero-bubble family's weight passes, the replicas'
-    gradient syncs, the sends), under the memory limit. Kept only where it is faster than the
-    family's order: an optimizer's plan gets this freedom too, so a comparison against
-    AdamW in the family's order credits the optimizer with it."""
-    try:
-        from pfcompile.place.solver import solve_plan_replayed
-    except ImportError:  # without OR-Tools: the family's order
-        return base_plan, baseline
-    plan, result = solve_plan_replayed(profile, cfg, options, planning)
-    if result.step_time_ms < baseline.step_time_ms * (1 - 1e-6):
-        return plan, result
-    return base_plan, baseline
 
 
 def _greedy_plan(profile: Profile, cfg: PipelineConfig, first_order_ms: float, where: str, planning: Planning,
