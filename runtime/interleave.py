@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="a setting of the plan --set-for names")
     ap.add_argument("--set-for", default="0", metavar="I[,I...]",
                     help="which plans (their indices) --set applies to; the process-wide settings "
-                         "(runtime.threads, pin_cpus, flush_denormal, keep_freed_memory) of the first apply "
-                         "to the launch")
+                         "(runtime.threads, pin_cpus, flush_denormal, keep_freed_memory, idle_network_threads) of "
+                         "the first apply to the launch")
     ap.add_argument("--labels", default=None, help="comma-separated names of the plans in the traces' file names "
                                                    "(default: their indices)")
     ap.add_argument("--trace-prefix", default=None, help="write each timed block of each plan as a measured trace")

@@ -410,22 +410,26 @@ def test_the_trace_shows_the_runtimes_work_between_ops(traced_run):
             assert not any(o.start_ms < s.end_ms - 1e-6 and s.start_ms < o.end_ms - 1e-6 for o in ops), (q, s)
 
 
-def test_ranks_flush_subnormals_and_keep_freed_memory_unless_told_not_to(tmp_path, traced_run):
+def test_ranks_flush_subnormals_keep_freed_memory_and_idle_gloo_threads_unless_told_not_to(tmp_path, traced_run):
     """Each rank's arithmetic flushes subnormal floats to zero by default
     (runtime.flush_denormal), read back from the rank's own CPU state into the summary; the
     setting turns it off. (A K-FAC run whose values drift below 1.2e-38 slowed its backward
     passes 3x within 120 steps without it: benchmarks/results/2026-12-04-denormals.md.)
     Likewise each rank's malloc keeps what torch frees (runtime.keep_freed_memory;
     tests/test_allocator.py checks the effect against glibc), and the summary counts each
-    rank's minor page faults per step after the warm-up. The default: the shared traced run
-    (no setting given), its summary in its run folder. The trace carries the same counts
-    step by step as a counter track per rank, beside the ops, with each step's peak memory."""
+    rank's minor page faults per step after the warm-up. And gloo's network threads (one per
+    process group: the world's and the control group's) run under SCHED_IDLE
+    (runtime.idle_network_threads), read back from the kernel at the end of the run. The
+    default: the shared traced run (no setting given), its summary in its run folder. The
+    trace carries the same counts step by step as a counter track per rank, beside the ops,
+    with each step's peak memory."""
     plan, steps, trace_path, r = traced_run
     assert r.returncode == 0, r.stdout[-3000:]
     (folder,) = (plan.parent / "runs").glob(f"{plan.stem}-*")
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["denormals_flushed"] == [True, True]
     assert summary["freed_memory_kept"] == [True, True]
+    assert summary["network_threads_idle"] == [2, 2]
     faults = summary["page_faults_per_step"]
     assert len(faults) == 2 and all(f is not None and f >= 0 for f in faults), faults
     events = json.loads(trace_path.read_text())["traceEvents"]
@@ -446,8 +450,9 @@ def test_ranks_flush_subnormals_and_keep_freed_memory_unless_told_not_to(tmp_pat
         assert max(peaks) == pytest.approx(summary["peak_memory_bytes_measured"][q] / 2**20, abs=1e-3), q
     log = tmp_path / "run-false"
     r = torchrun(plan, 2, "--steps", "3", "--warmup", "0", "--log-dir", str(log), "--set", "runtime.flush_denormal=false",
-                 "--set", "runtime.keep_freed_memory=false")
+                 "--set", "runtime.keep_freed_memory=false", "--set", "runtime.idle_network_threads=false")
     assert r.returncode == 0, r.stdout[-3000:]
     summary = json.loads((log / "summary.json").read_text())
     assert summary["denormals_flushed"] == [False, False]
     assert summary["freed_memory_kept"] == [False, False]
+    assert summary["network_threads_idle"] == [0, 0]

@@ -238,6 +238,9 @@ class Runtime:
     keep_freed_memory: bool = setting(True, "on a cpu, malloc keeps what torch frees for the next tensor "
                                             "(glibc's mmap and trim thresholds raised): else large tensors are "
                                             "mapped afresh and page-fault in, most in plans with optimizer work")
+    idle_network_threads: bool = setting(True, "on gloo, its network threads run only where the rank's thread does "
+                                               "not (SCHED_IDLE): else one polling for a lock the rank holds preempts "
+                                               "it for a scheduler slice")
     warmup: int | None = setting(None, "steps excluded from the measured step time; default: one refresh cycle "
                                        "if the steps allow, else 1", at_least(0))
     trace: str | None = setting(None, "write the measured timeline (Perfetto trace) to this file", NOT_EMPTY)

@@ -48,6 +48,7 @@ class Timeline:
     cpus: list[int] = field(default_factory=list)  # the cores this rank's threads may use (runtime.pipeline.affinity)
     denormals_flushed: bool | None = None  # its arithmetic flushes subnormals (runtime.config.precision); None: unknown
     freed_memory_kept: bool | None = None  # its malloc keeps what torch frees (runtime.config.allocator); None: unknown
+    network_threads_idle: int | None = None  # its gloo network threads under SCHED_IDLE (runtime.config.network_threads)
 
     def __post_init__(self):
         self._origin = None   # CUDA: the event recorded at t0
@@ -124,7 +125,8 @@ class Timeline:
     def to_json(self) -> dict:
         return {"rank": self.rank, "ops": self.ops, "steps": self.steps, "memory": self.memory,
                 "spans": self.spans, "faults": self.faults, "t0": self.t0, "host": self.host, "cpus": self.cpus,
-                "denormals_flushed": self.denormals_flushed, "freed_memory_kept": self.freed_memory_kept}
+                "denormals_flushed": self.denormals_flushed, "freed_memory_kept": self.freed_memory_kept,
+                "network_threads_idle": self.network_threads_idle}
 
     @staticmethod
     def from_json(d: dict) -> Timeline:
@@ -132,14 +134,15 @@ class Timeline:
                         [tuple(s) for s in d["steps"]], [tuple(m) for m in d.get("memory", [])],
                         [tuple(s) for s in d.get("spans", [])], [tuple(f) for f in d.get("faults", [])],
                         host=str(d.get("host", "")), cpus=[int(c) for c in d.get("cpus", [])],
-                        denormals_flushed=d.get("denormals_flushed"), freed_memory_kept=d.get("freed_memory_kept"))
+                        denormals_flushed=d.get("denormals_flushed"), freed_memory_kept=d.get("freed_memory_kept"),
+                        network_threads_idle=d.get("network_threads_idle"))
 
     def shifted(self, ms: float) -> Timeline:
         """The same timeline with every time moved by `ms`."""
         return Timeline(self.rank, self.t0 - ms / 1000.0, [(st, t, k, a + ms, b + ms) for st, t, k, a, b in self.ops],
                         [(st, a + ms, b + ms) for st, a, b in self.steps], list(self.memory),
                         [(st, n, a + ms, b + ms) for st, n, a, b in self.spans], list(self.faults), self.device_type, self.host,
-                        list(self.cpus), self.denormals_flushed, self.freed_memory_kept)
+                        list(self.cpus), self.denormals_flushed, self.freed_memory_kept, self.network_threads_idle)
 
     def to_counters(self):
         """Per step, from its start: the minor page faults it took (from the previous step's end
@@ -211,6 +214,9 @@ class Summary:
     # Each rank's minor page faults per step over the steps after warm-up (None: under two):
     # memory the process maps afresh, which a plan does not count.
     page_faults_per_step: list[float | None] = field(default_factory=list)
+    # How many of each rank's gloo network threads ran under SCHED_IDLE at the end of the run
+    # (runtime.idle_network_threads), read back from the kernel; None off gloo or unknown.
+    network_threads_idle: list[int | None] = field(default_factory=list)
 
     def over_limit(self) -> list[int]:
         """Ranks whose measured peak exceeds the plan's memory limit."""
@@ -292,7 +298,8 @@ def summarize(timelines: list[Timeline], loss: float | None, predicted_ms: float
                    step_period(timelines, kept), refresh_steps,
                    [tl.denormals_flushed for tl in sorted(timelines, key=lambda t: t.rank)],
                    [tl.freed_memory_kept for tl in sorted(timelines, key=lambda t: t.rank)],
-                   [faults_per_step(tl, kept) for tl in sorted(timelines, key=lambda t: t.rank)])
+                   [faults_per_step(tl, kept) for tl in sorted(timelines, key=lambda t: t.rank)],
+                   [tl.network_threads_idle for tl in sorted(timelines, key=lambda t: t.rank)])
 
 
 def faults_per_step(tl: Timeline, kept: list[int]) -> float | None:
