@@ -237,11 +237,13 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     import torch
     import torch.distributed as dist
 
+    from runtime.config.network_threads import idle_network_threads
     from runtime.observe import measure
     from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    idle_network_threads("gloo")  # as the runtime's ranks run (runtime.idle_network_threads)
     rank, size = dist.get_rank(), dist.get_world_size()
     one_step = torch_pipeline(schedule, plan_path, rank)
     timeline = measure.Timeline(rank)
@@ -308,10 +310,12 @@ def same_math_worker(plan_path: str, steps: int) -> None:
     import torch.distributed as dist
 
     from pfcompile.formats.plan import load_plan
+    from runtime.config.network_threads import idle_network_threads
     from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")
+    idle_network_threads(world.backend)  # both sides as the runtime's ranks run
     rank = world.rank
     schedule = load_plan(plan_path).config.schedule
     ours, theirs = {}, {}
@@ -360,10 +364,12 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
     import torch
     import torch.distributed as dist
 
+    from runtime.config.network_threads import idle_network_threads
     from runtime.pipeline import comm
 
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")
+    idle_network_threads(world.backend)  # both sides as the runtime's ranks run
     rank, size = world.rank, world.world_size
     gpipe, f1b = plans
     total = warmup + rounds * block * 2  # the most steps one runtime object runs (1f1b runs twice a round)
