@@ -6,9 +6,10 @@ another thread holds it, the event is left for the next tick. epoll is level-tri
 so the next tick comes at once. The rank's thread holds that lock whenever it posts a
 receive or a send, and a message arriving meanwhile wakes the device thread, often on the
 same core: it preempts the rank's thread, which holds the lock it polls for, and spins
-until the scheduler's slice ends, milliseconds later. Under SCHED_IDLE the device thread
-never preempts a runnable thread: it runs when the rank's thread waits (for a message,
-when its socket work is the work left) or a core is idle.
+until the scheduler's slice ends, milliseconds later. Under SCHED_IDLE a woken device
+thread does not preempt the rank's thread and gets well under 1% of a busy core: it runs
+when the rank's thread waits (for a message, when its socket work is the work left) or a
+core is idle.
 
 The policy is per thread and set once the process groups exist (their device threads are
 started by then); a group made later gets it when `idle_network_threads` runs again.
