@@ -341,6 +341,15 @@ def test_split_preconditioning_matches_single_process(tmp_path, schedule, args):
     assert r.returncode == 0, r.stdout[-3000:]
     initial, want = reference_params(plan, 3)
     assert_same_params(distributed_params(tmp_path / "ckpt", 3, plan), want, initial)
+    # the stage groups, made after the world's and the control group, run their gloo network
+    # threads under SCHED_IDLE too (runtime.idle_network_threads): one per group a rank is in
+    (folder,) = (tmp_path / "runs").glob(f"{plan.stem}-*")
+    groups = [2] * config["world_size"]
+    for s in {p["stage"] for p in loaded["placement"]}:
+        ranks = {p["rank"] for p in loaded["placement"] if p["stage"] == s}
+        for q in ranks if len(ranks) > 1 else ():
+            groups[q] += 1
+    assert json.loads((folder / "summary.json").read_text())["network_threads_idle"] == groups
 
 
 def test_a_step_ends_on_each_rank_without_waiting_for_the_others(tmp_path):
