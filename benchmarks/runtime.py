@@ -310,12 +310,10 @@ def same_math_worker(plan_path: str, steps: int) -> None:
     import torch.distributed as dist
 
     from pfcompile.formats.plan import load_plan
-    from runtime.config.network_threads import idle_network_threads
     from runtime.pipeline import comm
 
     torch.set_num_threads(1)
-    world = comm.init_world(60.0, "cpu")
-    idle_network_threads(world.backend)  # both sides as the runtime's ranks run
+    world = comm.init_world(60.0, "cpu")  # gloo's network threads idle for both sides, as the runtime's ranks
     rank = world.rank
     schedule = load_plan(plan_path).config.schedule
     ours, theirs = {}, {}
@@ -364,12 +362,10 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
     import torch
     import torch.distributed as dist
 
-    from runtime.config.network_threads import idle_network_threads
     from runtime.pipeline import comm
 
     torch.set_num_threads(1)
-    world = comm.init_world(60.0, "cpu")
-    idle_network_threads(world.backend)  # both sides as the runtime's ranks run
+    world = comm.init_world(60.0, "cpu")  # gloo's network threads idle for both sides, as the runtime's ranks
     rank, size = world.rank, world.world_size
     gpipe, f1b = plans
     total = warmup + rounds * block * 2  # the most steps one runtime object runs (1f1b runs twice a round)

@@ -27,13 +27,11 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from runtime.config.network_threads import idle_network_threads
     from runtime.pipeline import comm
 
     # the backend follows the profiled device (gloo for CPU tensors even on a GPU host);
     # tag-free as the runtime runs on NCCL: ping and pong are the pair's only messages
-    world = comm.init_world(60.0, device_type)
-    idle_network_threads(world.backend)  # as a run's ranks have them (runtime.config.network_threads)
+    world = comm.init_world(60.0, device_type)  # gloo's network threads idle, as a run's ranks have them
     try:
         mailbox = comm.Mailbox(world, tags=False)
         bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=world.device) for n in sizes]

@@ -12,7 +12,7 @@ when the rank's thread waits (for a message, when its socket work is the work le
 core is idle.
 
 The policy is per thread and set once the process groups exist (their device threads are
-started by then); a group made later gets it when `idle_network_threads` runs again.
+started by then): runtime.pipeline.comm sets it as it makes them.
 Lowering a thread to SCHED_IDLE needs no privilege; raising it back does, so off leaves the
 threads as they are.
 """
@@ -41,26 +41,22 @@ def _gloo_threads() -> list[int]:
     return tids
 
 
-def idle_network_threads(backend: str, on: bool = True) -> int | None:
-    """With `on` and gloo on Linux, put this process's gloo device threads under SCHED_IDLE.
-    -> how many of them are under it now (network_threads_idle); None where the backend is
-    not gloo or the platform has no SCHED_IDLE."""
-    if backend != "gloo" or not hasattr(os, "SCHED_IDLE"):
-        return None
-    if on:
+def idle_network_threads(backend: str, on: bool = True) -> None:
+    """With `on` and gloo on Linux, put this process's gloo device threads under SCHED_IDLE
+    (network_threads_idle reads them back)."""
+    if on and backend == "gloo" and hasattr(os, "SCHED_IDLE"):
         for tid in _gloo_threads():
             try:
                 if os.sched_getscheduler(tid) != os.SCHED_IDLE:
                     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except (ProcessLookupError, PermissionError):  # ended meanwhile; or a sandbox forbids it
                 pass
-    return network_threads_idle()
 
 
-def network_threads_idle() -> int | None:
+def network_threads_idle(backend: str) -> int | None:
     """How many of this process's gloo device threads run under SCHED_IDLE, read back from
-    the kernel (None without SCHED_IDLE)."""
-    if not hasattr(os, "SCHED_IDLE"):
+    the kernel (None where the backend is not gloo or the platform has no SCHED_IDLE)."""
+    if backend != "gloo" or not hasattr(os, "SCHED_IDLE"):
         return None
     n = 0
     for tid in _gloo_threads():

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from pfcompile.formats.errors import InputError
+from runtime.config.network_threads import idle_network_threads
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -75,6 +76,9 @@ class World:
     # the whole world again, for the collectives a rank posts and reads later (the
     # divergence check, the logged losses): None is the default group (control_group)
     control: dist.ProcessGroup | None = None
+    # gloo's network threads under SCHED_IDLE, those of groups made later too
+    # (runtime.config.network_threads)
+    idle_network_threads: bool = True
 
 
 def env_world() -> tuple[int, int, int]:
@@ -104,8 +108,10 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -> World:
-    """Join the job: gloo for CPU tensors, NCCL with one device per local rank for CUDA."""
+def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu",
+               idle_threads: bool = True) -> World:
+    """Join the job: gloo for CPU tensors, NCCL with one device per local rank for CUDA.
+    `idle_threads`: gloo's network threads under SCHED_IDLE (runtime.idle_network_threads)."""
     rank, world_size, local_rank = env_world()
     backend, device = backend_for(device_type), rank_device(device_type, local_rank)
     if device.type == "cuda":
@@ -117,8 +123,9 @@ def init_world(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str = "cpu") -
     with talking("joining the job (rendezvous)", timeout):
         dist.init_process_group(backend, timeout=timeout, rank=rank, world_size=world_size,
                                 store=_attempt_store(rank, world_size, timeout))
-    world = World(rank, world_size, local_rank, device, backend, timeout)
+    world = World(rank, world_size, local_rank, device, backend, timeout, idle_network_threads=idle_threads)
     world.control = control_group(world)
+    idle_network_threads(backend, idle_threads)
     return world
 
 
@@ -166,6 +173,8 @@ def make_stage_groups(world: World, replica_ranks: list[list[int]]) -> None:
                 group = dist.new_group(sorted(ranks), timeout=world.timeout)
             if world.rank in ranks:
                 world.stage_groups[stage] = group
+    if world.stage_groups:  # their network threads as init_world set the others'
+        idle_network_threads(world.backend, world.idle_network_threads)
 
 
 def shutdown(clean: bool = True, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S)) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from pfcompile.formats.jsonio import write_atomic
 from runtime.config.allocator import keep_freed_memory
-from runtime.config.network_threads import idle_network_threads, network_threads_idle
+from runtime.config.network_threads import network_threads_idle
 from runtime.config.precision import flush_denormals
 from runtime.io import checkpoint, export
 from runtime.io.data import make_stream, split_micro_batches
@@ -56,8 +56,6 @@ def build_rank(job, world) -> RankParts:
     plan, cfg = job.plan, job.config
     N = plan.config.micro_batches
     comm.make_stage_groups(world, [plan.replica_ranks(s) for s in range(plan.num_stages)])
-    if network_threads_idle():  # the stage groups' device threads as join left the others
-        idle_network_threads(world.backend)
     optim_cfg = optim_config(cfg)
     stages = build_stages(job, world)
     mb_size, seq_len = int(plan.model["micro_batch"]), int(plan.model["seq_len"])
@@ -102,9 +100,7 @@ def join(job) -> tuple[comm.World, tuple[bool, bool]]:
     torch.set_num_threads(rt.threads)
     flushed = flush_denormals(job.device_type, rt.flush_denormal)
     kept = keep_freed_memory(job.device_type, rt.keep_freed_memory)  # before the model's tensors exist
-    world = comm.init_world(rt.timeout, job.device_type)
-    idle_network_threads(world.backend, rt.idle_network_threads)
-    return world, (flushed, kept)
+    return comm.init_world(rt.timeout, job.device_type, rt.idle_network_threads), (flushed, kept)
 
 
 def run(job) -> measure.Summary | None:
@@ -170,7 +166,7 @@ def run(job) -> measure.Summary | None:
         timeline.cpus = affinity.allowed()  # read back from the kernel, pinned or not
         timeline.denormals_flushed = flushed
         timeline.freed_memory_kept = kept
-        timeline.network_threads_idle = network_threads_idle() if world.backend == "gloo" else None
+        timeline.network_threads_idle = network_threads_idle(world.backend)
         timeline.flush_spans()
         gathered = comm.gather_json(world, timeline.to_json())
         if ckpt.every:  # every rank has saved (the gather met them all): prune for real
