@@ -11,12 +11,14 @@ Four figures, measured one after the other with nothing else running:
   run carries besides the model's error;
 - the same runs paired, each against the one before: the "overhead" of a plan over itself,
   0 in truth, so its spread is what a paired overhead from one round carries;
+- each run against both kernels timed for --beside seconds just before it (Pearson's r
+  over the runs): which of the machine's speeds, compute or memory, a run's level follows;
 - one long traced run of the plan (--long-steps): its passes' mean level over windows of
   0.5 to 8 s, against the run's own mean. How fast the spread falls with the window says how
   long a probe or a measured run must last for its mean to stand for the machine.
 
     .venv/bin/python benchmarks/drift.py [--seconds 60] [--runs 8] [--steps 30] [--long-steps 1200]
-                                         [--profile PROFILE]
+                                         [--beside 1] [--profile PROFILE]
 """
 
 from __future__ import annotations
@@ -100,6 +102,14 @@ def window_levels(trace_path: str) -> dict[float, list[float]]:
     return out
 
 
+def correlation(x: list[float], y: list[float]) -> float:
+    """Pearson's r of two series (0 where either is constant: no linear relation to show)."""
+    try:
+        return statistics.correlation(x, y)
+    except statistics.StatisticsError:
+        return 0.0
+
+
 def quantile(s: list[float], f: float) -> float:
     """The f-quantile of the sorted `s`, nearest rank."""
     return s[min(len(s) - 1, int(f * len(s)))]
@@ -120,6 +130,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--long-steps", type=int, default=1200, help="steps of the one long traced run (0: skip)")
+    ap.add_argument("--beside", type=float, default=1.0,
+                    help="seconds of both kernels timed just before each run, for their correlation with it (0: skip)")
     ap.add_argument("--profile", default=str(ROOT / "profiles" / "bert-tiny-cpu.json"))
     a = ap.parse_args()
     if a.runs < 2:
@@ -133,8 +145,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pfcompile-drift-") as tmp:
         plan = bench.plan(a.profile, Path(tmp), "drift-1f1b-adamw", "--schedule", "1f1b", "--micro-batches", "4",
                           "--optimizer", "adamw", "--method", "none")
-        runs = []
+        runs, before = [], []
         for i in range(a.runs):
+            if a.beside > 0:
+                before.append(tuple(statistics.median(k) for k in kernel_pairs(a.beside, a.size)))
             runs.append(bench.run_ours(plan, a.steps, a.warmup).step_ms)
             print(f"run {i + 1}/{a.runs}: {runs[-1]:.2f} ms/step", file=sys.stderr)
         windows = {}
@@ -155,6 +169,10 @@ def main() -> None:
     print(row(f"one plan, back-to-back runs of {a.steps} steps ({Path(a.profile).stem}, 1F1B, AdamW, 2 ranks)",
               "ms/step", runs))
     print(row("the same runs paired, each over the one before (0 in truth)", "% over", paired, "+.1f", ratio=False))
+    if len(before) >= 3:
+        r = [correlation(runs, [b[j] for b in before]) for j in (0, 1)]
+        print(f"\nEach run against the kernels timed for {a.beside:g} s just before it ({len(runs)} runs): "
+              f"Pearson's r of its ms/step with the matmuls' ms {r[0]:+.2f}, with the updates' ms {r[1]:+.2f}")
     if windows:
         print(f"\nOne run of {a.long_steps} steps: its passes' level (each op over its mean in the run) averaged "
               f"over consecutive windows\n")

@@ -142,7 +142,10 @@ def check_drift(out: str) -> None:
     rows = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
     assert [r[1].split(":")[0].split(",")[0] for r in rows[:5]] == [
         "kernel", "beside it", "the two", "one plan", "the same runs paired"], out
-    assert all(float(rows[i][4]) > 0 for i in range(4)) and rows[4][3] == "1", out  # 2 runs: one pair
+    assert all(float(rows[i][4]) > 0 for i in range(4)) and rows[4][3] == "2", out  # 3 runs: two pairs
+    # each run beside the kernels timed just before it: a correlation with each
+    assert re.search(r"\(3 runs\): Pearson's r of its ms/step with the matmuls' ms [-+]\d\.\d\d, "
+                     r"with the updates' ms [-+]\d\.\d\d", out), out
     windows = rows[5:]  # the long run's: at least its 0.5-s windows, levels about its mean
     assert windows and windows[0][1] == "0.5 s" and int(windows[0][2]) >= 2, out
     assert all(0.5 < float(r[6]) <= float(r[7]) < 2.0 for r in windows), out
@@ -175,7 +178,8 @@ SMOKE = {
                       "--time-limit", "1", "--out", "{tmp}"], check_partition),
     "compare_commits.py": (["--smoke"], check_compare_commits),
     "convergence.py": (["--smoke"], check_convergence),
-    "drift.py": (["--seconds", "1", "--runs", "2", "--steps", "4", "--warmup", "1", "--long-steps", "80"], check_drift),
+    "drift.py": (["--seconds", "1", "--runs", "3", "--steps", "4", "--warmup", "1", "--long-steps", "80",
+                  "--beside", "0.2"], check_drift),
     "denormals.py": (["--optimizers", "adamw", "kfac", "--rounds", "1", "--steps", "6", "--time-limit", "1",
                       "--out", "{tmp}"], check_denormals),
     "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
