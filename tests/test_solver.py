@@ -209,6 +209,30 @@ def test_cpsat_plans_pass_the_replay_and_beat_or_match_the_greedy(family, fixed)
             assert passes(plan) == passes(base)
 
 
+def test_the_k_rule_measures_a_k_against_its_timeline_s_bound_not_an_unproven_incumbent():
+    """ZB-H1's W passes are free: with little time, the k steps' timeline without refresh
+    work stays a list schedule well above its optimum. A k packed as badly as that timeline
+    is not "within tolerance of the no-refresh step": the rule compares with the timeline's
+    lower bound (bert-tiny's committed profile, real CP-SAT calls of 10 ms)."""
+    from pfcompile.formats.profile import load_profile
+    from pfcompile.place.solver import search_k, warm_start
+
+    prof = load_profile(str(Path(__file__).resolve().parents[1] / "profiles/bert-tiny-cpu.json"))
+    cfg = PipelineConfig("zb-h1", stages=2, micro_batches=4, optimizer="kfac", inversion="balanced", precond="all")
+    opts = PlanOptions(time_limit=0.01, workers=1)
+    planning = Planning()
+    warm = warm_start(prof, cfg, opts, planning)
+    search = search_k(prof, cfg, opts, planning, [warm.k, warm.k + 1], warm)
+    tol = 1 + opts.tolerance
+    assert all(s.reference_bound <= s.reference for s in search.tried)
+    # the case: some k's step is within tolerance of its timeline's incumbent, which is not proven
+    assert any(s.schedule.makespan <= s.reference * tol and s.reference_bound < s.reference for s in search.tried)
+    # accepted exactly when a k's step is within tolerance of its timeline's bound
+    assert search.accepted == any(s.schedule.makespan <= s.reference_bound * tol for s in search.tried)
+    stats = solve_plan(prof, cfg, opts).stats
+    assert all(e["no_refresh_bound_step_time_ms"] <= e["no_refresh_step_time_ms"] for e in stats["k_search"])
+
+
 def test_a_plan_that_falls_back_to_the_greedy_says_so():
     kw = FAMILIES["1f1b"]
     prof = _profile(kw, curv=0.3, inv=2.0)

@@ -17,7 +17,9 @@ k, lexicographically after the step time: try k = k_lb, k_lb+1, ... (k_lb: the K
 of one refresh over the bubble time per step on the most loaded rank, pfcompile.place.bounds)
 and keep the FIRST k whose step time is within `tolerance` (0.5%) of the step time the
 same k steps reach without any refresh work (the best any k can hope for: the refresh
-then costs nothing); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
+then costs nothing), taken at its lower bound: a timeline searched only briefly is no
+reference (a short search can leave it several percent above its optimum, and a k
+packed as badly would pass); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
 the k with the least step time (ties: the smaller k). A k whose lower bound is already
 beyond that tolerance cannot be accepted: it gets its warm starts only and its search time
 goes to the ks after it; if none is accepted, the best of them is searched with the time
@@ -108,6 +110,7 @@ class CycleSolution:
     schedule: Schedule
     bound: int  # best lower bound on the makespan (µs): the solver's or pfcompile.place.bounds'
     reference: int  # makespan of the same k steps without refresh work (µs)
+    reference_bound: int  # its lower bound (µs): the k rule's reference (= reference when proven)
     hint_source: str  # where the returned schedule came from
     stages: list[str] = field(default_factory=list)
     lower: Bounds | None = None  # pfcompile.place.bounds' bounds of this k's problem
@@ -176,6 +179,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
         raise memory_error(cm, opts.fixed_order, proven=True) or InputError(
             "--memory-limit", None, "the activations alone do not fit the limit")
     ref_sched = ref.schedule or ref_hint
+    ref_bound = min(ref_sched.makespan, max(ref_lower, ref.bound))
     with budget.stage("warm start"):
         lower = lower_bounds(p)
     bound = max(lower.makespan, ref.bound)
@@ -207,11 +211,11 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
         cands.append(("timeline+first-fit", packed))
     ok = [c for c in cands if not violations(p, c[1])]
     stages = ["pipeline timeline", "refresh packed into it"]
-    if ok and (warm_only or unless_out_of_reach and bound > ref_sched.makespan * (1 + opts.tolerance)):
+    if ok and (warm_only or unless_out_of_reach and bound > ref_bound * (1 + opts.tolerance)):
         source, best = min(ok, key=lambda c: c[1].makespan)
         status = "OPTIMAL" if best.makespan <= bound else "FEASIBLE"
         return CycleSolution(k, cm, Result(status, best, best.makespan, bound, 0.0), best, bound,
-                             ref_sched.makespan, source, stages, lower, searched=False)
+                             ref_sched.makespan, ref_bound, source, stages, lower, searched=False)
     if not ok or min(c[1].makespan for c in ok) > bound:
         pack = cpsat(p, "packing", hint=packed, pinned=pinned, extra_bound=bound, on_solution=report("packing"))
         if pack.schedule is not None:
@@ -236,7 +240,7 @@ def solve_cycle(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions
     if best.makespan <= bound:
         status = "OPTIMAL"
     result = Result(status, best, best.makespan, bound, 0.0)
-    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, source, stages, lower)
+    return CycleSolution(k, cm, result, best, bound, ref_sched.makespan, ref_bound, source, stages, lower)
 
 
 def _undeferred_warm_start(profile: Profile, cfg: PipelineConfig, k: int, opts: PlanOptions, planning: Planning,
@@ -521,7 +525,7 @@ def search_k(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning:
             # needs that k's graph and bounds after the search: keep the time for them
             budget.reserve += GREEDY_GAP_MARGIN * search.graph_per_k
             kept_for_greedy_gap = True
-        if sol.schedule.makespan <= sol.reference * (1 + opts.tolerance):
+        if sol.schedule.makespan <= sol.reference_bound * (1 + opts.tolerance):
             search.accepted = True
             break
         if budget.left() <= 0:  # the command's time is up: keep the best k found so far
@@ -551,10 +555,11 @@ def solver_stats(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, best:
         "lower_bounds_ms": best.lower.as_dict(1 / 1000 / best.k),
         "solution_from": best.hint_source,
         "k_search": [{"k": s.k, "step_time_ms": round(s.step_time_ms, 3), "status": s.result.status,
-                      "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3)}
+                      "gap": round(s.gap, 6), "no_refresh_step_time_ms": round(s.reference / s.k / 1000, 3),
+                      "no_refresh_bound_step_time_ms": round(s.reference_bound / s.k / 1000, 3)}
                      for s in search.tried],
         "k_rule": (f"first k from the lower bound whose step time is within {opts.tolerance:.1%} of the same "
-                   f"k steps without refresh work; else the least step time"),
+                   f"k steps without refresh work (at their lower bound); else the least step time"),
         "curvature_grouped": _group(profile, cfg, opts),
         "decomposition": " -> ".join(best.stages) + (
             "" if "whole cycle" in best.stages else
