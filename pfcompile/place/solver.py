@@ -18,9 +18,9 @@ of one refresh over the bubble time per step on the most loaded rank, pfcompile.
 and keep the FIRST k whose step time is within `tolerance` (0.5%) of the step time the
 same k steps reach without any refresh work (the best any k can hope for: the refresh
 then costs nothing), taken at its lower bound: a timeline searched only briefly is no
-reference (a short search can leave it several percent above its optimum, and a k
-packed as badly would pass); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets there,
-the k with the least step time (ties: the smaller k). A k whose lower bound is already
+reference (a short search can leave it several percent above its optimum, and a k packed
+as badly would pass); if no k up to max(k_lb + `extra_steps`, the greedy's k) gets
+there, the k with the least step time (ties: the smaller k). A k whose lower bound is already
 beyond that tolerance cannot be accepted: it gets its warm starts only and its search time
 goes to the ks after it; if none is accepted, the best of them is searched with the time
 left. With `total_time_limit`, each k gets what is left of it over the ks left. Under a
