@@ -120,7 +120,8 @@ def run(plans: list[str], blocks: int, timed: int, settings: list[str], set_for:
                 gc.collect(1)
                 before = resource.getrusage(resource.RUSAGE_SELF)
                 for step in range(block * length, (block + 1) * length):
-                    mine.append(train_step(r, step)[1])
+                    then = step + 1 if step + 1 < (block + 1) * length else None  # the other plan's block next
+                    mine.append(train_step(r, step, then)[1])
                 r.interp.settle()  # its divergence check, before the other plan's steps
                 if block:
                     after = resource.getrusage(resource.RUSAGE_SELF)

@@ -393,8 +393,9 @@ def traced_run(tmp_path_factory):
 
 def test_the_trace_shows_the_runtimes_work_between_ops(traced_run):
     """A measured trace has a "runtime" row per rank (pfcompile.formats.ops.RUNTIME_SPANS):
-    every step's batch, receives posted ahead (on a rank that receives), sends completed
-    and divergence check, K-FAC's activation of the new inverses on each refresh step after
+    every step's batch, sends completed and divergence check, the receives posted ahead
+    (on a rank that receives: step 0's at its start, and each next step's within the step
+    before, once its own receives are in; none after the last), K-FAC's activation of the new inverses on each refresh step after
     the first and never on another step, and the periodic collection. Each span lies
     between the rank's ops, never inside one, so "between ops" can be split by them; the
     loader keeps them apart from the ops."""
@@ -411,8 +412,13 @@ def test_the_trace_shows_the_runtimes_work_between_ops(traced_run):
     assert trace.ops and all(o.op.kind != "batch" for o in trace.ops)
     for q, ops in trace.by_rank().items():
         spans = [s for s in trace.spans if s.rank == q]
-        for name in ("batch", "post_recv", "drain", "verdict"):
+        for name in ("batch", "drain", "verdict"):
             assert sorted(s.step for s in spans if s.name == name) == list(range(steps)), (q, name)
+        posts = [s for s in spans if s.name == "post_recv"]
+        assert sorted(s.step for s in posts) == [0] + list(range(steps - 1)), q
+        for s in posts[1:]:  # the next step's, after this step's last receive
+            last_recv = max(o.end_ms for o in ops if o.step == s.step and o.op.kind.startswith("recv_"))
+            assert s.start_ms >= last_recv - 1e-6, (q, s)
         assert sorted(s.step for s in spans if s.name == "activate") == list(range(k, steps, k)), q
         assert [s.step for s in spans if s.name == "gc"] == [0]
         for s in spans:  # between ops: no op of this rank overlaps a span

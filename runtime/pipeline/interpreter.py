@@ -138,6 +138,8 @@ class Interpreter:
         # receives posted ahead of the op that completes them (runtime.pipeline.comm): gloo only
         self.recv_ahead = (0 if world.backend == "nccl" else RECV_AHEAD_GLOO) if recv_ahead is None else recv_ahead
         self.upcoming: list[Op] = []  # this step's receive ops not yet posted, in order
+        self.unreceived = 0  # this step's receives not yet completed
+        self.following: list[Op] = []  # the next step's receives, posted once this step's are in
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, stage, mb) -> tensor
         self.tokens: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
@@ -177,8 +179,16 @@ class Interpreter:
 
 
     # --- the loop ---------------------------------------------------------------------------
-    def run_step(self, step: int, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
-        """Execute this rank's ops of global step `step`; returns its share of the step's loss."""
+    def run_step(self, step: int, tokens: list[torch.Tensor], targets: list[torch.Tensor],
+                 then: int | None = None) -> float:
+        """Execute this rank's ops of global step `step`; returns its share of the step's loss.
+
+        `then`: the step the caller runs right after this one (None: an evaluation, another
+        plan or the end comes first). On gloo its receives are posted as soon as this step's
+        last receive is in, not at its start: gloo moves a message when the sender's network
+        thread has seen the receive posted, and that thread runs when its rank waits
+        (runtime.config.network_threads). Posted a step early, the next step's first sends
+        find their receives known and go out at once, instead of at the sender's next wait."""
         self.tokens, self.targets, self.loss_sum = tokens, targets, 0.0
         self.step_index = step
         refresh = step % self.k == 0
@@ -198,18 +208,27 @@ class Interpreter:
         # end_step, never a synchronise per op: see runtime.observe.measure).
         step_start = tl.mark()
         ops = self.plan.ops(self.world.rank, step)
-        self.upcoming = [op for op in ops if op.kind in ("recv_act", "recv_grad")] if self.recv_ahead else []
-        if self.upcoming:
+        receives = self._receives(step)
+        self.upcoming = [op for op in receives if not self._posted(op)]  # the rest came with the last step
+        self.unreceived = len(receives)
+        self.following = self._receives(then) if then is not None else []
+        if self.upcoming or not receives:
             with tl.span(step, "post_recv"):
+                if not receives:  # no receive to wait for: the next step's may go now
+                    self.upcoming, self.following = self.following, []
                 self._post_ahead()
         for op in ops:
             start = tl.mark()
             self.handlers[op.kind](op)
             tl.record(step, str(op), op.kind, start, tl.mark())
             mem.after(op.kind, op.stage, op.mb, op.layer)
+            if self.following and not self.unreceived:
+                with tl.span(step, "post_recv"):  # this step's receives are all in: the next step's
+                    self.upcoming, self.following = self.following, []
+                    self._post_ahead()
         with tl.span(step, "drain"):
             self.mailbox.drain()
-        self.upcoming = []
+        self.upcoming, self.following = [], []
         tl.end_step(step, step_start, tl.mark(), mem.end_step(step))
         with tl.span(step, "verdict"):
             self.agree(step)
@@ -346,7 +365,18 @@ class Interpreter:
         kind, stage, m = op.message_key()
         self.received[(kind, stage, m)] = self.mailbox.recv(
             str(op), self.act_shape, self.dtype, op.peer, comm.message_tag(kind, stage, m, self.N))
+        self.unreceived -= 1
         self._post_ahead()
+
+    def _receives(self, step: int) -> list[Op]:
+        """The receive ops of this rank's `step` (none where receives are not posted ahead)."""
+        if not self.recv_ahead:
+            return []
+        return [op for op in self.plan.ops(self.world.rank, step) if op.kind in ("recv_act", "recv_grad")]
+
+    def _posted(self, op: Op) -> bool:
+        kind, stage, m = op.message_key()
+        return (op.peer, comm.message_tag(kind, stage, m, self.N)) in self.mailbox.posted
 
     def _post_ahead(self) -> None:
         """Keep the next `recv_ahead` receives of the step posted (in posting_order)."""

@@ -68,8 +68,10 @@ def build_rank(job, world) -> RankParts:
     return RankParts(stages, interp, update, stream, val_batches, timeline, optim_cfg, cfg.get(entry.base_lr))
 
 
-def train_step(r: RankParts, step: int) -> tuple:
+def train_step(r: RankParts, step: int, then: int | None = None) -> tuple:
     """One training step of this rank: its ops of the plan, then the (clipped) updates.
+    `then`: the step run right after it, if no evaluation or other plan comes between
+    (Interpreter.run_step posts its receives early).
     Returns the row the metrics flush reduces: (step, loss share, norm² share, ms, lr, refresh)."""
     started = time.perf_counter()
     interp = r.interp
@@ -79,7 +81,7 @@ def train_step(r: RankParts, step: int) -> tuple:
     with r.timeline.span(step, "batch"):
         mbs = split_micro_batches(r.stream.batch(step), interp.N)
         tokens, targets = [b.tokens.to(device) for b in mbs], [b.targets.to(device) for b in mbs]
-    loss = interp.run_step(step, tokens, targets)
+    loss = interp.run_step(step, tokens, targets, then)
     if r.update.max_grad_norm > 0:
         with r.timeline.span(step, "finish"):
             norm_sq = r.update.finish_step()
@@ -142,9 +144,9 @@ def run(job) -> measure.Summary | None:
                     gc.collect(1)
             before_step(step)
             poison(step)
-            pending.append(train_step(r, step))
             done = step + 1
             evaluate_now = val_batches and ((every and done % every == 0) or done == steps)
+            pending.append(train_step(r, step, then=done if done < steps and not evaluate_now else None))
             if len(pending) >= log_every or done == steps or evaluate_now:
                 with timeline.span(step, "flush"):
                     logged.post(pending)
