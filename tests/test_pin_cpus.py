@@ -1,7 +1,8 @@
 """`--pin-cpus`: each rank of a real 2-rank torchrun job on its own share of the cores, as
 the kernel reports it for every thread of the rank (gloo's included) at the end of the run;
-unpinned, every rank may use every core. Too few cores for the ranks, or for the threads,
-is a one-line error before any work."""
+the default on a cpu where the cores suffice; with `--no-pin-cpus`, every rank may use
+every core. Too few cores for the ranks, or for the threads, is a one-line error before
+any work when asked for, and no pinning by default."""
 
 from __future__ import annotations
 
@@ -48,7 +49,11 @@ def test_pinned_ranks_get_disjoint_shares_of_the_cores_and_unpinned_ones_all(pla
     trace = json.loads((tmp_path / "pinned.trace.json").read_text())
     assert trace["otherData"]["cpus"] == cpus  # the Perfetto trace records them too
 
-    r = run(plan)
+    r = run(plan)  # the default on a cpu with a core per rank: pinned
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["cpus"] == cpus
+
+    r = run(plan, "--no-pin-cpus")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["cpus"] == [CORES, CORES]
 
@@ -65,3 +70,18 @@ def test_too_few_cores_for_the_ranks_or_their_threads_is_one_line_before_any_wor
                            cwd=ROOT, env={**os.environ, **base, **env}, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stdout == "", r.stderr
         assert r.stderr.count("\n") == 1 and want in r.stderr, r.stderr
+
+
+def test_the_default_pins_on_a_cpu_only_where_every_local_rank_gets_its_threads_cores(plan, monkeypatch):
+    """The job's resolved setting (what its train.toml records), for the node's ranks and
+    threads: pinned where each local rank gets a share of at least its threads, else free
+    (no error: it was not asked for); --pin-cpus and --no-pin-cpus decide themselves."""
+    from runtime.config.cli import build_parser, prepare
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cases = ((2, (), len(CORES) >= 2), (len(CORES) + 1, (), False), (len(CORES), ("--threads", "2"), False),
+             (1, ("--no-pin-cpus",), False), (1, ("--pin-cpus",), True))
+    for local_ranks, flags, pinned in cases:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+        job = prepare(build_parser().parse_args([str(plan), "--steps", "1", *flags]), 0, 2)
+        assert job.config.runtime.pin_cpus is pinned, (local_ranks, flags)

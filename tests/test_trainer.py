@@ -319,8 +319,8 @@ def test_run_folders_started_in_the_same_second_do_not_clash(tmp_path, monkeypat
 
 def _value_for(flag: str, kw: dict) -> tuple[list[str], str]:
     """(the flag's arguments, the same as a --set value), each unlike the key's default."""
-    if kw.get("action") == "store_true":
-        return [flag], "true"
+    if kw.get("action") in ("store_true", "store_false"):
+        return [flag], "true" if kw["action"] == "store_true" else "false"
     if flag == "--p2p-tags":
         return [flag, "off"], "false"
     if "choices" in kw:

@@ -22,12 +22,15 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
     """One of two ranks: ping-pong (one way = half the round trip) and all-reduce per size.
     Sizes are interleaved within each round, so a burst of load from other processes hits
     every size alike instead of bending the fit at one size."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from runtime.pipeline import comm
+    from runtime.pipeline import affinity, comm
+
+    if device_type == "cpu" and affinity.fits(1):  # each on its own core, as a run's ranks are by default
+        affinity.pin(affinity.share(1))
 
     # the backend follows the profiled device (gloo for CPU tensors even on a GPU host);
     # tag-free as the runtime runs on NCCL: ping and pong are the pair's only messages
@@ -120,7 +123,7 @@ def measure_comm(act_bytes: int, device: torch.device, repeats: int,
     # two ranks: a ring all-reduce moves 2(r-1)/r = 1 times the bytes, as Comm.allreduce_ms assumes
     allreduce = fit_link([(n, t) for n, _, t in samples])
     method = f"measured-{got[0]['backend']}"
-    note = (f"{method}: 2 ranks on this host, 1 thread each, runtime.pipeline.comm Mailbox ping-pong (one way = "
+    note = (f"{method}: 2 ranks on this host, 1 thread each (each on its own cores where the host has them), runtime.pipeline.comm Mailbox ping-pong (one way = "
             f"half the round trip) and all_reduce_sum; median of {repeats} per size; the send's posting and a "
             f"receive posted 5 ms after its send timed alone (runtime.send_ms/recv_ms, at the stage "
             f"message's size); fit latency + bytes/bandwidth")

@@ -45,6 +45,7 @@ SHORTHANDS = [
     ("--timeout", "runtime.timeout", dict(type=float, metavar="SECONDS")),
     ("--threads", "runtime.threads", dict(type=int, metavar="T")),
     ("--pin-cpus", "runtime.pin_cpus", dict(action="store_true")),
+    ("--no-pin-cpus", "runtime.pin_cpus", dict(action="store_false")),
     ("--warmup", "runtime.warmup", dict(type=int, metavar="W")),
     ("--trace", "runtime.trace", dict(metavar="OUT.json")),
     ("--model-code", "runtime.model_code", dict(metavar="MODULE:FUNCTION")),
@@ -64,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config key, e.g. --set kfac.damping=1e-4 (repeatable; later wins)")
     for flag, key, kw in SHORTHANDS:
         f = _field(key)
-        if kw.get("action") == "store_true":
-            value = "true"
+        if kw.get("action") in ("store_true", "store_false"):
+            value = "true" if kw["action"] == "store_true" else "false"
         elif flag == "--p2p-tags":
             value = "true|false"
         else:
@@ -73,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         shown = f.default is not None and f.default is not False
         default = f"; default {job_config.toml_value(f.default)}" if shown else ""
         names = (flag, "-o") if flag == "--trace" else (flag,)
-        p.add_argument(*names, dest=key, default=None, help=f"{f.metadata['help']} (= --set {key}={value}{default})",
-                       **kw)
+        what = "the opposite of --pin-cpus" if flag == "--no-pin-cpus" else f.metadata['help']
+        p.add_argument(*names, dest=key, default=None, help=f"{what} (= --set {key}={value}{default})", **kw)
     return p
 
 
@@ -97,10 +98,11 @@ def _keys_help() -> str:
 def load_config(args) -> JobConfig:
     """The run's config from the parsed command line: the file, the --set overrides, the flags."""
     flags = []
-    for flag, key, _ in SHORTHANDS:
+    for flag, key, kw in SHORTHANDS:
         value = getattr(args, key)
-        if value is not None:
-            flags.append((key, value == "on" if flag == "--p2p-tags" else value, flag))
+        if value is None or kw.get("action") in ("store_true", "store_false") and value != (kw["action"] == "store_true"):
+            continue  # not given, or given by the other flag of an on/off pair (it names itself)
+        flags.append((key, value == "on" if flag == "--p2p-tags" else value, flag))
     return job_config.load(args.config, args.overrides, flags)
 
 
@@ -179,7 +181,7 @@ def _check_outputs(cfg: JobConfig, rank: int) -> None:
     """Every output path, and the cores for --pin-cpus, before any work: a bad one found
     after training started would waste the run (or, for the trace, all of it)."""
     r = cfg.runtime
-    if r.pin_cpus:  # enough cores for every local rank's threads
+    if r.pin_cpus:  # asked for: enough cores for every local rank's threads, or a one-line error
         from runtime.pipeline import affinity
         affinity.share(r.threads)
     for key, check in (("checkpoint.dir", check_output_dir), ("log.dir", check_output_dir),
@@ -231,6 +233,9 @@ def _device_and_precision(cfg: JobConfig, plan, where: str):
     if device_type == "cuda" and not torch.cuda.is_available():
         found = f"cuda, but torch sees no CUDA device here (torch {torch.__version__}); pass --device cpu"
         raise cfg.error("runtime.device", found) if r.device else InputError(where, "profile.device_type", found)
+    if r.pin_cpus is None:  # on a cpu, each rank on its own cores where the node has them (affinity)
+        from runtime.pipeline import affinity
+        r.pin_cpus = device_type == "cpu" and affinity.fits(r.threads)
     tags = (device_type == "cpu") if r.p2p_tags is None else r.p2p_tags
     if tags and device_type == "cuda":
         raise cfg.error("runtime.p2p_tags", "on needs gloo (--device cpu): NCCL ignores point-to-point tags")

@@ -232,7 +232,8 @@ class Runtime:
                              (lambda v: math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
                               f"a number of seconds in (0, {MAX_TIMEOUT_S}]"))
     threads: int = setting(1, "torch threads per rank", between(1, MAX_THREADS))
-    pin_cpus: bool = setting(False, "bind local rank i of n to the i-th contiguous share of the job's cores")
+    pin_cpus: bool | None = setting(None, "bind local rank i of n to the i-th contiguous share of the job's cores; "
+                                          "default: on a cpu where every local rank gets its threads' cores, else off")
     flush_denormal: bool = setting(True, "on a cpu, flush subnormal floats to zero (x86 FTZ/DAZ): met in "
                                          "arithmetic they run many times slower, and runs drift into them")
     keep_freed_memory: bool = setting(True, "on a cpu, malloc keeps what torch frees for the next tensor "

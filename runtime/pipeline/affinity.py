@@ -19,6 +19,13 @@ def _local() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
+def fits(threads: int) -> bool:
+    """Whether every local rank gets `threads` cores of its own (the default: pinned where so)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    return len(os.sched_getaffinity(0)) // _local()[1] >= threads
+
+
 def share(threads: int) -> list[int]:
     """This rank's cores, checked against its torch threads (before any work: a one-line
     InputError when the node has fewer cores than ranks, or fewer per rank than threads)."""
