@@ -85,3 +85,6 @@ def test_the_default_pins_on_a_cpu_only_where_every_local_rank_gets_its_threads_
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
         job = prepare(build_parser().parse_args([str(plan), "--steps", "1", *flags]), 0, 2)
         assert job.config.runtime.pin_cpus is pinned, (local_ranks, flags)
+    # ranks started without torchrun's LOCAL_WORLD_SIZE may share the node unannounced: free
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert prepare(build_parser().parse_args([str(plan), "--steps", "1"]), 0, 2).config.runtime.pin_cpus is False

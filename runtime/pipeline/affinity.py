@@ -1,4 +1,5 @@
-"""Each rank on its own cores (`--pin-cpus`): the node's usable cores split among its ranks.
+"""Each rank on its own cores (`runtime.pin_cpus`: the default on a cpu where they suffice,
+`--pin-cpus`, `--no-pin-cpus`): the node's usable cores split among its ranks.
 
 torchrun starts every rank free to run on every core, so the kernel moves a rank between
 cores (its caches left behind) and lets two ranks share one while another idles. Pinned,
@@ -20,10 +21,13 @@ def _local() -> tuple[int, int]:
 
 
 def fits(threads: int) -> bool:
-    """Whether every local rank gets `threads` cores of its own (the default: pinned where so)."""
-    if not hasattr(os, "sched_setaffinity"):
+    """Whether every local rank gets `threads` cores of its own (the default: pinned where
+    so). Only where the launcher says how many ranks share the node (torchrun sets
+    LOCAL_WORLD_SIZE): ranks started otherwise may share it unannounced."""
+    if not hasattr(os, "sched_setaffinity") or "LOCAL_WORLD_SIZE" not in os.environ:
         return False
-    return len(os.sched_getaffinity(0)) // _local()[1] >= threads
+    local_rank, local_ranks = _local()
+    return local_rank < local_ranks and len(os.sched_getaffinity(0)) // local_ranks >= threads
 
 
 def share(threads: int) -> list[int]:
@@ -33,6 +37,9 @@ def share(threads: int) -> list[int]:
         raise InputError("--pin-cpus", None, "needs Linux (os.sched_setaffinity)")
     cores = sorted(os.sched_getaffinity(0))
     local_rank, local_ranks = _local()
+    if not 0 <= local_rank < local_ranks:
+        raise InputError("--pin-cpus", None, f"local rank {local_rank} of {local_ranks} on this node (LOCAL_RANK, "
+                                             "LOCAL_WORLD_SIZE): launch with torchrun")
     each = len(cores) // local_ranks
     if each < 1:
         raise InputError("--pin-cpus", None, f"{local_ranks} ranks on this node but {len(cores)} usable cores "
