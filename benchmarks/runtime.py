@@ -23,8 +23,8 @@
       placement: rank r holds stages r and 3-r), our zb-h1 against torch's
       ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = ZB-H1), and our zb-h1
       against our 1f1b (the bubble the split backward saves, measured);
-  (f) `--only-pinning`: our 1f1b (no K-FAC, and K-FAC appended) with and without
-      `--pin-cpus` (each rank on its own core), in alternating launches;
+  (f) `--only-pinning`: our 1f1b (no K-FAC, and K-FAC appended) with `--pin-cpus` (each
+      rank on its own core, the default on a cpu) and `--no-pin-cpus`, in alternating launches;
   (g) `--only-optimizers`: for K-FAC, Shampoo, SOAP and Muon (`--optimizers` picks), 1F1B with the optimizer's work
       appended to every step (`--method none`) and in the bubbles (CP-SAT), against AdamW
       (no extra work): measured and predicted, and whether the bubbles beat appending by the
@@ -239,8 +239,10 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
 
     from runtime.config.network_threads import idle_network_threads
     from runtime.observe import measure
-    from runtime.pipeline import comm
+    from runtime.pipeline import affinity, comm
 
+    if affinity.fits(1):  # on its own core, as the runtime's ranks are by default (runtime.pin_cpus)
+        affinity.pin(affinity.share(1))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     idle_network_threads("gloo")  # as the runtime's ranks run (runtime.idle_network_threads)
@@ -362,8 +364,10 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
     import torch
     import torch.distributed as dist
 
-    from runtime.pipeline import comm
+    from runtime.pipeline import affinity, comm
 
+    if affinity.fits(1):  # both pipelines pinned, as the runtime's ranks are by default
+        affinity.pin(affinity.share(1))
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")  # gloo's network threads idle for both sides, as the runtime's ranks
     rank, size = world.rank, world.world_size
@@ -656,8 +660,8 @@ def pinning_table(a, plans: dict[str, Path], console) -> None:
     warmup, steps = run_length(a, plans)
     runs = {}
     for name, p in plans.items():
-        runs[name] = lambda p=p: run_ours(p, steps, warmup)
-        runs[f"{name}, pinned"] = lambda p=p: run_ours(p, steps, warmup, "--pin-cpus")
+        runs[name] = lambda p=p: run_ours(p, steps, warmup, "--no-pin-cpus")
+        runs[f"{name}, pinned"] = lambda p=p: run_ours(p, steps, warmup, "--pin-cpus")  # the default on a cpu
     times = {name: [x.step_ms for x in v] for name, v in alternate(runs, a.rounds, steps, console).items()}
     print(f"\n(f) --pin-cpus, bert-mini, 2 ranks x 1 thread (gloo, CPU), {a.micro_batches} micro-batches, {steps} "
           f"steps ({warmup} warm-up), {a.rounds} rounds of alternating launches; load average at the end "
