@@ -6,10 +6,12 @@ Why each choice:
   before it receives in both directions (Chimera), and a blocking send there deadlocks.
 - Receives block (`irecv(...).wait(timeout)`): the op after a receive needs the data. On
   gloo the rank's next receives are posted ahead (`Mailbox.post`, the
-  interpreter's `recv_ahead`, by default all of the step's): gloo pairs a send with its receive before moving the data,
+  interpreter's `recv_ahead`, by default all of the step's, within the step before once its own
+  receives are in): gloo pairs a send with its receive before moving the data,
   so a receive posted only when it is needed, after its send was posted, waits for the
   sender's gloo thread to answer while the sender computes (a delay on every message);
-  posted ahead, the data moves when the send is posted. Not on NCCL: its point-to-point ops run in issue order on one stream per
+  posted ahead, and its notice read by the sender's gloo thread at one of the sender's waits,
+  the data moves when the send is posted. Not on NCCL: its point-to-point ops run in issue order on one stream per
   peer, and a receive posted ahead of a send to the same peer can deadlock the pair.
 - Tags are optional (`tags=False`, the default on NCCL). NCCL ignores point-to-point tags
   and matches the messages between a pair of ranks in issue order (pytorch/pytorch#94819);

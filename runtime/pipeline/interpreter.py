@@ -212,7 +212,7 @@ class Interpreter:
         self.upcoming = [op for op in receives if not self._posted(op)]  # the rest came with the last step
         self.unreceived = len(receives)
         self.following = self._receives(then) if then is not None else []
-        if self.upcoming or not receives:
+        if self.upcoming or (self.following and not receives):
             with tl.span(step, "post_recv"):
                 if not receives:  # no receive to wait for: the next step's may go now
                     self.upcoming, self.following = self.following, []
