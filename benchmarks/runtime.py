@@ -241,8 +241,7 @@ def pipelining_worker(schedule: str, plan_path: str, steps: int, warmup: int) ->
     from runtime.observe import measure
     from runtime.pipeline import affinity, comm
 
-    if affinity.fits(1):  # on its own core, as the runtime's ranks are by default (runtime.pin_cpus)
-        affinity.pin(affinity.share(1))
+    affinity.pin_by_default(1)  # on its own core, as the runtime's ranks are (runtime.pin_cpus)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     idle_network_threads("gloo")  # as the runtime's ranks run (runtime.idle_network_threads)
@@ -366,8 +365,7 @@ def interleaved_worker(plans: list[str], rounds: int, block: int, warmup: int) -
 
     from runtime.pipeline import affinity, comm
 
-    if affinity.fits(1):  # both pipelines pinned, as the runtime's ranks are by default
-        affinity.pin(affinity.share(1))
+    affinity.pin_by_default(1)  # both pipelines pinned, as the runtime's ranks are
     torch.set_num_threads(1)
     world = comm.init_world(60.0, "cpu")  # gloo's network threads idle for both sides, as the runtime's ranks
     rank, size = world.rank, world.world_size

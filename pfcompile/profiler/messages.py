@@ -29,8 +29,8 @@ def _comm_worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: i
 
     from runtime.pipeline import affinity, comm
 
-    if device_type == "cpu" and affinity.fits(1):  # each on its own core, as a run's ranks are by default
-        affinity.pin(affinity.share(1))
+    if device_type == "cpu":
+        affinity.pin_by_default(1)  # each on its own core, as a run's ranks are
 
     # the backend follows the profiled device (gloo for CPU tensors even on a GPU host);
     # tag-free as the runtime runs on NCCL: ping and pong are the pair's only messages

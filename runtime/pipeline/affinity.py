@@ -24,10 +24,20 @@ def fits(threads: int) -> bool:
     """Whether every local rank gets `threads` cores of its own (the default: pinned where
     so). Only where the launcher says how many ranks share the node (torchrun sets
     LOCAL_WORLD_SIZE): ranks started otherwise may share it unannounced."""
-    if not hasattr(os, "sched_setaffinity") or "LOCAL_WORLD_SIZE" not in os.environ:
+    if "LOCAL_WORLD_SIZE" not in os.environ:
         return False
-    local_rank, local_ranks = _local()
-    return local_rank < local_ranks and len(os.sched_getaffinity(0)) // local_ranks >= threads
+    try:
+        share(threads)
+    except InputError:  # what --pin-cpus would refuse
+        return False
+    return True
+
+
+def pin_by_default(threads: int) -> None:
+    """Pin this process to its share where the runtime's ranks are pinned by default (fits):
+    for other processes that stand in for ranks (the profiler's, the benchmarks')."""
+    if fits(threads):
+        pin(share(threads))
 
 
 def share(threads: int) -> list[int]:
