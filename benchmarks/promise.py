@@ -1,8 +1,8 @@
 """Does a run keep its plan's promise? (issue 39). Not a test: it times.
 
-For each model (default bert-tiny, bert-mini, llama-tiny) a fresh profile is made on this
-machine just before (`pfcompile profile --ranks 2 --cold-cache`, every optimizer's ops,
-the demo's short budget), then every optimizer is planned on 1F1B and on a zero-bubble
+For each model in turn (default bert-tiny, bert-mini, llama-tiny) a fresh profile is made on
+this machine just before its own rounds (`pfcompile profile --ranks 2 --cold-cache`, every
+optimizer's ops, the demo's short budget), then every optimizer is planned on 1F1B and on a zero-bubble
 family (ZB-H1), 2 stages, 4 micro-batches: AdamW as the family's order (`--method none`;
 `--adamw-method cpsat`: CP-SAT's first-order plan, its W passes placed as the optimizers'
 are, a second definition of the baseline), the others by CP-SAT. Every plan runs once per
@@ -42,7 +42,7 @@ machine had when it was made, and a table whose machine drifted says so beside i
 
     .venv/bin/python benchmarks/promise.py [--models bert-tiny bert-mini llama-tiny]
         [--optimizers adamw kfac shampoo soap muon] [--schedules 1f1b zb-h1] [--rounds 5]
-        [--steps 30] [--out out/promise] [--profile MODEL=PATH ...] [--kernel-seconds 10] [--interleaved]
+        [--steps 30] [--seconds 8] [--out out/promise] [--profile MODEL=PATH ...] [--kernel-seconds 10] [--interleaved]
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -151,6 +152,9 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="raise a model's steps per run to this many seconds at its AdamW plan's predicted step "
+                         "(0: --steps for every model)")
     ap.add_argument("--warmup", type=int, default=2, help="raised to one refresh cycle of the slowest-refreshing plan")
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds per plan")
     ap.add_argument("--adamw-method", choices=("none", "cpsat"), default="none",
@@ -172,18 +176,38 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     reuse = dict(x.split("=", 1) for x in a.profile)
     console = Console(stderr=True)
-    load0, speed = os.getloadavg(), [machine_speed(a.kernel_seconds)]
-    profiles, plans = {}, {}
+    print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds per model, each model profiled just before "
+          f"its own rounds; 2 ranks x 1 thread, gloo; no calibration; AdamW's plan "
+          f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}.")
+    rows, traced, facts = [], {}, {}
     for m in a.models:
-        with console.status(f"profiling {m} (2 ranks, cold caches)"):
-            profiles[m] = profile(m, a.out, reuse.get(m))
-        with console.status(f"planning {m}"):
-            for s in a.schedules:
-                for o in a.optimizers:
-                    plans[(m, s, o)] = make_plan(profiles[m], a.out, s, o, a.time_limit, a.adamw_method)
+        m_rows, m_traced, facts[m] = one_model(m, a, reuse.get(m), console)
+        rows += m_rows
+        traced.update({"/".join(k): v for k, v in m_traced.items()})
+        # written after every model: a long table's finished models survive a stop
+        write_atomic(a.out / "promise.json", json.dumps({"rows": rows, "traced": traced, "models": facts},
+                                                        indent=1) + "\n")
+    print_aims(rows)
+
+
+def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, dict]:
+    """One model's part of the table: a fresh profile, its plans, its interleaved rounds
+    (separate launches, then one launch per cell with --interleaved) and its traced runs,
+    right after one another, so the profile is minutes old at the rounds (the host's speed
+    moves in spells of minutes); prints the model's tables and returns its rows, its traced
+    runs' inspections and its load and speed."""
+    load0, speed = os.getloadavg(), [machine_speed(a.kernel_seconds)]
+    with console.status(f"profiling {m} (2 ranks, cold caches)"):
+        prof = profile(m, a.out, reuse)
+    profiles, plans = {m: prof}, {}
+    with console.status(f"planning {m}"):
+        for s in a.schedules:
+            for o in a.optimizers:
+                plans[(m, s, o)] = make_plan(prof, a.out, s, o, a.time_limit, a.adamw_method)
     load1 = os.getloadavg()
     speed.append(machine_speed(a.kernel_seconds))
     warmup, steps = bench.run_length(a, {str(k): p for k, p in plans.items()})
+    steps = launch_steps(steps, warmup, a.seconds, plans[(m, a.schedules[0], "adamw")])
     launches = bench.alternate({key: (lambda p=p, o=key[2]: bench.run_ours(p, steps, warmup, *flags_of(o)))
                                 for key, p in plans.items()}, a.rounds, steps, console)
     one_launch = in_one_launch(plans, a.rounds, console) if a.interleaved else {}
@@ -207,11 +231,8 @@ def main() -> None:
     busyless = {m: without_busy(path) for m, path in profiles.items()}
     calm = {key: expected_step_time(load_plan(str(p)), busyless[key[0]]) for key, p in plans.items()}
 
-    print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds of {steps} steps ({warmup} warm-up), 2 ranks x 1 "
-          f"thread, gloo; no calibration; AdamW's plan "
-          f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}. "
-          f"Load average (1, 5, 15 min): before profiling {fmt_load(load0)}, before the rounds {fmt_load(load1)}, "
-          f"after them {fmt_load(load2)}.")
+    print(f"\n### {m}\n\n{a.rounds} rounds of {steps} steps ({warmup} warm-up). Load average (1, 5, 15 min): "
+          f"before profiling {fmt_load(load0)}, before the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
     if speed[0] is not None:
         print(f"The machine's speed (benchmarks/drift.py's kernels, median ms over {a.kernel_seconds:g} s, matmuls / "
               f"memory-bound updates): before profiling {speed[0][0]:.1f} / {speed[0][1]:.1f}, before the rounds "
@@ -293,7 +314,6 @@ def main() -> None:
                   f"{mid:+.1%} | {spread(over, '+.1%')} | {100 * (mid - planned):+.1f} | "
                   f"{'yes' if abs(mid - planned) <= 0.02 else '**no**'} | {with_spread} | "
                   f"{passes[0]:.3f}, {passes[1]:.3f} | {work[0]:.1f} / {work[1]:.1f} |")
-    print_aims(rows)
     if traced:
         print("\nWhere the time went (one traced run per cell; ms per step; `pfcompile inspect --against --profile`):\n")
         print("| model | schedule | optimizer | measured (median step) | predicted | median/predicted | error "
@@ -324,9 +344,23 @@ def main() -> None:
         if any(not d.get("replayed") for d in traced.values() if "error" not in d):
             print("\nn/a: the traced run has fewer than two whole refresh cycles after its warm-up, "
                   "too few for `inspect`'s replay.")
-    (a.out / "promise.json").write_text(json.dumps({"rows": rows, "traced": {"/".join(k): v for k, v in traced.items()},
-                                                    "load": [load0, load1, load2], "kernel_ms": speed},
-                                                   indent=1) + "\n")
+    return rows, traced, {"load": [load0, load1, load2], "kernel_ms": speed, "steps": steps, "warmup": warmup}
+
+
+def launch_steps(steps: int, warmup: int, seconds: float, adamw_plan: Path) -> int:
+    """A model's steps per launch: `steps`, raised to `seconds` of its AdamW plan's predicted
+    step after the warm-up (0: `steps`), so a model of 30-ms steps and one of 400-ms steps
+    both run long enough to average over the host's slow spells, neither for minutes."""
+    if seconds <= 0:
+        return steps
+    step_ms = json.loads(adamw_plan.read_text())["stats"]["step_time_ms"]
+    return max(steps, warmup + math.ceil(seconds * 1e3 / step_ms))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def replayed(rp: dict, key: str) -> str:
