@@ -179,14 +179,15 @@ def main() -> None:
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds per model, each model profiled just before "
           f"its own rounds; 2 ranks x 1 thread, gloo; no calibration; AdamW's plan "
           f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}.")
+    from pfcompile.formats.jsonio import write_json
+
     rows, traced, facts = [], {}, {}
     for m in a.models:
         m_rows, m_traced, facts[m] = one_model(m, a, reuse.get(m), console)
         rows += m_rows
         traced.update({"/".join(k): v for k, v in m_traced.items()})
         # written after every model: a long table's finished models survive a stop
-        write_atomic(a.out / "promise.json", json.dumps({"rows": rows, "traced": traced, "models": facts},
-                                                        indent=1) + "\n")
+        write_json(a.out / "promise.json", {"rows": rows, "traced": traced, "models": facts})
     print_aims(rows)
 
 
@@ -355,12 +356,6 @@ def launch_steps(steps: int, warmup: int, seconds: float, adamw_plan: Path) -> i
         return steps
     step_ms = json.loads(adamw_plan.read_text())["stats"]["step_time_ms"]
     return max(steps, warmup + math.ceil(seconds * 1e3 / step_ms))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def replayed(rp: dict, key: str) -> str:
