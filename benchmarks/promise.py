@@ -176,11 +176,11 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     reuse = dict(x.split("=", 1) for x in a.profile)
     console = Console(stderr=True)
+    from pfcompile.formats.jsonio import write_json
+
     print(f"\nCommit {race.commit()}; {a.rounds} interleaved rounds per model, each model profiled just before "
           f"its own rounds; 2 ranks x 1 thread, gloo; no calibration; AdamW's plan "
           f"{'in the family order' if a.adamw_method == 'none' else 'by CP-SAT (its W passes placed)'}.")
-    from pfcompile.formats.jsonio import write_json
-
     rows, traced, facts = [], {}, {}
     for m in a.models:
         m_rows, m_traced, facts[m] = one_model(m, a, reuse.get(m), console)
@@ -200,15 +200,16 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     load0, speed = os.getloadavg(), [machine_speed(a.kernel_seconds)]
     with console.status(f"profiling {m} (2 ranks, cold caches)"):
         prof = profile(m, a.out, reuse)
-    profiles, plans = {m: prof}, {}
+    plans = {}
     with console.status(f"planning {m}"):
         for s in a.schedules:
             for o in a.optimizers:
                 plans[(m, s, o)] = make_plan(prof, a.out, s, o, a.time_limit, a.adamw_method)
     load1 = os.getloadavg()
     speed.append(machine_speed(a.kernel_seconds))
+    made = {key: json.loads(p.read_text()) for key, p in plans.items()}
     warmup, steps = bench.run_length(a, {str(k): p for k, p in plans.items()})
-    steps = launch_steps(steps, warmup, a.seconds, plans[(m, a.schedules[0], "adamw")])
+    steps = launch_steps(steps, warmup, a.seconds, made[(m, a.schedules[0], "adamw")]["stats"]["step_time_ms"])
     launches = bench.alternate({key: (lambda p=p, o=key[2]: bench.run_ours(p, steps, warmup, *flags_of(o)))
                                 for key, p in plans.items()}, a.rounds, steps, console)
     one_launch = in_one_launch(plans, a.rounds, console) if a.interleaved else {}
@@ -218,10 +219,9 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     if not a.no_traces:
         for key, p in plans.items():
             with console.status(f"traced run of {p.stem}"):
-                traced[key] = where_it_went(p, profiles[key[0]], steps, warmup, key[2], a.out)
+                traced[key] = where_it_went(p, prof, steps, warmup, key[2], a.out)
     times = {key: [x.step_ms for x in v] for key, v in launches.items()}
     op_ratios = {key: [x.op_ratio for x in v if x.op_ratio] for key, v in launches.items()}
-    made = {key: json.loads(p.read_text()) for key, p in plans.items()}
     pred = {key: d["stats"]["step_time_ms"] for key, d in made.items()}
     ks = {key: d["config"]["refresh_steps"] for key, d in made.items()}
     expected = {key: d["stats"].get("expected_step_time_ms") for key, d in made.items()}
@@ -229,8 +229,8 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     from pfcompile.check.replay import expected_step_time
     from pfcompile.formats.plan import load_plan
 
-    busyless = {m: without_busy(path) for m, path in profiles.items()}
-    calm = {key: expected_step_time(load_plan(str(p)), busyless[key[0]]) for key, p in plans.items()}
+    busyless = without_busy(prof)
+    calm = {key: expected_step_time(load_plan(str(p)), busyless) for key, p in plans.items()}
 
     print(f"\n### {m}\n\n{a.rounds} rounds of {steps} steps ({warmup} warm-up). Load average (1, 5, 15 min): "
           f"before profiling {fmt_load(load0)}, before the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
@@ -348,13 +348,12 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     return rows, traced, {"load": [load0, load1, load2], "kernel_ms": speed, "steps": steps, "warmup": warmup}
 
 
-def launch_steps(steps: int, warmup: int, seconds: float, adamw_plan: Path) -> int:
+def launch_steps(steps: int, warmup: int, seconds: float, step_ms: float) -> int:
     """A model's steps per launch: `steps`, raised to `seconds` of its AdamW plan's predicted
-    step after the warm-up (0: `steps`), so a model of 30-ms steps and one of 400-ms steps
+    step (`step_ms`) after the warm-up (0: `steps`), so a model of 30-ms steps and one of 400-ms steps
     both run long enough to average over the host's slow spells, neither for minutes."""
     if seconds <= 0:
         return steps
-    step_ms = json.loads(adamw_plan.read_text())["stats"]["step_time_ms"]
     return max(steps, warmup + math.ceil(seconds * 1e3 / step_ms))
 
 
