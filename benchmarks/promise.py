@@ -36,13 +36,18 @@ for `--rounds` interleaved rounds. Nothing is calibrated. Per cell (model, sched
   median of the per-step spans, the rounds' the run's mean (the runtime's step_ms): both
   definitions are reported, each over predicted.
 
+With `--control`, each model and schedule gets one more cell: AdamW's plan run again as if it
+were an optimizer's (a copy of its file), its overhead 0 in truth. Its measured overheads are
+the floor of both measurements on this machine, and the table ends with how often a cell
+whose truth is its plan would land within ±2 points, were its rounds spread as the control's.
+
 The machine's own speed is timed too (benchmarks/drift.py's fixed kernel, --kernel-seconds)
 before profiling, before the rounds and after them: a profile predicts the speed the
 machine had when it was made, and a table whose machine drifted says so beside it.
 
     .venv/bin/python benchmarks/promise.py [--models bert-tiny bert-mini llama-tiny]
         [--optimizers adamw kfac shampoo soap muon] [--schedules 1f1b zb-h1] [--rounds 5]
-        [--steps 30] [--seconds 8] [--out out/promise] [--profile MODEL=PATH ...] [--kernel-seconds 10] [--interleaved]
+        [--steps 30] [--seconds 8] [--out out/promise] [--profile MODEL=PATH ...] [--kernel-seconds 10] [--interleaved] [--control]
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ PY = sys.executable
 MODELS = ("bert-tiny", "bert-mini", "llama-tiny")
 OPTIMIZERS = ("adamw", "kfac", "shampoo", "soap", "muon")
 SCHEDULES = ("1f1b", "zb-h1")
+# --control's cell: AdamW's plan under another name, run as an optimizer's plan is
+CONTROL = "control"
 NS_DTYPE = "float32"  # Muon's Newton-Schulz iteration: float32 on a CPU (bfloat16 is a GPU's choice)
 
 
@@ -100,6 +107,13 @@ def make_plan(prof: Path, out: Path, schedule: str, opt: str, time_limit: float,
         ["--method", "cpsat", "--time-limit", str(time_limit), "--workers", "2"]
     return bench.plan(str(prof), out, f"{prof.stem}-{schedule}-{opt}", "--schedule", schedule, "--micro-batches", "4",
                       "--optimizer", opt, *method)
+
+
+def control_plan(adamw: Path) -> Path:
+    """A copy of AdamW's plan file, for the control cell: the same plan run as a second plan."""
+    path = adamw.with_name(adamw.name.replace("-adamw.json", f"-{CONTROL}.json"))
+    path.write_bytes(adamw.read_bytes())
+    return path
 
 
 def flags_of(opt: str) -> tuple[str, ...]:
@@ -131,6 +145,8 @@ def print_aims(rows: list[dict]) -> None:
             return None
         return statistics.median(row[measured]) - row[planned]
 
+    controls = [r for r in rows if r["optimizer"] == CONTROL]
+    rows = [r for r in rows if r["optimizer"] != CONTROL]
     over = [r for r in rows if r["optimizer"] != "adamw"]
     print("\nThe aims, cells met (measured/predicted within ±10%; overheads within ±2 points):\n")
     print(f"- measured/predicted: {count((r['ratio'] - 1, 0.10) for r in rows)}; against the expected step: "
@@ -139,6 +155,29 @@ def print_aims(rows: list[dict]) -> None:
         if any(measured in r for r in over):
             print(f"- overhead, {label}: against the plans' step times {count((cell(r, measured, 'overhead_planned'), 0.02) for r in over)}; "
                   f"against their expected_step_overhead {count((cell(r, measured, 'overhead_planned_expected'), 0.02) for r in over)}")
+    if controls:
+        print("\nThe floor: AdamW's plan against itself (0 in truth), measured as the cells are; beside each, how "
+              "often a cell whose truth is its plan lands within ±2 points by this measure (its rounds resampled, "
+              f"{FLOOR_DRAWS} draws of a median of as many rounds):\n")
+        for r in controls:
+            sides = [f"{label} {statistics.median(r[k]):+.1%} ({spread(r[k], '+.1%')}; within ±2 points "
+                     f"{within_floor(r[k]):.0%})" for label, k in (("two launches", "overhead_measured"),
+                                                                    ("one launch", "overhead_one_launch")) if k in r]
+            print(f"- {r['model']} {r['schedule']}: " + "; ".join(sides))
+
+
+FLOOR_DRAWS = 10_000
+
+
+def within_floor(values: list[float], points: float = 0.02) -> float:
+    """The share of medians of len(values) draws (with replacement) from a control's rounds that
+    fall within ±points of 0: how often a cell whose truth is its plan meets the aim, were its
+    rounds spread as the control's are (a bootstrap; seeded, so a table reprints the same)."""
+    import random
+
+    rng, n = random.Random(0), len(values)
+    hits = sum(abs(statistics.median(rng.choices(values, k=n))) <= points for _ in range(FLOOR_DRAWS))
+    return hits / FLOOR_DRAWS
 
 
 def spread(v: list[float], fmt: str) -> str:
@@ -167,6 +206,10 @@ def main() -> None:
     ap.add_argument("--interleaved", action="store_true",
                     help="also measure each optimizer's overhead with AdamW's plan in the same launch, in alternating "
                          "blocks of steps (benchmarks/interleaved.py), one launch per cell and round")
+    ap.add_argument("--control", action="store_true",
+                    help="add a control cell per model and schedule: AdamW's plan against itself, its overhead 0 in "
+                         "truth, measured as every optimizer's is (two launches, and one with --interleaved): the "
+                         "floor under the overhead aim on this machine")
     ap.add_argument("--kernel-seconds", type=float, default=10.0,
                     help="time benchmarks/drift.py's fixed kernel this long before profiling, before the rounds and "
                          "after them: how far the machine itself drifted (0: skip)")
@@ -205,6 +248,8 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
         for s in a.schedules:
             for o in a.optimizers:
                 plans[(m, s, o)] = make_plan(prof, a.out, s, o, a.time_limit, a.adamw_method)
+            if a.control:
+                plans[(m, s, CONTROL)] = control_plan(plans[(m, s, "adamw")])
     load1 = os.getloadavg()
     speed.append(machine_speed(a.kernel_seconds))
     made = {key: json.loads(p.read_text()) for key, p in plans.items()}
@@ -218,6 +263,8 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     traced = {}
     if not a.no_traces:
         for key, p in plans.items():
+            if key[2] == CONTROL:
+                continue  # AdamW's own run, traced above
             with console.status(f"traced run of {p.stem}"):
                 traced[key] = where_it_went(p, prof, steps, warmup, key[2], a.out)
     times = {key: [x.step_ms for x in v] for key, v in launches.items()}

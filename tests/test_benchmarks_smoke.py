@@ -103,8 +103,13 @@ def check_split_backward(out: str) -> None:
 
 def check_promise(out: str) -> None:
     cells = [[c.strip() for c in r.split("|")] for r in markdown_rows(out)]
-    # adamw and muon in the promise table, muon in the one-launch overhead's, both in the traced runs'
-    assert [row[3] for row in cells] == ["adamw", "muon", "muon", "adamw", "muon"], out
+    # adamw, muon and the control (AdamW's plan again) in the promise table, muon and the control
+    # in the one-launch overhead's, adamw and muon in the traced runs'
+    assert [row[3] for row in cells] == ["adamw", "muon", "control", "muon", "control", "adamw", "muon"], out
+    # the control's plan is AdamW's: the same prediction, a planned overhead of 0
+    assert cells[2][5] == cells[0][5] and cells[2][16] == "+0.0%", out
+    assert re.search(r"^- bert-tiny 1f1b: two launches [+-]\d+\.\d% \(.*within ±2 points \d+%\); one launch "
+                     r"[+-]\d+\.\d% \(.*within ±2 points \d+%\)$", out, re.M), out
     assert cells[1][-4].startswith(("yes", "**no**")) and "inspect failed" not in out, out
     # the two launches' overhead against the plan's own expected_step_overhead too
     assert re.match(r"^[+-]\d+\.\d%$", cells[1][-3]) and re.match(r"^[+-]\d+\.\d$", cells[1][-2]), out
@@ -116,15 +121,15 @@ def check_promise(out: str) -> None:
     # same but for the plan's replay, shortened under its time limit)
     assert float(cells[0][11]) == pytest.approx(float(cells[0][10]), rel=0.02), out
     # beside the optimizer's work: nothing to compare in AdamW's run, the ratios in Muon's
-    assert cells[3][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[4][-3]), out
+    assert cells[5][-3:-1] == ["-", "-"] and re.match(r"^(\d+\.\d{3}|-) / (\d+\.\d{3}|-)$", cells[6][-3]), out
     assert re.search(r"before profiling \d+\.\d / \d+\.\d, before the rounds \d+\.\d / \d+\.\d, after them "
                      r"\d+\.\d / \d+\.\d", out), out  # the drift, compute- and memory-bound
-    assert cells[2][6].endswith("%") and cells[2][9] in ("yes", "**no**"), out  # in one launch
+    assert cells[3][6].endswith("%") and cells[3][9] in ("yes", "**no**"), out  # in one launch
     # the planned overhead of the plans' expected step times, and the measured one less it
-    assert re.match(r"^([+-]\d+\.\d%|-)$", cells[2][10]) and re.match(r"^([+-]\d+\.\d|-)$", cells[2][11]), out
-    assert re.match(r"^[+-]\d+\.\d%$", cells[2][12]) and re.match(r"^[+-]\d+\.\d$", cells[2][13]), out
-    assert float(cells[2][12][:-1]) == pytest.approx(float(cells[2][10][:-1]), abs=1.0), out  # as above
-    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", cells[2][14]), out  # the passes' level in each plan
+    assert re.match(r"^([+-]\d+\.\d%|-)$", cells[3][10]) and re.match(r"^([+-]\d+\.\d|-)$", cells[3][11]), out
+    assert re.match(r"^[+-]\d+\.\d%$", cells[3][12]) and re.match(r"^[+-]\d+\.\d$", cells[3][13]), out
+    assert float(cells[3][12][:-1]) == pytest.approx(float(cells[3][10][:-1]), abs=1.0), out  # as above
+    assert re.match(r"^\d+\.\d{3}, \d+\.\d{3}$", cells[3][14]), out  # the passes' level in each plan
 
 
 def check_denormals(out: str) -> None:
@@ -191,7 +196,7 @@ SMOKE = {
                         "--eval-batches", "1", "--time-limit", "1", "--jobs", "2", "--work", "{tmp}"], check_fair_race),
     "promise.py": (["--models", "bert-tiny", "--profile", "bert-tiny=profiles/bert-tiny-cpu-optimizers.json",
                     "--optimizers", "adamw", "muon", "--schedules", "1f1b", "--rounds", "1", "--steps", "4",
-                    "--warmup", "1", "--time-limit", "1", "--kernel-seconds", "1", "--interleaved", "--out", "{tmp}"],
+                    "--warmup", "1", "--time-limit", "1", "--kernel-seconds", "1", "--interleaved", "--control", "--out", "{tmp}"],
                    check_promise),
     "runtime.py": (["--only-interleaved", "--profile", "profiles/bert-tiny-cpu.json", "--interleaved-rounds", "1",
                     "--block", "1", "--warmup", "1", "--out", "{tmp}"], check_runtime),
