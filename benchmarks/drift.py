@@ -15,10 +15,14 @@ Four figures, measured one after the other with nothing else running:
   over the runs): which of the machine's speeds, compute or memory, a run's level follows;
 - one long traced run of the plan (--long-steps): its passes' mean level over windows of
   0.5 to 8 s, against the run's own mean. How fast the spread falls with the window says how
-  long a probe or a measured run must last for its mean to stand for the machine.
+  long a probe or a measured run must last for its mean to stand for the machine;
+- with --side-by-side S, both kernels back to back on both cores at once for S seconds (one
+  process pinned to each, as the ranks are; no runtime): whether the machine moves the two
+  cores together, and how often a later window of it is within ±10% of an earlier one, the
+  bound a profile (one window) meets when a run (a later one) is measured against it.
 
     .venv/bin/python benchmarks/drift.py [--seconds 60] [--runs 8] [--steps 30] [--long-steps 1200]
-                                         [--beside 1] [--profile PROFILE]
+                                         [--beside 1] [--side-by-side 240] [--profile PROFILE]
 """
 
 from __future__ import annotations
@@ -48,8 +52,19 @@ def kernel_pairs(seconds: float, size: int = KERNEL_SIZE) -> tuple[list[float], 
     AdamW-like updates of STREAM_FLOATS floats (memory-bound, as AdamW's step is). When a
     machine slows one and not the other, a plan's ops do not all move by one factor, and
     a plan with more compute-bound work moves more. -> (matmul ms, update ms)."""
+    series = kernel_series(seconds, size, pause=0.2)
+    return [x[1] for x in series], [x[2] for x in series]
+
+
+def kernel_series(seconds: float, size: int = KERNEL_SIZE, pause: float = 0.2,
+                  cpu: int | None = None) -> list[tuple[float, float, float]]:
+    """kernel_pairs' samples with their wall-clock times, `pause` s apart (0: back to back,
+    the core kept busy as a rank keeps it), on `cpu` alone where given. -> [(time.time(),
+    matmul ms, update ms)]."""
     import torch
 
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu % os.cpu_count()})
     torch.set_num_threads(1)
     a = torch.randn(size, size)
     p, g, m, v = (torch.randn(STREAM_FLOATS) for _ in range(4))
@@ -63,20 +78,64 @@ def kernel_pairs(seconds: float, size: int = KERNEL_SIZE) -> tuple[list[float], 
     for _ in range(20):
         a @ a
     update()
-    mm, st, until = [], [], time.monotonic() + seconds
+    out, until = [], time.monotonic() + seconds
     while time.monotonic() < until:
         t = time.perf_counter()
         for _ in range(100):
             a @ a
         t1 = time.perf_counter()
         update()
-        mm.append((t1 - t) * 1e3)
-        st.append((time.perf_counter() - t1) * 1e3)
-        time.sleep(0.2)
-    return mm, st
+        out.append((time.time(), (t1 - t) * 1e3, (time.perf_counter() - t1) * 1e3))
+        if pause > 0:
+            time.sleep(pause)
+    return out
+
+
+def _busy_core(args: tuple[float, int, int]) -> list[tuple[float, float, float]]:
+    seconds, size, cpu = args
+    return kernel_series(seconds, size, pause=0.0, cpu=cpu)
+
+
+def side_by_side(seconds: float, size: int = KERNEL_SIZE) -> dict[float, dict]:
+    """Both kernels back to back on two cores at once (one process pinned to each, as the
+    ranks are), no runtime in them: whether the machine moves both cores together, and how
+    often one window of it stands for a later one. Per window length (SIDE_WINDOWS_S) and
+    kernel: each core's windows over its median (min, max), Pearson's r between the cores'
+    windows, and the share of (earlier, later) window pairs of the two cores' mean whose
+    ratio is within ±10% (a profile is one window, a run a later one)."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        cores = pool.map(_busy_core, [(seconds, size, 0), (seconds, size, 1)])
+    t0 = min(c[0][0] for c in cores if c)
+    out: dict[float, dict] = {}
+    for w in SIDE_WINDOWS_S:
+        binned = []
+        for c in cores:
+            bins: dict[int, list] = {}
+            for t, mm, up in c:
+                bins.setdefault(int((t - t0) // w), []).append((mm, up))
+            binned.append(bins)
+        shared = sorted(set(binned[0]) & set(binned[1]))[:-1]  # the last bin is partial
+        if len(shared) < 3:
+            continue
+        out[w] = {}
+        for j, kernel in ((0, "matmuls"), (1, "updates")):
+            levels = []
+            for bins in binned:
+                v = [statistics.mean(x[j] for x in bins[k]) for k in shared]
+                mid = statistics.median(v)
+                levels.append([x / mid for x in v])
+            both = [(x + y) / 2 for x, y in zip(*levels)]
+            pairs = [(x, y) for i, x in enumerate(both) for y in both[i + 1:]]
+            out[w][kernel] = {"windows": len(shared), "cores": [(min(v), max(v)) for v in levels],
+                              "r": correlation(*levels),
+                              "within_10": sum(abs(y / x - 1) <= 0.10 for x, y in pairs) / len(pairs)}
+    return out
 
 
 WINDOWS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+SIDE_WINDOWS_S = (1.0, 4.0, 8.0, 24.0)
 
 
 def window_levels(trace_path: str) -> dict[float, list[float]]:
@@ -132,6 +191,9 @@ def main() -> None:
     ap.add_argument("--long-steps", type=int, default=1200, help="steps of the one long traced run (0: skip)")
     ap.add_argument("--beside", type=float, default=1.0,
                     help="seconds of both kernels timed just before each run, for their correlation with it (0: skip)")
+    ap.add_argument("--side-by-side", type=float, default=0.0, metavar="S",
+                    help="also time both kernels on both cores at once for S seconds, one process pinned to each "
+                         "(0: skip)")
     ap.add_argument("--profile", default=str(ROOT / "profiles" / "bert-tiny-cpu.json"))
     a = ap.parse_args()
     if a.runs < 2:
@@ -157,6 +219,7 @@ def main() -> None:
             print(f"one run of {a.long_steps} steps, traced", file=sys.stderr)
             bench.run_ours(plan, a.long_steps, a.warmup, "--trace", trace)
             windows = window_levels(trace)
+    both = side_by_side(a.side_by_side, a.size) if a.side_by_side > 0 else {}
     load1 = os.getloadavg()
     paired = [100 * (b / a_ - 1) for a_, b in zip(runs, runs[1:])]
     print(f"\nLoad average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load0)}; "
@@ -183,6 +246,17 @@ def main() -> None:
                 s = sorted(v)
                 print(f"| {w:g} s | {len(v)} | {statistics.pstdev(v):.3f} | {quantile(s, 0.1):.3f} | "
                       f"{quantile(s, 0.9):.3f} | {s[0]:.3f} | {s[-1]:.3f} |")
+    if both:
+        print(f"\nBoth kernels on both cores at once for {a.side_by_side:g} s (one process pinned to each, back to "
+              f"back, no runtime): each core's windows over its median, the cores' correlation, and how often a "
+              f"later window is within ±10% of an earlier one (the two cores' mean)\n")
+        print("| window | kernel | windows | core 0 min–max | core 1 min–max | r | later within ±10% of earlier |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
+        for w, kernels in both.items():
+            for kernel, d in kernels.items():
+                c0, c1 = d["cores"]
+                print(f"| {w:g} s | {kernel} | {d['windows']} | {c0[0]:.3f}–{c0[1]:.3f} | {c1[0]:.3f}–{c1[1]:.3f} | "
+                      f"{d['r']:+.2f} | {d['within_10']:.0%} |")
 
 
 if __name__ == "__main__":

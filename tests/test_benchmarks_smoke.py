@@ -151,9 +151,17 @@ def check_drift(out: str) -> None:
     # each run beside the kernels timed just before it: a correlation with each
     assert re.search(r"\(3 runs\): Pearson's r of its ms/step with the matmuls' ms [-+]\d\.\d\d, "
                      r"with the updates' ms [-+]\d\.\d\d", out), out
-    windows = rows[5:]  # the long run's: at least its 0.5-s windows, levels about its mean
+    side = [r for r in rows[5:] if r[2] in ("matmuls", "updates")]
+    windows = [r for r in rows[5:] if r not in side]  # the long run's: at least its 0.5-s windows, about its mean
     assert windows and windows[0][1] == "0.5 s" and int(windows[0][2]) >= 2, out
     assert all(0.5 < float(r[6]) <= float(r[7]) < 2.0 for r in windows), out
+    # both kernels on both cores at once: 1-s windows of each, every core's levels about its median
+    assert [r[2] for r in side[:2]] == ["matmuls", "updates"] and side[0][1] == "1 s", out
+    for r in side:
+        for core in (r[4], r[5]):
+            low, high = (float(x) for x in core.split("–"))
+            assert 0.3 < low <= 1.0 <= high < 3.0, out
+        assert re.match(r"^[+-]\d\.\d\d$", r[6]) and r[7].endswith("%"), out
 
 
 def check_interleaved(out: str) -> None:
@@ -184,7 +192,7 @@ SMOKE = {
     "compare_commits.py": (["--smoke"], check_compare_commits),
     "convergence.py": (["--smoke"], check_convergence),
     "drift.py": (["--seconds", "1", "--runs", "3", "--steps", "4", "--warmup", "1", "--long-steps", "80",
-                  "--beside", "0.2"], check_drift),
+                  "--beside", "0.2", "--side-by-side", "5"], check_drift),
     "denormals.py": (["--optimizers", "adamw", "kfac", "--rounds", "1", "--steps", "6", "--time-limit", "1",
                       "--out", "{tmp}"], check_denormals),
     "convergence_pipeline.py": (["--smoke"], check_convergence_pipeline),
