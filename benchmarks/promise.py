@@ -60,6 +60,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -433,7 +434,8 @@ def in_one_launch(plans: dict, rounds: int, console) -> dict:
                 n = interleaved.block_steps([base, plan], interleaved.MIN_STEPS)
                 pair = interleaved.launch_pair(base, plan, interleaved.BLOCKS, n, r % 2 == 0, list(flags_of(o)[1::2]))
             out[(m, s, o)].append(pair)
-            console.print(f"round {r + 1}: {plan.stem} in one launch with AdamW's: {pair.overhead:+.1%}")
+            console.print(f"round {r + 1}: {plan.stem} in one launch with AdamW's: {pair.overhead:+.1%} "
+                          f"(ended {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
     return out
 
 

@@ -125,7 +125,9 @@ def alternate(runs: dict, rounds: int, steps: int, console) -> dict[str, list[La
         for name in (order if r % 2 == 0 else order[::-1]):
             with console.status(f"round {r + 1}/{rounds}: {name} ({steps} steps)"):
                 launches[name].append(runs[name]())
-            console.print(f"round {r + 1}: {name}: {launches[name][-1].step_ms:.1f} ms/step")
+            # the wall-clock time beside each launch: a host's slow spells are read against it
+            console.print(f"round {r + 1}: {name}: {launches[name][-1].step_ms:.1f} ms/step "
+                          f"(ended {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
     return launches
 
 
