@@ -37,7 +37,7 @@ for `--rounds` interleaved rounds. Nothing is calibrated. Per cell (model, sched
   definitions are reported, each over predicted.
 
 With `--control`, each model and schedule gets one more cell: AdamW's plan run again as if it
-were an optimizer's (a copy of its file), its overhead 0 in truth. Its measured overheads are
+were an optimizer's (the same file), its overhead 0 in truth. Its measured overheads are
 the floor of both measurements on this machine, and the table ends with how often a cell
 whose truth is its plan would land within ±2 points, were its rounds spread as the control's.
 
@@ -84,7 +84,7 @@ PY = sys.executable
 MODELS = ("bert-tiny", "bert-mini", "llama-tiny")
 OPTIMIZERS = ("adamw", "kfac", "shampoo", "soap", "muon")
 SCHEDULES = ("1f1b", "zb-h1")
-# --control's cell: AdamW's plan under another name, run as an optimizer's plan is
+# --control's cell: AdamW's plan file as a cell of its own, run as an optimizer's plan is
 CONTROL = "control"
 NS_DTYPE = "float32"  # Muon's Newton-Schulz iteration: float32 on a CPU (bfloat16 is a GPU's choice)
 
@@ -108,13 +108,6 @@ def make_plan(prof: Path, out: Path, schedule: str, opt: str, time_limit: float,
         ["--method", "cpsat", "--time-limit", str(time_limit), "--workers", "2"]
     return bench.plan(str(prof), out, f"{prof.stem}-{schedule}-{opt}", "--schedule", schedule, "--micro-batches", "4",
                       "--optimizer", opt, *method)
-
-
-def control_plan(adamw: Path) -> Path:
-    """A copy of AdamW's plan file, for the control cell: the same plan run as a second plan."""
-    path = adamw.with_name(adamw.name.replace("-adamw.json", f"-{CONTROL}.json"))
-    path.write_bytes(adamw.read_bytes())
-    return path
 
 
 def flags_of(opt: str) -> tuple[str, ...]:
@@ -250,10 +243,12 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
             for o in a.optimizers:
                 plans[(m, s, o)] = make_plan(prof, a.out, s, o, a.time_limit, a.adamw_method)
             if a.control:
-                plans[(m, s, CONTROL)] = control_plan(plans[(m, s, "adamw")])
+                plans[(m, s, CONTROL)] = plans[(m, s, "adamw")]
     load1 = os.getloadavg()
     speed.append(machine_speed(a.kernel_seconds))
-    made = {key: json.loads(p.read_text()) for key, p in plans.items()}
+    # each plan file read (and below, replayed) once: the control's is AdamW's
+    read = {p: json.loads(p.read_text()) for p in set(plans.values())}
+    made = {key: read[p] for key, p in plans.items()}
     warmup, steps = bench.run_length(a, {str(k): p for k, p in plans.items()})
     steps = launch_steps(steps, warmup, a.seconds, made[(m, a.schedules[0], "adamw")]["stats"]["step_time_ms"])
     launches = bench.alternate({key: (lambda p=p, o=key[2]: bench.run_ours(p, steps, warmup, *flags_of(o)))
@@ -278,7 +273,8 @@ def one_model(m: str, a, reuse: str | None, console) -> tuple[list[dict], dict, 
     from pfcompile.formats.plan import load_plan
 
     busyless = without_busy(prof)
-    calm = {key: expected_step_time(load_plan(str(p)), busyless) for key, p in plans.items()}
+    replays = {p: expected_step_time(load_plan(str(p)), busyless) for p in set(plans.values())}
+    calm = {key: replays[p] for key, p in plans.items()}
 
     print(f"\n### {m}\n\n{a.rounds} rounds of {steps} steps ({warmup} warm-up). Load average (1, 5, 15 min): "
           f"before profiling {fmt_load(load0)}, before the rounds {fmt_load(load1)}, after them {fmt_load(load2)}.")
@@ -430,11 +426,11 @@ def in_one_launch(plans: dict, rounds: int, console) -> dict:
     for r in range(rounds):
         for m, s, o in cells:
             base, plan = plans[(m, s, "adamw")], plans[(m, s, o)]
-            with console.status(f"round {r + 1}/{rounds}: {plan.stem} with AdamW's plan in one launch"):
+            with console.status(f"round {r + 1}/{rounds}: {m}-{s}-{o} with AdamW's plan in one launch"):
                 n = interleaved.block_steps([base, plan], interleaved.MIN_STEPS)
                 pair = interleaved.launch_pair(base, plan, interleaved.BLOCKS, n, r % 2 == 0, list(flags_of(o)[1::2]))
             out[(m, s, o)].append(pair)
-            console.print(f"round {r + 1}: {plan.stem} in one launch with AdamW's: {pair.overhead:+.1%} "
+            console.print(f"round {r + 1}: {m}-{s}-{o} in one launch with AdamW's: {pair.overhead:+.1%} "
                           f"(ended {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
     return out
 
