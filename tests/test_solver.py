@@ -333,12 +333,14 @@ def test_an_exhausted_time_limit_skips_cpsat_and_still_returns_a_checked_plan():
 
 def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_time():
     """With an op-time spread in the profile, the reserve kept before the search grows by the
-    expected step time's shortest replay, and a search that ran to its deadline (all that is
-    left is the reserve) still leaves the plan that figure, from that replay."""
+    expected step time's least replay (EXPECTED_STEP_MIN_STEPS steps, twice: the plan and its
+    baseline) at the run's cost per drawn op, and a search that ran to its deadline (all that
+    is left is the reserve) still leaves the plan that figure, from that replay: as many
+    steps, not a few refresh cycles (which publish one draw's luck as the plan's step)."""
     import time
 
     from pfcompile.check.replay import expected_step_time
-    from pfcompile.place.budget import EXPECTED_STEP_MIN_CYCLES, Budget
+    from pfcompile.place.budget import EXPECTED_STEP_MIN_STEPS, Budget
     from pfcompile.place.build import _add_expected_step_time
     from pfcompile.place.solver import keep_time_for_the_plan, warm_start
 
@@ -350,19 +352,22 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
     reserve = {}
     for spread in (False, True):
         budget = Budget(600.0)
-        budget.replay_s_per_op = 1e-3
-        keep_time_for_the_plan(budget, warm_start(prof, cfg, opts, Planning(budget=budget)), opts, spread=spread)
+        budget.replay_s_per_op, budget.spread_s_per_op = 1e-3, 1e-5
+        warm = warm_start(prof, cfg, opts, Planning(budget=budget))
+        keep_time_for_the_plan(budget, warm, opts, spread=spread)
         reserve[spread] = budget.reserve
-    assert reserve[True] > reserve[False]
+    ops_per_step = sum(len(ops) for steps in warm.steps.values() for ops in steps) / warm.k
+    assert reserve[True] - reserve[False] >= 2 * EXPECTED_STEP_MIN_STEPS * ops_per_step * 1e-5 * (1 - 1e-9)
     budget.deadline = time.monotonic() + budget.reserve  # the search used every second of its share
     assert budget.left() <= 0.0
     plan.stats.pop("expected_step_time_ms", None)
     _add_expected_step_time(plan, prof, Planning(budget=budget))
     assert plan.stats["expected_step_time_ms"] > plan.stats["step_time_ms"]
-    # from the shortest replay: the same figure as expected_step_time over that many cycles
-    least = EXPECTED_STEP_MIN_CYCLES * plan.stats["tasks"]
-    assert plan.stats["expected_step_time_ms"] == pytest.approx(expected_step_time(plan, prof, max_instances=least),
-                                                                 abs=1e-6)
+    # from the least replay: the same figure as expected_step_time over that many steps
+    k = plan.refresh_steps
+    steps = k * -(-EXPECTED_STEP_MIN_STEPS // k)
+    assert plan.stats["expected_step_time_ms"] == pytest.approx(
+        expected_step_time(plan, prof, steps=steps, max_instances=steps // k * plan.stats["tasks"]), abs=1e-6)
 
 
 def test_the_expected_overhead_is_over_the_first_order_plan_replayed_as_long():

@@ -21,11 +21,15 @@ MIN_SOLVE_S = 0.05  # a CP-SAT call shorter than this finds nothing: skip it ins
 RESERVE_FIXED_S = 2.0
 RESERVE_REPLAYS = 2
 REPLAY_S_PER_OP_GUESS = 8e-4
-# and, where the profile has an op-time spread, the expected step time's least replay
-# (check.replay.expected_step_time: this many refresh cycles, each op instance drawn, which
-# costs about this many plain replayed ops)
-EXPECTED_STEP_MIN_CYCLES = 3
-EXPECTED_STEP_COST_PER_OP = 1.5
+# and, where the profile has an op-time spread, the expected step time
+# (check.replay.expected_step_time): a Monte Carlo replay whose own sampling spread must sit
+# well under the points its overhead is read at: at least this many steps (a few refresh
+# cycles read a slow draw as the plan's step), at most this many drawn op instances; a drawn
+# op instance costs about this many seconds before the run has measured its own (a slow
+# machine's figure)
+EXPECTED_STEP_MIN_STEPS = 1000
+EXPECTED_STEP_MAX_OPS = 200_000
+SPREAD_S_PER_OP_GUESS = 2e-5
 
 
 class Budget:
@@ -34,6 +38,7 @@ class Budget:
         self.deadline = None if seconds is None else self.t0 + seconds
         self.reserve = 0.0  # seconds kept for what follows the search (set from the plan's size)
         self.replay_s_per_op: float | None = None  # measured on this run's first replay (the load counts)
+        self.spread_s_per_op: float | None = None  # a drawn op instance of the expected step's replay, measured
         self.seconds: dict[str, float] = defaultdict(float)
 
     def left(self) -> float:

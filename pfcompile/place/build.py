@@ -17,14 +17,15 @@ from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
-from pfcompile.place.budget import EXPECTED_STEP_COST_PER_OP, EXPECTED_STEP_MIN_CYCLES
+from pfcompile.place.budget import EXPECTED_STEP_MAX_OPS, EXPECTED_STEP_MIN_STEPS, SPREAD_S_PER_OP_GUESS
 from pfcompile.place.greedy import greedy_steps
 from pfcompile.place.options import Planning, PlanOptions
 
-# the replayed ops the expected step time (with the ops' spread) may cost at most, and the
-# share of the time left beyond the reserve it may take under a wall-clock limit
-EXPECTED_STEP_MAX_OPS = 200_000
+# the share of the time left beyond the reserve that the expected step time (with the ops'
+# spread) may take under a wall-clock limit, and the steps of the short drawn replay that
+# measures what one drawn op instance costs on this machine before the search
 EXPECTED_STEP_SHARE_OF_TIME_LEFT = 0.5
+SPREAD_COST_PROBE_STEPS = 50
 
 
 def build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions | None = None, *,
@@ -99,17 +100,20 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     and for a plan with an optimizer's work, its first-order baseline's over as many steps
     with the same draws' seed: the overhead a run sees (stats.expected_step_overhead). A
     plan with less slack pays more for the same spread, so this is mostly above
-    step_overhead where the work fills the bubbles. Under a wall-clock limit: the plan's shortest replay
-    (EXPECTED_STEP_MIN_CYCLES cycles), which the search's reserve kept for it and its
-    baseline (solver.keep_time_for_the_plan), and more op instances only as a share of the
-    time the search left beyond the reserve, at this run's replay speed."""
+    step_overhead where the work fills the bubbles. Both are Monte Carlo figures, replayed
+    over at least EXPECTED_STEP_MIN_STEPS steps (at most EXPECTED_STEP_MAX_OPS op
+    instances): a few refresh cycles would publish one slow or fast draw as the plan's step.
+    Under a wall-clock limit, that least replay is what the search's reserve kept for the
+    plan and its baseline (solver.keep_time_for_the_plan), and more steps only as a share of
+    the time the search left beyond the reserve, at this run's measured cost per drawn op."""
     tasks = plan.stats.get("tasks", 0)
-    least = EXPECTED_STEP_MIN_CYCLES * tasks
+    least = spread_replay_cycles(plan.refresh_steps, tasks, EXPECTED_STEP_MIN_STEPS, EXPECTED_STEP_MAX_OPS) * tasks
     cap = EXPECTED_STEP_MAX_OPS
     budget = planning.budget
-    if budget.deadline is not None and budget.replay_s_per_op:
+    if budget.deadline is not None:
         spare = EXPECTED_STEP_SHARE_OF_TIME_LEFT * max(0.0, budget.left())
-        cap = min(cap, least + int(spare / (EXPECTED_STEP_COST_PER_OP * budget.replay_s_per_op)))
+        per_op = budget.spread_s_per_op or SPREAD_S_PER_OP_GUESS
+        cap = min(cap, least + int(spare / (2 * per_op)))  # the plan's replay and its baseline's
     if cap < least:  # a plan too large for even its shortest replay under the cap
         return
     expected = expected_step_time(plan, profile, max_instances=cap)
@@ -124,6 +128,18 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     expected_base = expected_step_time(base, profile, steps=steps, max_instances=steps * base.stats.get("tasks", 0))
     plan.stats["expected_baseline_step_time_ms"] = round(expected_base, 6)
     plan.stats["expected_step_overhead"] = round(expected / expected_base - 1, 6)
+
+
+def _measure_spread_cost(base_plan: Plan, profile: Profile, budget) -> None:
+    """What one drawn op instance of the expected step's replay costs on this machine now
+    (budget.spread_s_per_op), from a short drawn replay of the baseline: the search's
+    reserve keeps the expected step's least replay at this cost (its fixed work counted in,
+    so the figure errs long)."""
+    tasks = max(1, base_plan.stats.get("tasks", 1))
+    t = time.perf_counter()
+    expected_step_time(base_plan, profile, steps=SPREAD_COST_PROBE_STEPS)
+    cycles = spread_replay_cycles(base_plan.refresh_steps, tasks, SPREAD_COST_PROBE_STEPS)
+    budget.spread_s_per_op = (time.perf_counter() - t) / (cycles * tasks)
 
 
 def _build_division(profile: Profile, cfg: PipelineConfig, options: PlanOptions, where: str,
@@ -154,6 +170,8 @@ def _build_plan(profile: Profile, cfg: PipelineConfig, options: PlanOptions, whe
     base_plan, baseline = assemble.baseline_plan(profile, cfg, check_memory=not cfg.optimizer_work, graphs=graphs)
     # what a replay costs on this machine now: the budget's reserve scales with it
     budget.replay_s_per_op = (time.perf_counter() - t_base) / max(1, base_plan.stats.get("tasks", 1))
+    if budget.deadline is not None and budget.spread_s_per_op is None and profile.runtime.has_spread():
+        _measure_spread_cost(base_plan, profile, budget)
     # the best first-order plan of the family: the tight baseline, and the step time the k
     # lower bound aims at
     tight = tight_baseline(profile, cfg, options, planning) if cfg.optimizer_work else None

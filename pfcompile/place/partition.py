@@ -230,4 +230,5 @@ def _share(budget: Budget, share: float) -> Budget:
         child = Budget(max(0.0, budget.left()) * share)
     child.seconds = budget.seconds  # one account of where the command's time went
     child.replay_s_per_op = budget.replay_s_per_op
+    child.spread_s_per_op = budget.spread_s_per_op
     return child

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult, replay
+from pfcompile.check.replay import ReplayError, ReplayResult, replay, spread_replay_cycles
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
@@ -46,11 +46,12 @@ from pfcompile.graph.taskgraph import TaskGraph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.budget import (
-    EXPECTED_STEP_COST_PER_OP,
-    EXPECTED_STEP_MIN_CYCLES,
+    EXPECTED_STEP_MAX_OPS,
+    EXPECTED_STEP_MIN_STEPS,
     REPLAY_S_PER_OP_GUESS,
     RESERVE_FIXED_S,
     RESERVE_REPLAYS,
+    SPREAD_S_PER_OP_GUESS,
     Budget,
 )
 from pfcompile.place.cpmodel import Result, solve
@@ -432,14 +433,19 @@ def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions, *
     """Reserve the seconds that assembling and replaying the plan and the check on writing it
     (about one and a half replays) take after the search, plus a margin, at the seconds per
     op this run's first replay took (the machine's load counts); with `spread` (the profile
-    has an op-time spread) also the expected step time's shortest replay, so a search that
-    uses its whole share still leaves the plan that figure, and its baseline's over as many
-    steps (fewer ops: at most as long)."""
+    has an op-time spread) also the expected step time's least replay (EXPECTED_STEP_MIN_STEPS
+    steps, at most EXPECTED_STEP_MAX_OPS drawn op instances) at this run's measured cost per
+    drawn op, so a search that uses its whole share still leaves the plan that figure, and
+    its baseline's over as many steps (fewer ops: at most as long)."""
     ops = sum(len(ops) for steps in warm.steps.values() for ops in steps) / warm.k
     per_op = budget.replay_s_per_op or REPLAY_S_PER_OP_GUESS
     cycle = max(warm.k, opts.refresh_steps or 1, 2)
-    replays = RESERVE_REPLAYS + (2 * EXPECTED_STEP_MIN_CYCLES * EXPECTED_STEP_COST_PER_OP if spread else 0.0)
-    budget.reserve = max(budget.reserve, RESERVE_FIXED_S + replays * per_op * ops * cycle)
+    reserve = RESERVE_FIXED_S + RESERVE_REPLAYS * per_op * ops * cycle
+    if spread:
+        per_cycle = max(1, round(ops * cycle))
+        drawn = spread_replay_cycles(cycle, per_cycle, EXPECTED_STEP_MIN_STEPS, EXPECTED_STEP_MAX_OPS) * per_cycle
+        reserve += 2 * drawn * (budget.spread_s_per_op or SPREAD_S_PER_OP_GUESS)
+    budget.reserve = max(budget.reserve, reserve)
 
 
 def k_lower_bound(profile: Profile, cfg: PipelineConfig, opts: PlanOptions, planning: Planning, warm: WarmStart,
