@@ -370,6 +370,31 @@ def test_a_search_that_spends_its_share_still_leaves_the_plan_its_expected_step_
         expected_step_time(plan, prof, steps=steps, max_instances=steps // k * plan.stats["tasks"]), abs=1e-6)
 
 
+def test_a_time_limited_plan_prices_its_drawn_replay_and_publishes_the_long_figure():
+    """Under a wall-clock limit with an op-time spread, planning measures what a drawn op
+    instance costs (budget.spread_s_per_op, before the search) and the plan's expected
+    overhead is the one of EXPECTED_STEP_MIN_STEPS steps or more: its figures equal the
+    plan's and its baseline's replays over the steps it names, not a 3-cycle draw."""
+    from pfcompile.check.replay import expected_step_time
+    from pfcompile.place import assemble
+    from pfcompile.place.budget import EXPECTED_STEP_MIN_STEPS, Budget
+
+    kw = FAMILIES["1f1b"]
+    prof = _profile(kw, curv=0.3, inv=0.7)
+    prof.runtime.level_spread = [0.8] * 10 + [1.2] * 10
+    cfg = PipelineConfig(**kw)
+    planning = Planning(budget=Budget(20.0))
+    plan = build_plan(prof, cfg, PlanOptions("cpsat", time_limit=20, workers=1), planning=planning)[0]
+    assert planning.budget.spread_s_per_op is not None and 0 < planning.budget.spread_s_per_op < 1e-2
+    st_ = plan.stats
+    steps = st_["expected_step_replay_steps"]
+    assert steps >= EXPECTED_STEP_MIN_STEPS
+    assert st_["expected_step_time_ms"] == pytest.approx(expected_step_time(plan, prof, steps=steps), abs=1e-6)
+    base = assemble.baseline_plan(prof, cfg, check_memory=False)[0]
+    expected_base = expected_step_time(base, prof, steps=steps, max_instances=steps * base.stats["tasks"])
+    assert st_["expected_step_overhead"] == pytest.approx(st_["expected_step_time_ms"] / expected_base - 1, abs=2e-6)
+
+
 def test_the_expected_overhead_is_over_the_first_order_plan_replayed_as_long():
     """stats.expected_step_overhead: the plan's expected step (the ops' spread drawn) over
     the family's AdamW plan's, built apart here and replayed over as many steps; a plan

@@ -292,7 +292,8 @@ def _run(args) -> int:
     seconds = {**budget.report(), "total": round(budget.elapsed(), 3)}
     keys = ("utilization", "utilization_pipefisher", "utilization_pipefisher_mean", "utilization_strict",
             "step_time_ms", "expected_step_time_ms", "step_time_from_idle_ms", "baseline_step_time_ms", "baseline_utilization", "step_overhead",
-            "expected_baseline_step_time_ms", "expected_step_overhead", "tight_baseline_step_time_ms", "step_overhead_tight",
+            "expected_baseline_step_time_ms", "expected_step_overhead", "expected_step_replay_steps",
+            "tight_baseline_step_time_ms", "step_overhead_tight",
             "refresh_steps", "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds", "tasks",
             "peak_memory_bytes", "refresh_steps_note", "bubbles_too_small", "placement", "partition_search")
     out = {"plan": args.output, "schedule": cfg.schedule, "method": plan.config.method, "optimizer": cfg.optimizer,

@@ -36,7 +36,7 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
                 "baseline_step_time_ms", "tight_baseline_step_time_ms", "step_overhead",
                 "step_overhead_tight", "refresh_steps", "expected_step_time_ms",
                 "expected_baseline_step_time_ms", "expected_step_overhead" (with the
-                profile's op-time spread),
+                profile's op-time spread), "expected_step_replay_steps" (their replay's steps),
                 "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
                 "tasks", "peak_memory_bytes": [per rank], ...},
       "profile": {"name", "hash", "source", "device_type",

@@ -116,15 +116,16 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
         cap = min(cap, least + int(spare / (2 * per_op)))  # the plan's replay and its baseline's
     if cap < least:  # a plan too large for even its shortest replay under the cap
         return
-    expected = expected_step_time(plan, profile, max_instances=cap)
+    steps = plan.refresh_steps * spread_replay_cycles(plan.refresh_steps, tasks, max_instances=cap)
+    expected = expected_step_time(plan, profile, steps=steps, max_instances=cap)
     if expected is None:
         return
     plan.stats["expected_step_time_ms"] = round(expected, 6)
+    plan.stats["expected_step_replay_steps"] = steps  # the Monte Carlo's length: its figures' precision
     base = planning.baselines.get(id(plan))
     if base is None:  # AdamW: the plan is its own baseline
         return
     # the baseline's cycle is one step of fewer ops: the plan's steps cost it less than the plan
-    steps = plan.refresh_steps * spread_replay_cycles(plan.refresh_steps, tasks, max_instances=cap)
     expected_base = expected_step_time(base, profile, steps=steps, max_instances=steps * base.stats.get("tasks", 0))
     plan.stats["expected_baseline_step_time_ms"] = round(expected_base, 6)
     plan.stats["expected_step_overhead"] = round(expected / expected_base - 1, 6)
