@@ -60,7 +60,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -431,7 +430,7 @@ def in_one_launch(plans: dict, rounds: int, console) -> dict:
                 pair = interleaved.launch_pair(base, plan, interleaved.BLOCKS, n, r % 2 == 0, list(flags_of(o)[1::2]))
             out[(m, s, o)].append(pair)
             console.print(f"round {r + 1}: {m}-{s}-{o} in one launch with AdamW's: {pair.overhead:+.1%} "
-                          f"(ended {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+                          f"({bench.ended()})")
     return out
 
 

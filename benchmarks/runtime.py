@@ -116,6 +116,12 @@ class Launch(NamedTuple):
     period_ms: float | None
 
 
+def ended() -> str:
+    """The stamp printed beside each launch, "ended HH:MM:SS UTC": a host's slow spells are
+    read against the wall clock."""
+    return f"ended {time.strftime('%H:%M:%S', time.gmtime())} UTC"
+
+
 def alternate(runs: dict, rounds: int, steps: int, console) -> dict[str, list[Launch]]:
     """Every run once per round, the order reversed every other round (a drift of the
     machine then falls on each variant alike); returns each run's launches, round by round."""
@@ -125,9 +131,7 @@ def alternate(runs: dict, rounds: int, steps: int, console) -> dict[str, list[La
         for name in (order if r % 2 == 0 else order[::-1]):
             with console.status(f"round {r + 1}/{rounds}: {name} ({steps} steps)"):
                 launches[name].append(runs[name]())
-            # the wall-clock time beside each launch: a host's slow spells are read against it
-            console.print(f"round {r + 1}: {name}: {launches[name][-1].step_ms:.1f} ms/step "
-                          f"(ended {time.strftime('%H:%M:%S', time.gmtime())} UTC)")
+            console.print(f"round {r + 1}: {name}: {launches[name][-1].step_ms:.1f} ms/step ({ended()})")
     return launches
 
 

@@ -116,19 +116,21 @@ def plan_costs(plan: Plan, profile: Profile, L: PlanLayout) -> Costs:
 SPREAD_KIND = {"send_act": "send", "send_grad": "send"}
 
 
-# the steps expected_step_time replays by default: enough that its overhead's own spread
-# from seed to seed is a small fraction of a point
+# the steps expected_step_time replays by default (enough that its overhead's own spread from
+# seed to seed is a small fraction of a point), and the drawn op instances it replays at most
 EXPECTED_STEPS = 2000
+EXPECTED_STEP_MAX_OPS = 200_000
 
 
-def spread_replay_cycles(k: int, ops_per_cycle: int, steps: int = EXPECTED_STEPS, max_instances: int = 200_000) -> int:
+def spread_replay_cycles(k: int, ops_per_cycle: int, steps: int = EXPECTED_STEPS,
+                         max_instances: int = EXPECTED_STEP_MAX_OPS) -> int:
     """The refresh cycles expected_step_time replays: about `steps` steps, at least 3 cycles,
     at most `max_instances` op instances (beyond the 3 cycles)."""
     return max(3, min(-(-steps // k), max_instances // max(1, ops_per_cycle)))
 
 
 def expected_step_time(plan: Plan, profile: Profile, *, steps: int = EXPECTED_STEPS, seed: int = 0,
-                       max_instances: int = 200_000) -> float | None:
+                       max_instances: int = EXPECTED_STEP_MAX_OPS) -> float | None:
     """The step time a run sees when each op's time varies as the profile's
     `runtime.op_spread` and `runtime.level_spread` say (formats.profile): the plan replayed
     over about `steps` steps (whole refresh cycles, at most `max_instances` op instances)

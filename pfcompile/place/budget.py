@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from pfcompile.check.replay import EXPECTED_STEP_MAX_OPS, spread_replay_cycles
+
 MIN_SOLVE_S = 0.05  # a CP-SAT call shorter than this finds nothing: skip it instead
 # a budget's reserve for what follows the search (assembling, replaying, verifying and
 # writing the plan): a fixed part, plus this many replays at this run's measured seconds per
@@ -24,12 +26,16 @@ REPLAY_S_PER_OP_GUESS = 8e-4
 # and, where the profile has an op-time spread, the expected step time
 # (check.replay.expected_step_time): a Monte Carlo replay whose own sampling spread must sit
 # well under the points its overhead is read at: at least this many steps (a few refresh
-# cycles read a slow draw as the plan's step), at most this many drawn op instances; a drawn
-# op instance costs about this many seconds before the run has measured its own (a slow
-# machine's figure)
+# cycles read a slow draw as the plan's step); a drawn op instance costs about this many
+# seconds before the run has measured its own (a slow machine's figure)
 EXPECTED_STEP_MIN_STEPS = 1000
-EXPECTED_STEP_MAX_OPS = 200_000
 SPREAD_S_PER_OP_GUESS = 2e-5
+
+
+def least_expected_replay_ops(k: int, ops_per_cycle: int) -> int:
+    """The drawn op instances of the expected step time's least replay: whole refresh cycles
+    of EXPECTED_STEP_MIN_STEPS steps or more, within check.replay's bound on instances."""
+    return spread_replay_cycles(k, ops_per_cycle, EXPECTED_STEP_MIN_STEPS, EXPECTED_STEP_MAX_OPS) * ops_per_cycle
 
 
 class Budget:

@@ -10,14 +10,20 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult, expected_step_time, spread_replay_cycles
+from pfcompile.check.replay import (
+    EXPECTED_STEP_MAX_OPS,
+    ReplayError,
+    ReplayResult,
+    expected_step_time,
+    spread_replay_cycles,
+)
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.place import assemble
 from pfcompile.place.bounds import refresh_steps_lower_bound_at
-from pfcompile.place.budget import EXPECTED_STEP_MAX_OPS, EXPECTED_STEP_MIN_STEPS, SPREAD_S_PER_OP_GUESS
+from pfcompile.place.budget import SPREAD_S_PER_OP_GUESS, Budget, least_expected_replay_ops
 from pfcompile.place.greedy import greedy_steps
 from pfcompile.place.options import Planning, PlanOptions
 
@@ -107,7 +113,7 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     plan and its baseline (solver.keep_time_for_the_plan), and more steps only as a share of
     the time the search left beyond the reserve, at this run's measured cost per drawn op."""
     tasks = plan.stats.get("tasks", 0)
-    least = spread_replay_cycles(plan.refresh_steps, tasks, EXPECTED_STEP_MIN_STEPS, EXPECTED_STEP_MAX_OPS) * tasks
+    least = least_expected_replay_ops(plan.refresh_steps, tasks)
     cap = EXPECTED_STEP_MAX_OPS
     budget = planning.budget
     if budget.deadline is not None:
@@ -131,7 +137,7 @@ def _add_expected_step_time(plan: Plan, profile: Profile, planning: Planning) ->
     plan.stats["expected_step_overhead"] = round(expected / expected_base - 1, 6)
 
 
-def _measure_spread_cost(base_plan: Plan, profile: Profile, budget) -> None:
+def _measure_spread_cost(base_plan: Plan, profile: Profile, budget: Budget) -> None:
     """What one drawn op instance of the expected step's replay costs on this machine now
     (budget.spread_s_per_op), from a short drawn replay of the baseline: the search's
     reserve keeps the expected step's least replay at this cost (its fixed work counted in,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from pfcompile.check.replay import ReplayError, ReplayResult, replay, spread_replay_cycles
+from pfcompile.check.replay import ReplayError, ReplayResult, replay
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.plan import Plan
 from pfcompile.formats.profile import Profile
@@ -46,13 +46,12 @@ from pfcompile.graph.taskgraph import TaskGraph
 from pfcompile.place import assemble
 from pfcompile.place.bounds import Bounds, heads_and_tails, lower_bounds, refresh_steps_lower_bound_at
 from pfcompile.place.budget import (
-    EXPECTED_STEP_MAX_OPS,
-    EXPECTED_STEP_MIN_STEPS,
     REPLAY_S_PER_OP_GUESS,
     RESERVE_FIXED_S,
     RESERVE_REPLAYS,
     SPREAD_S_PER_OP_GUESS,
     Budget,
+    least_expected_replay_ops,
 )
 from pfcompile.place.cpmodel import Result, solve
 from pfcompile.place.cycle_model import (
@@ -442,8 +441,7 @@ def keep_time_for_the_plan(budget: Budget, warm: WarmStart, opts: PlanOptions, *
     cycle = max(warm.k, opts.refresh_steps or 1, 2)
     reserve = RESERVE_FIXED_S + RESERVE_REPLAYS * per_op * ops * cycle
     if spread:
-        per_cycle = max(1, round(ops * cycle))
-        drawn = spread_replay_cycles(cycle, per_cycle, EXPECTED_STEP_MIN_STEPS, EXPECTED_STEP_MAX_OPS) * per_cycle
+        drawn = least_expected_replay_ops(cycle, max(1, round(ops * cycle)))
         reserve += 2 * drawn * (budget.spread_s_per_op or SPREAD_S_PER_OP_GUESS)
     budget.reserve = max(budget.reserve, reserve)
 
