@@ -219,6 +219,32 @@ def test_calibration_recovers_known_costs(tmp_path):
     assert json.loads(replanned.read_text())["profile"]["hash"] == again.hash
 
 
+def test_a_muon_runs_step_is_fitted_into_its_own_entry_and_loads_again(tmp_path):
+    """Calibrating from a Muon run fits its step op into the parts' step_ms["muon"] (Muon's
+    step is not AdamW's: a scaled add on the covered weights); the calibrated profile saves
+    and loads again with its hash, and plans from it cost Muon's step from that entry."""
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    truth = true_profile(prof)
+    for p in truth.parts:
+        p.step_ms["muon"] = 0.6 * p.step_ms["adamw"]
+    config = PipelineConfig("gpipe", stages=4, micro_batches=4, optimizer="muon")
+    plan, _, _ = build_plan(prof, config, PlanOptions("greedy"))
+    plan_path = tmp_path / "muon.json"
+    plan.save(str(plan_path))
+    trace = synthetic_trace(tmp_path, plan_path, truth, steps=plan.refresh_steps + 2)
+    fitted, counts = calibrate(prof, [load_measured(str(trace))])
+    assert counts["step"] == 4
+    for got, want, was in zip(fitted.parts, truth.parts, prof.parts):
+        assert got.step_ms["muon"] == pytest.approx(want.step_ms["muon"], rel=0.01), got.name
+        assert got.step_ms["adamw"] == was.step_ms["adamw"]  # AdamW's own did not run: kept
+    path = tmp_path / "calibrated.json"
+    fitted.save(str(path))
+    again = load_profile(str(path))
+    assert again.hash == fitted.hash and again.part("block1").step_ms == fitted.part("block1").step_ms
+    costs = Costs(again, [[n] for n in ("embed", "block0", "block1", "head")], replicas=1, optimizer="muon")
+    assert costs.step_ms(2) == pytest.approx(truth.part("block1").step_ms["muon"], rel=0.01)
+
+
 @pytest.mark.e2e
 def test_replay_with_the_runs_op_times_splits_the_error(tmp_path):
     """`pfcompile inspect TRACE --against PLAN --profile P` replays the plan with the run's

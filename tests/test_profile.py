@@ -758,3 +758,52 @@ def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
     prof.part("block0").capture_ms = part.capture_ms
     assert "what capturing adds" in format_profile(prof)
     assert profile_from_json(json.loads(json.dumps(prof.to_json()))).part("block0").capture_ms == part.capture_ms
+
+
+def test_each_optimizers_step_is_timed_as_the_runtimes_update_runs_it(monkeypatch):
+    """The `step` op is timed per optimizer through the runtime's own update
+    (runtime.pipeline.build.Update over the part): Muon's step applies each covered weight's
+    update (MuonLayer.apply), which is made to cost a known 2 ms per layer, so Muon's entry
+    holds that many layers x 2 ms and K-FAC's and AdamW's, which never call it, none of it.
+    The entry round-trips through the profile JSON (its hash included), a Muon plan's step op
+    costs it, and an optimizer without an entry of its own steps like its declaration says."""
+    import time
+
+    import torch
+
+    from pfcompile.graph.costs import Costs
+    from pfcompile.profiler.clocks import Clock
+    from pfcompile.profiler.parts import PartBench, measure_part
+    from pfcompile.profiler.settings import resolve_spec
+    from runtime.optimizers.muon import MuonLayer
+
+    cost_s = 0.002
+    real = MuonLayer.apply
+
+    def slowed(self, lr, real=real):
+        until = time.perf_counter() + cost_s  # a spin, not a sleep: a loaded VM wakes a sleeper late
+        while time.perf_counter() < until:
+            pass
+        real(self, lr)
+    monkeypatch.setattr(MuonLayer, "apply", slowed)
+    torch.manual_seed(0)
+    bench = PartBench(resolve_spec("bert-tiny", 8), "block0", 1, 8, "cpu", torch.float32)
+    part, timings = measure_part(bench, Clock(torch.device("cpu"), repeats=5, warmup=1), ("muon",))
+    applies = len(bench.kfac) * cost_s * 1e3
+    assert set(part.step_ms) == {"kfac", "adamw", "muon"} and "step_ms.muon" in timings
+    assert part.step_ms["muon"] >= applies
+    assert part.step_ms["kfac"] < applies * 0.5 and part.step_ms["adamw"] < applies * 0.5
+    assert all(l.module.weight.grad is not None for l in bench.kfac)  # left as the backward made them
+
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    assert "muon" not in prof.part("block0").step_ms  # made before it was timed
+    partition = [["embed", "block0"], ["block1", "head"]]
+    before = Costs(prof, partition, replicas=1, optimizer="muon").step_ms(0)
+    assert before == pytest.approx(sum(prof.part(p).step_ms["adamw"] for p in partition[0]))  # Muon steps like AdamW
+    prof.part("block0").step_ms = dict(part.step_ms)
+    again = profile_from_json(json.loads(json.dumps(prof.to_json())))
+    assert again.part("block0").step_ms == part.step_ms
+    muon = Costs(again, partition, replicas=1, optimizer="muon")
+    assert muon.step_ms(0) == pytest.approx(again.part("embed").step_ms["adamw"] + part.step_ms["muon"])
+    shampoo = Costs(again, partition, replicas=1, optimizer="shampoo")  # no entry of its own: K-FAC's
+    assert shampoo.step_ms(0) == pytest.approx(again.part("embed").step_ms["kfac"] + part.step_ms["kfac"])

@@ -21,7 +21,7 @@ statistic (`provenance.calibration.statistic`, the mean by default) of the measu
                 "micro_batch", "dtype"},
       "parts": [{"name": "embed"|"block0"..|"head", "fwd_ms", "bwd_ms", "act_bytes",
                  "param_bytes", "grad_bytes", "out_bytes",
-                 "step_ms": {"kfac", "adamw"},          # version 2
+                 "step_ms": {"kfac", "adamw", ...},     # version 2; others optional
                  "bwd_input_ms", "bwd_weight_ms",       # version 3 (number or null)
                  "wgrad_bytes",                          # version 3, optional (number or null)
                  "capture_ms": {"fwd", "bwd", ...}}],    # optional: a capturing refresh step's extra
@@ -57,7 +57,11 @@ so it stays verifiable and plans made from them name it.
 
 `step_ms` (version 2) is the optimizer update of the part's parameters, once per step:
 "kfac" the K-FAC optimizer (KL clip over its K-FAC layers, SGD-momentum on them, AdamW on
-the rest), "adamw" the first-order baseline (AdamW on everything). A version-1 profile has
+the rest), "adamw" the first-order baseline (AdamW on everything), both always; and, where
+the profile timed another optimizer (or a calibration fitted one from its run), that
+optimizer's own under its name ("muon": the scaled add on the covered weights, AdamW on the
+rest). An optimizer without an entry steps like the one its declaration names
+(`step_like`). A version-1 profile has
 no such field: it still loads, with a one-line warning, and its step is ESTIMATED
 (`estimated_step_ms`): the optimizer streams parameters, gradients and state, 7 passes over
 the parameter bytes for AdamW and 5 for SGD-momentum, at 2 GB/s on a CPU (one core,
@@ -182,7 +186,8 @@ class Part:
     param_bytes: int
     grad_bytes: int
     out_bytes: int
-    # "kfac" / "adamw" -> ms per step; parts made in code (test profiles) default to free steps
+    # optimizer -> ms per step ("kfac" and "adamw" always, others where timed); parts made in
+    # code (test profiles) default to free steps
     step_ms: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in STEP_KINDS})
     # split backward (version 3): B and W as measured; None: not measured (the estimate applies)
     bwd_input_ms: float | None = None
@@ -701,6 +706,9 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         if version >= 2:
             sf = f.sub("step_ms")
             step = {k: sf.req(k, float, check=_pos, why="must be a finite number >= 0") for k in STEP_KINDS}
+            # another optimizer's own step (profiled with it, or calibrated from its run)
+            step.update({k: sf.req(k, float, check=_pos, why="must be a finite number >= 0")
+                         for k in sf.obj if k not in STEP_KINDS})
         split = {}
         if version >= 3:
             split = {k: f.req(k, (float, type(None)), check=lambda v: v is None or _pos(v),

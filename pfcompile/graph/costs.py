@@ -132,10 +132,10 @@ class Costs:
         return self.out_bytes(stage - 1) if stage > 0 else 0
 
     def step_ms(self, stage: int) -> float:
-        """The stage's optimizer update, as profiled per optimizer; where a part has no entry of
-        its own, that of the optimizer its declaration steps like (`step_like`: Shampoo's is
-        K-FAC's, SGD-momentum on the covered weights and AdamW on the rest; Muon's AdamW's, a
-        scaled add on the covered weights)."""
+        """The stage's optimizer update, as profiled per optimizer (a profile times every
+        optimizer it profiles, runtime.pipeline.build.Update with its layers); where a part has
+        no entry of its own (a profile made before), that of the optimizer its declaration steps
+        like (`step_like`: Shampoo's and SOAP's K-FAC's, Muon's AdamW's)."""
         like = self.spec.step_like
         return sum(p.step_ms.get(self.optimizer, p.step_ms.get(like, 0.0)) for p in self._parts[stage])
 

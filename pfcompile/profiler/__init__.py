@@ -115,7 +115,7 @@ def measure_model(model: str, micro_batch: int, seq_len: int, device: str = "cpu
             for name in spec.part_names:
                 bar.update(task, description=f"{name}: fwd/bwd")
                 bench = PartBench(spec, name, micro_batch, seq_len, dev, DTYPES[dtype])
-                part, t = guard_unsupported_op(dtype, dev, lambda bench=bench: measure_part(bench, timer))
+                part, t = guard_unsupported_op(dtype, dev, lambda bench=bench: measure_part(bench, timer, optimizers))
                 parts.append(part)
                 spread.update({f"parts.{name}.{k}": [v.p10, v.p90] for k, v in t.items()})
                 bar.advance(task)

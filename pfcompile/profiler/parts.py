@@ -69,7 +69,7 @@ class PartBench:
         return {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
 
 
-def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing]]:
+def measure_part(bench: PartBench, clock: Clock, optimizers: tuple[str, ...] = ()) -> tuple[Part, dict[str, Timing]]:
     out, act = saved_activation_bytes(bench.forward, bench.param_storages())
     out_bytes = 0 if bench.is_last else nbytes(out)
     if not bench.is_last:
@@ -81,7 +81,7 @@ def measure_part(bench: PartBench, clock: Clock) -> tuple[Part, dict[str, Timing
         timed[capture] = measure_passes(bench, clock)
     params = list(bench.stage.parameters())
     grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
-    steps = measure_step(bench, clock)
+    steps = measure_step(bench, clock, optimizers)
     own, hooked = timed[False], timed.get(True, timed[False])
     # what capturing adds, alone: K-FAC's hooks saving the tensors (a run adds holding them,
     # which the runtime probe fits); below the two medians' noise it is 0
@@ -156,40 +156,59 @@ def measure_passes(bench: PartBench, clock: Clock) -> dict[str, Timing]:
         split.kept.clear()
 
 
-def measure_step(bench: PartBench, clock: Clock) -> dict[str, Timing]:
-    """The `step` op over this part's parameters, as runtime.pipeline.build.Update runs it: KL clip
-    over its K-FAC layers then the K-FAC optimizer (SGD-momentum + AdamW), and the first-order
-    baseline's AdamW. Each run starts from the gradients of a real backward (and, for the KL
-    clip, a preconditioned-gradient term per layer); the optimizers' state exists from the
-    warm-up on, as in every step after the first. The parameters are restored afterwards."""
-    from runtime.optimizers.kfac import KfacConfig, apply_kl_clip
+def measure_step(bench: PartBench, clock: Clock, optimizers: tuple[str, ...] = ()) -> dict[str, Timing]:
+    """The `step` op over this part's parameters, as runtime.pipeline.build.Update runs it (the
+    gradient norm's share, the KL clip where the optimizer's entry clips, its stage optimizer),
+    for K-FAC (SGD-momentum on its layers, AdamW on the rest), the first-order baseline's AdamW
+    and each other optimizer in `optimizers` (its registry entry's layers on the part's covered
+    Linears: Muon's scaled add, Shampoo's SGD). Each run starts from the gradients of a real
+    backward, each covered layer holding what its update op leaves (the replaced gradient's
+    norm; for the KL clip, a preconditioned-gradient term); the optimizers' state exists from
+    the warm-up on, as in every step after the first. The parameters are restored afterwards."""
+    from runtime.config.job import JobConfig
+    from runtime.optimizers import registry
     from runtime.optimizers.stage import build_optimizer
+    from runtime.pipeline.build import Update
+    from runtime.pipeline.interpreter import StageReplica
 
     params = list(bench.stage.parameters())
     saved = [p.detach().clone() for p in params]
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-    def fresh():
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        for l in bench.kfac:
-            l.kl_term = (l.module.weight.grad * l.module.weight.grad).sum()
+    job = JobConfig()
 
     out = {}
-    for kind, layers in (("kfac", bench.kfac), ("adamw", [])):
-        opt = build_optimizer(bench.stage, layers)
-        kl_clip = KfacConfig().kl_clip
+    for name in dict.fromkeys(("kfac", "adamw", *optimizers)):
+        entry = registry.entry(name)
+        math_cfg = entry.math_config(job)
+        if name == "kfac":
+            layers = bench.kfac
+        elif name == "adamw":
+            layers = []
+        else:
+            layers = [entry.layer(l.name, l.module, math_cfg, 1) for l in bench.kfac]
+        replica = StageReplica(stage=0, replica=0, module=bench.stage, layers=dict(enumerate(layers)),
+                               optimizer=build_optimizer(bench.stage, layers, optimizer=name), group=None,
+                               is_first=bench.is_first, is_last=bench.is_last)
+        update = Update(entry, math_cfg)
 
-        def step(opt=opt, layers=layers, kl_clip=kl_clip):
-            if layers:
-                apply_kl_clip(layers, opt.lr, kl_clip)
-            opt.step()
-            opt.zero_grad()
-        out[kind] = clock.time(step, setup=fresh)
+        def fresh(layers=layers, update=update):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            for l in layers:
+                w = l.module.weight.grad
+                l.raw_grad_sq = (w * w).sum()
+                if update.kl_clip is not None:
+                    l.kl_term = l.raw_grad_sq
+
+        def step(replica=replica, update=update):
+            update(replica)
+            update.norm_sq = 0.0
+
+        out[name] = clock.time(step, setup=fresh)
     with torch.no_grad():
         for p, v, g in zip(params, saved, grads):
             p.copy_(v)
             p.grad = g
     for l in bench.kfac:
-        l.kl_term = None
+        l.kl_term = l.raw_grad_sq = None
     return out
