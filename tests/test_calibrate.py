@@ -75,6 +75,60 @@ def test_the_step_op_costs_its_parts_steps():
         assert costs.duration(Op("step", stage=1)) == pytest.approx(want + prof.runtime.step_ms + prof.runtime.op_ms)
 
 
+def test_a_plan_records_the_runtimes_work_in_its_spans_and_compares_ops_alone(tmp_path):
+    """A plan's `step` op spans its stage's update and the runtime's work between steps (and,
+    ending a cycle, SOAP's activation): the plan records that work (`between_ms`, and the
+    dispatch of every op, `stats.runtime_op_ms`), so what a run's ops are compared with
+    (Plan.own_ms, runtime.observe.measure.predicted_op_table) is each op alone: a step op
+    its parts' profiled steps, a forward its parts' forwards. It round-trips; a between_ms
+    longer than the op's span is refused naming the field."""
+    from runtime.observe.measure import predicted_op_table
+
+    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    rt = prof.runtime
+    assert rt.op_ms > 0 and rt.step_ms > 0
+    for j, layer in enumerate(prof.covered_layers):  # made before SOAP's activation was timed
+        layer.optimizer_ms["soap"]["activate"] = 0.05 + 0.001 * j
+    partition = [["embed", "block0"], ["block1", "head"]]
+    config = PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="soap", partition=partition)
+    plan, _, _ = build_plan(prof, config, PlanOptions("greedy"))
+    k = plan.refresh_steps
+    assert k >= 2 and plan.stats["runtime_op_ms"] == rt.op_ms
+    table = predicted_op_table(plan)
+    seen = defaultdict(int)
+    for q, steps in enumerate(plan.ranks):
+        for t, ops in enumerate(steps):
+            for i, po in enumerate(ops):
+                names = partition[po.op.stage] if po.op.stage is not None else []
+                if po.op.kind == "step":
+                    alone = sum(prof.part(n).step_ms.get("soap", prof.part(n).step_ms["kfac"]) for n in names)
+                    # the cycle's last step also puts the new eigenbases in force
+                    activation = sum(l.optimizer_ms["soap"]["activate"] for l in prof.covered_layers
+                                     if l.part in names) if t == k - 1 else 0.0
+                    assert po.between_ms == pytest.approx(rt.step_ms + activation, abs=1e-6)
+                elif po.op.kind == "fwd" and t == 1:  # not a refresh step: no capture
+                    alone = sum(prof.part(n).fwd_ms for n in names)
+                else:
+                    assert po.between_ms == 0.0
+                    continue
+                seen[po.op.kind] += 1
+                assert plan.own_ms(po) == pytest.approx(alone, abs=2e-6), (q, t, str(po.op))
+                assert table[q][t][i] == (str(po.op), plan.own_ms(po))
+    assert seen["step"] == 2 * k and seen["fwd"] == 8
+
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    again = load_plan(str(path))
+    assert [[[po.between_ms for po in ops] for ops in steps] for steps in again.ranks] == \
+        [[[round(po.between_ms, 6) for po in ops] for ops in steps] for steps in plan.ranks]
+    raw = json.loads(path.read_text())
+    step_op = next(d for d in raw["ranks"][0]["steps"][0] if d["op"] == "step")
+    step_op["between_ms"] = step_op["end"] - step_op["start"] + 1.0
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InputError, match=r"ranks\[0\]\.steps\[0\]\[\d+\]\.between_ms"):
+        load_plan(str(path))
+
+
 # --- a measured trace with known durations ------------------------------------------------------------
 def true_profile(prof: Profile) -> Profile:
     """The 'machine' the synthetic run ran on: every entry scaled by a known factor, per part
@@ -459,21 +513,33 @@ def test_inspect_with_the_profile_compares_each_op_with_its_own_time(tmp_path):
     """A run written with the plan's own profile's costs (runtime overheads included: the
     committed profile's dispatch and work between steps): with `--profile`, every op kind
     the run times (compute ops, the optimizer step, sends) is predicted exactly, ratio 1; the
-    runtime's work is in 'between ops'. Without it, a step op's prediction is its span in the
-    plan, longer than the op by the dispatch and the work between steps."""
+    runtime's work is in 'between ops'. Without it, the same from what the plan records of
+    that work; a plan made before it recorded it predicts a step op by its span, longer than
+    the op by the dispatch and the work between steps."""
     prof = load_profile(str(PROFILE))
     rt = prof.runtime
     assert rt.step_ms > 0 and rt.op_ms > 0
     plan_path = make_plan(tmp_path, prof, "f1b", schedule="1f1b", stages=2)
     trace = synthetic_trace(tmp_path, plan_path, prof, steps=load_plan(str(plan_path)).refresh_steps + 2)
 
-    def rows(*flags):
+    def rows(*flags, trace=trace, plan_path=plan_path):
         r = cli("inspect", str(trace), "--against", str(plan_path), "--json", *flags)
         assert r.returncode == 0, r.stderr
         return {row["kind"]: row for row in json.loads(r.stdout)["kinds"]}
-    own, span = rows("--profile", str(PROFILE)), rows()
+    own, recorded = rows("--profile", str(PROFILE)), rows()
     for kind in ("fwd", "bwd", "step", "curv_a", "curv_b", "inv", "precond", "send_act", "send_grad"):
         assert own[kind]["ratio"] == pytest.approx(1.0, rel=1e-6), kind
+        assert recorded[kind]["predicted_ms"] == pytest.approx(own[kind]["predicted_ms"], abs=2e-6), kind
+    raw = json.loads(plan_path.read_text())  # as a plan made before it recorded the runtime's work
+    del raw["stats"]["runtime_op_ms"]
+    for rank in raw["ranks"]:
+        for ops in rank["steps"]:
+            for d in ops:
+                d.pop("between_ms", None)
+    old_path = tmp_path / "before.json"
+    old_path.write_text(json.dumps(raw))
+    old_trace = synthetic_trace(tmp_path, old_path, prof, steps=load_plan(str(old_path)).refresh_steps + 2)
+    span = rows(trace=old_trace, plan_path=old_path)
     assert span["step"]["predicted_ms"] - own["step"]["predicted_ms"] == pytest.approx(rt.op_ms + rt.step_ms)
     assert span["fwd"]["predicted_ms"] - own["fwd"]["predicted_ms"] == pytest.approx(rt.op_ms)
     assert span["step"]["ratio"] < 1.0

@@ -14,7 +14,8 @@ An op's span in the plan holds the runtime's own work too: its dispatch (runtime
 and, in a `step` op, the runtime's work between steps (runtime.step_ms), which a run's trace
 times apart from the op. With the plan's profile (`--profile`) the predicted column is the
 op's own time, as the run times it, and the runtime's work moves to "between ops"; without
-it, the op's whole span (a step op then reads as if the optimizer ran faster than planned).
+it, the same from what the plan records of that work (Plan.own_ms); a plan made before it
+recorded it gives the whole span (a step op then reads as if the optimizer ran faster).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def per_kind_rows(trace: MeasuredTrace, plan: Plan, profile: Profile | None = No
     for q, steps in enumerate(plan.ranks):
         for t, ops in enumerate(steps):
             for po in ops:
-                predicted[(q, t, str(po.op))] = max(0.0, po.end - po.start - runtime_ms(po.op, t))
+                predicted[(q, t, str(po.op))] = max(0.0, po.end - po.start - runtime_ms(po.op, t)) \
+                    if profile is not None else plan.own_ms(po)
     by_kind: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"measured": [], "predicted": []})
     for o in trace.ops:
         p = predicted.get((o.rank, o.step % k, str(o.op)))

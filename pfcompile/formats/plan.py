@@ -31,6 +31,8 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
       "ranks": [{"rank": q, "steps": [[{"op": "fwd", "stage": 0, "mb": 0,
                                          "start": ms, "end": ms}, ...],   # step 0 of the cycle
                                         ...]}],                            # k lists
+                                      # a `step` op also "between_ms": of its span, the runtime's
+                                      # work between steps (and the activation ending a cycle)
       "stats": {"utilization", "utilization_pipefisher": [per step], "utilization_pipefisher_mean",
                 "utilization_strict", "step_time_ms" (steady state), "step_time_from_idle_ms",
                 "baseline_step_time_ms", "tight_baseline_step_time_ms", "step_overhead",
@@ -38,14 +40,17 @@ Imports no torch, networkx or ortools: the runtime loads plans through `load_pla
                 "expected_baseline_step_time_ms", "expected_step_overhead" (with the
                 profile's op-time spread), "expected_step_replay_steps" (their replay's steps),
                 "refresh_steps_lower_bound", "solver_status", "gap", "solve_seconds",
-                "tasks", "peak_memory_bytes": [per rank], ...},
+                "tasks", "peak_memory_bytes": [per rank], "runtime_op_ms" (the runtime's
+                dispatch inside every op's span), ...},
       "profile": {"name", "hash", "source", "device_type",
                   "model_hash",              # of the model spec and "hash" (pfcompile.formats.verify.model_hash)
                   "parts": [the profile's part names, in order]}
     }
 
 Times are milliseconds from the start of the cycle (step 0's start). The runtime runs
-step t with `ranks[rank].steps[t % k]`.
+step t with `ranks[rank].steps[t % k]`. An op's span holds the runtime's own work around it
+(pfcompile.graph.costs.Costs.runtime_ms), which a run times apart from the op:
+`Plan.own_ms` is the op alone, what a measured op compares with.
 """
 
 from __future__ import annotations
@@ -188,9 +193,11 @@ class PlannedOp:
     op: Op
     start: float
     end: float
+    between_ms: float = 0.0  # of the span, the runtime's work between steps a `step` op carries
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.op.to_dict(), "start": round(self.start, 6), "end": round(self.end, 6)}
+        d = {**self.op.to_dict(), "start": round(self.start, 6), "end": round(self.end, 6)}
+        return {**d, "between_ms": round(self.between_ms, 6)} if self.between_ms > 0 else d
 
 
 @dataclass
@@ -237,6 +244,12 @@ class Plan:
 
     def ops(self, rank: int, step: int) -> list[Op]:
         return [p.op for p in self.ranks[rank][step % self.refresh_steps]]
+
+    def own_ms(self, po: PlannedOp) -> float:
+        """The op's planned time alone: its span less the runtime's work inside it (its
+        dispatch, `stats.runtime_op_ms`, and a step op's `between_ms`), as a run times it. A
+        plan made before these were recorded gives its span."""
+        return max(0.0, po.end - po.start - float(self.stats.get("runtime_op_ms") or 0.0) - po.between_ms)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -409,7 +422,9 @@ def plan_from_json(obj: Any, where: str = "<plan>") -> Plan:
                     raise InputError(where, f"{name}.peer", f"{op.peer} is not a rank (0..{world - 1})")
                 if op.mb is not None and op.mb >= len(mbr):
                     raise InputError(where, f"{name}.mb", f"{op.mb} is not a micro-batch (0..{len(mbr) - 1})")
-                ops.append(PlannedOp(op, float(start), float(end)))
+                between = of.opt("between_ms", float, 0.0, check=lambda v, span=end - start: 0 <= v <= span + 1e-6,
+                                 why="must be a number from 0 to the op's span (end - start)")
+                ops.append(PlannedOp(op, float(start), float(end), float(between)))
             rank_steps.append(ops)
         ranks.append(rank_steps)
 

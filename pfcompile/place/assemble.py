@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pfcompile.check.replay import ReplayResult, replay
+from pfcompile.check.replay import ReplayResult, plan_costs, replay
 from pfcompile.formats.ops import Op
 from pfcompile.formats.plan import Plan, PlanConfig, PlannedOp
 from pfcompile.formats.profile import Profile
+from pfcompile.formats.rules import PlanLayout
 from pfcompile.formats.verify import model_hash
 from pfcompile.graph.schedules import PipelineConfig
 from pfcompile.graph.taskgraph import TaskGraph, TaskGraphs, build_task_graph
@@ -53,12 +54,14 @@ def finish(plan: Plan, profile: Profile, extra_stats: dict | None = None, *, whe
     """Replay the plan; write the replayed times and statistics into it. `replayed`: the
     plan's replay, already made (a plan is replayed once)."""
     result = replayed or replay(plan, profile, where=where, check_memory=check_memory)
+    costs = plan_costs(plan, profile, PlanLayout(plan))
     for q, steps in enumerate(plan.ranks):
         for t, ops in enumerate(steps):
             for i, po in enumerate(ops):
                 po.start, po.end = result.times[q][t][i]
+                po.between_ms = costs.between_steps_ms(po.op, t)
     plan.stats = {**result.stats(), "tasks": sum(len(ops) for steps in plan.ranks for ops in steps),
-                  "refresh_steps": plan.refresh_steps, **(extra_stats or {})}
+                  "refresh_steps": plan.refresh_steps, "runtime_op_ms": profile.runtime.op_ms, **(extra_stats or {})}
     return result
 
 

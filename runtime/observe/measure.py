@@ -328,8 +328,9 @@ def step_period(timelines: list[Timeline], kept: list[int]) -> float | None:
 
 def predicted_op_table(plan) -> list[list[list[tuple[str, float]]]]:
     """[rank][cycle step] = [(op text, planned ms)] in execution order: what matched_compute_ops
-    matches a timeline's ops against."""
-    return [[[(str(po.op), po.end - po.start) for po in ops] for ops in steps] for steps in plan.ranks]
+    matches a timeline's ops against. Each op's own time (Plan.own_ms): a run times the
+    runtime's work around it apart."""
+    return [[[(str(po.op), plan.own_ms(po)) for po in ops] for ops in steps] for steps in plan.ranks]
 
 
 def matched_compute_ops(tl: Timeline, kept: set[int], predicted_ops):
