@@ -803,6 +803,7 @@ def test_each_optimizers_step_is_timed_as_the_runtimes_update_runs_it(monkeypatc
     prof.part("block0").step_ms = dict(part.step_ms)
     again = profile_from_json(json.loads(json.dumps(prof.to_json())))
     assert again.part("block0").step_ms == part.step_ms
+    assert "step ms Muon" in format_profile(again) and "step ms Shampoo" not in format_profile(again)
     muon = Costs(again, partition, replicas=1, optimizer="muon")
     assert muon.step_ms(0) == pytest.approx(again.part("embed").step_ms["adamw"] + part.step_ms["muon"])
     shampoo = Costs(again, partition, replicas=1, optimizer="shampoo")  # no entry of its own: K-FAC's

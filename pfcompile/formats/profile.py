@@ -888,18 +888,20 @@ def format_profile(profile: Profile) -> str:
         v = _ms(p.split_backward_ms()[i])
         return v if p.split_measured else f"({v})"
 
+    # each optimizer's own step where the profile has one (module doc: K-FAC's and AdamW's always)
+    steps = list(dict.fromkeys(k for p in profile.parts for k in p.step_ms)) or list(STEP_KINDS)
     parts = _table(
-        ["part", "fwd ms", "bwd ms", "B ms", "W ms", "step ms K-FAC", "step ms AdamW", "act MiB", "param MiB",
-         "grad MiB", "out MiB", "covered layers"],
+        ["part", "fwd ms", "bwd ms", "B ms", "W ms",
+         *(f"step ms {OPTIMIZERS[k].title if k in OPTIMIZERS else k}" for k in steps),
+         "act MiB", "param MiB", "grad MiB", "out MiB", "covered layers"],
         [[p.name, _ms(p.fwd_ms), _ms(p.bwd_ms), split(p, 0), split(p, 1),
-          _ms(p.step_ms.get("kfac", 0.0)), _ms(p.step_ms.get("adamw", 0.0)),
+          *(_ms(p.step_ms[k]) if k in p.step_ms else "" for k in steps),
           _mib(p.act_bytes), _mib(p.param_bytes), _mib(p.grad_bytes), _mib(p.out_bytes),
           str(len(profile.layers_of(p.name)))] for p in profile.parts]
         + [["total", _ms(sum(p.fwd_ms for p in profile.parts)), _ms(sum(p.bwd_ms for p in profile.parts)),
             _ms(sum(p.split_backward_ms()[0] for p in profile.parts)),
             _ms(sum(p.split_backward_ms()[1] for p in profile.parts)),
-            _ms(sum(p.step_ms.get("kfac", 0.0) for p in profile.parts)),
-            _ms(sum(p.step_ms.get("adamw", 0.0) for p in profile.parts)),
+            *(_ms(sum(p.step_ms.get(k, 0.0) for p in profile.parts)) for k in steps),
             _mib(sum(p.act_bytes for p in profile.parts)), _mib(sum(p.param_bytes for p in profile.parts)),
             _mib(sum(p.grad_bytes for p in profile.parts)), "", str(len(profile.covered_layers))]],
     )
