@@ -720,13 +720,21 @@ def test_soaps_activation_is_timed_as_at_a_later_cycles_start(monkeypatch):
     assert all("activate" not in layer.optimizer_ms["soap"] for layer in old.covered_layers)
 
 
+def spin(seconds: float) -> None:
+    """Busy for `seconds`: a spin, not a sleep (a loaded VM wakes a sleeper late)."""
+    import time
+
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
 def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
     """A part's pipeline ops are timed with K-FAC's hooks idle (every step but a K-FAC
     refresh) and again capturing; `capture_ms` is the difference, per op. Each layer's save
     is made to cost a known 2 ms: the forward's capture (the inputs), the backward's and B's
     (the output gradients) come out at that many layers x 2 ms, W's at none, and the ops'
     own times hold none of it. The entry round-trips through the profile JSON."""
-    import time
 
     import torch
 
@@ -739,9 +747,7 @@ def test_parts_are_timed_with_the_hooks_idle_and_capture_apart(monkeypatch):
     for name in ("save_input", "save_grad"):
         real = getattr(KfacLayer, name)
         def slowed(self, mb, t, real=real):
-            until = time.perf_counter() + cost_s  # a spin, not a sleep: a loaded VM wakes a sleeper late
-            while time.perf_counter() < until:
-                pass
+            spin(cost_s)
             real(self, mb, t)
         monkeypatch.setattr(KfacLayer, name, slowed)
     torch.manual_seed(0)
@@ -767,7 +773,6 @@ def test_each_optimizers_step_is_timed_as_the_runtimes_update_runs_it(monkeypatc
     holds that many layers x 2 ms and K-FAC's and AdamW's, which never call it, none of it.
     The entry round-trips through the profile JSON (its hash included), a Muon plan's step op
     costs it, and an optimizer without an entry of its own steps like its declaration says."""
-    import time
 
     import torch
 
@@ -781,9 +786,7 @@ def test_each_optimizers_step_is_timed_as_the_runtimes_update_runs_it(monkeypatc
     real = MuonLayer.apply
 
     def slowed(self, lr, real=real):
-        until = time.perf_counter() + cost_s  # a spin, not a sleep: a loaded VM wakes a sleeper late
-        while time.perf_counter() < until:
-            pass
+        spin(cost_s)
         real(self, lr)
     monkeypatch.setattr(MuonLayer, "apply", slowed)
     torch.manual_seed(0)

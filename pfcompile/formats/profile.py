@@ -705,10 +705,9 @@ def profile_from_json(obj: Any, where: str = "<profile>", *, check_hash: bool = 
         step = {}
         if version >= 2:
             sf = f.sub("step_ms")
-            step = {k: sf.req(k, float, check=_pos, why="must be a finite number >= 0") for k in STEP_KINDS}
-            # another optimizer's own step (profiled with it, or calibrated from its run)
-            step.update({k: sf.req(k, float, check=_pos, why="must be a finite number >= 0")
-                         for k in sf.obj if k not in STEP_KINDS})
+            # K-FAC's and AdamW's always; another optimizer's where profiled or calibrated from its run
+            step = {k: sf.req(k, float, check=_pos, why="must be a finite number >= 0")
+                    for k in dict.fromkeys((*STEP_KINDS, *sf.obj))}
         split = {}
         if version >= 3:
             split = {k: f.req(k, (float, type(None)), check=lambda v: v is None or _pos(v),
