@@ -832,7 +832,8 @@ def test_soaps_activation_is_costed_at_each_cycles_end_and_fitted_from_the_runti
     layers as their entries were) and keeps it out of the work between steps. A run
     written from the cost model with known activation costs: the fit recovers each stage's
     sum and the runtime's step work, and the refitted profile predicts the true step."""
-    prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
+    # the optimizers' profile as committed before SOAP's activation was timed
+    prof = load_profile(str(ROOT / "tests" / "data" / "profiles-before-own-step" / "bert-tiny-cpu-optimizers.json"))
     assert all("activate" not in layer.optimizer_ms["soap"] for layer in prof.covered_layers)  # made before it was timed
     plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="soap"),
                             PlanOptions("cpsat", time_limit=2, refresh_steps=3))

@@ -26,7 +26,10 @@ from runtime.config import job as job_config
 from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer
 from runtime.optimizers.soap import SoapConfig, SoapLayer
 
-PROFILE = str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json")
+# A measured profile kept as it was (profiles/ is measured again from time to time): on its
+# costs deferral shortens the optimal step by over a millisecond, and CP-SAT proves both
+# plans optimal within the time limit.
+PROFILE = str(ROOT / "tests" / "data" / "profiles-before-own-step" / "bert-tiny-cpu-optimizers.json")
 
 
 def _plan(tmp_path, capsys, name: str, *extra: str) -> dict:
