@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers import TINY_OPTIMIZERS_BEFORE_OWN_STEP
 
 from pfcompile.calibrate.compare import against_fitted_run
 from pfcompile.calibrate.fit import calibrate, message_spread
@@ -87,7 +88,7 @@ def test_a_plan_records_the_runtimes_work_in_its_spans_and_compares_ops_alone(tm
     prof = load_profile(str(ROOT / "profiles" / "bert-tiny-cpu-optimizers.json"))
     rt = prof.runtime
     assert rt.op_ms > 0 and rt.step_ms > 0
-    for j, layer in enumerate(prof.covered_layers):  # made before SOAP's activation was timed
+    for j, layer in enumerate(prof.covered_layers):  # known activation costs
         layer.optimizer_ms["soap"]["activate"] = 0.05 + 0.001 * j
     partition = [["embed", "block0"], ["block1", "head"]]
     config = PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="soap", partition=partition)
@@ -832,8 +833,7 @@ def test_soaps_activation_is_costed_at_each_cycles_end_and_fitted_from_the_runti
     layers as their entries were) and keeps it out of the work between steps. A run
     written from the cost model with known activation costs: the fit recovers each stage's
     sum and the runtime's step work, and the refitted profile predicts the true step."""
-    # the optimizers' profile as committed before SOAP's activation was timed
-    prof = load_profile(str(ROOT / "tests" / "data" / "profiles-before-own-step" / "bert-tiny-cpu-optimizers.json"))
+    prof = load_profile(str(TINY_OPTIMIZERS_BEFORE_OWN_STEP))
     assert all("activate" not in layer.optimizer_ms["soap"] for layer in prof.covered_layers)  # made before it was timed
     plan, _, _ = build_plan(prof, PipelineConfig("1f1b", stages=2, micro_batches=4, optimizer="soap"),
                             PlanOptions("cpsat", time_limit=2, refresh_steps=3))

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from helpers import ROOT, cli, one_line_error
+from helpers import TINY_OPTIMIZERS_BEFORE_OWN_STEP, cli, one_line_error
 
 from pfcompile.cli import main
 from pfcompile.formats.errors import InputError
@@ -26,10 +26,10 @@ from runtime.config import job as job_config
 from runtime.optimizers.shampoo import ShampooConfig, ShampooLayer
 from runtime.optimizers.soap import SoapConfig, SoapLayer
 
-# A measured profile kept as it was (profiles/ is measured again from time to time): on its
-# costs deferral shortens the optimal step by over a millisecond, and CP-SAT proves both
-# plans optimal within the time limit.
-PROFILE = str(ROOT / "tests" / "data" / "profiles-before-own-step" / "bert-tiny-cpu-optimizers.json")
+# kept as it was (profiles/ is measured again from time to time): on its costs deferral
+# shortens the optimal step by over a millisecond, and CP-SAT proves both plans optimal
+# within the time limit
+PROFILE = str(TINY_OPTIMIZERS_BEFORE_OWN_STEP)
 
 
 def _plan(tmp_path, capsys, name: str, *extra: str) -> dict:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli, one_line_error
+from helpers import TINY_OPTIMIZERS_BEFORE_OWN_STEP, cli, one_line_error
 
 from pfcompile.formats.errors import InputError
 from pfcompile.formats.optimizers import KFAC
@@ -299,9 +299,6 @@ def test_format_profile_lists_each_optimizers_costs_where_the_profile_has_them(m
 
 
 SCHEMA3 = ROOT / "tests" / "data" / "profiles-schema3"
-# profiles/bert-tiny-cpu-optimizers.json as committed before each optimizer's own step was
-# timed (and before SOAP's activation was): what loading an older profile must still give
-BEFORE_OWN_STEP = ROOT / "tests" / "data" / "profiles-before-own-step"
 
 
 @pytest.mark.parametrize("path", sorted(SCHEMA3.glob("*.json")), ids=lambda p: p.stem)
@@ -719,7 +716,7 @@ def test_soaps_activation_is_timed_as_at_a_later_cycles_start(monkeypatch):
     again = profile_from_json(json.loads(json.dumps(prof.to_json())))
     assert [layer.optimizer_ms for layer in again.covered_layers] == [layer.optimizer_ms for layer in prof.covered_layers]
     assert "activate" in format_profile(prof).split("SOAP per layer")[1].splitlines()[1]
-    old = load_profile(str(BEFORE_OWN_STEP / "bert-tiny-cpu-optimizers.json"))
+    old = load_profile(str(TINY_OPTIMIZERS_BEFORE_OWN_STEP))
     assert all("activate" not in layer.optimizer_ms["soap"] for layer in old.covered_layers)
 
 
@@ -801,7 +798,7 @@ def test_each_optimizers_step_is_timed_as_the_runtimes_update_runs_it(monkeypatc
     assert part.step_ms["kfac"] < applies * 0.5 and part.step_ms["adamw"] < applies * 0.5
     assert all(l.module.weight.grad is not None for l in bench.kfac)  # left as the backward made them
 
-    prof = load_profile(str(BEFORE_OWN_STEP / "bert-tiny-cpu-optimizers.json"))
+    prof = load_profile(str(TINY_OPTIMIZERS_BEFORE_OWN_STEP))
     assert "muon" not in prof.part("block0").step_ms  # made before it was timed
     partition = [["embed", "block0"], ["block1", "head"]]
     before = Costs(prof, partition, replicas=1, optimizer="muon").step_ms(0)
